@@ -1,0 +1,63 @@
+"""Session-wide fixtures: one loopback-only Ray instance and one tiny random Qwen2 model folder."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Ray binds the network interface unless told otherwise; tests must stay on loopback (ENVIRONMENT.md).
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TINY_VOCAB_SIZE = 32
+TINY_EOS_TOKEN_ID = 1
+TINY_PAD_TOKEN_ID = 0
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """Start Ray once per test session (about 3 s) with the small, loopback-only settings."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(
+            num_cpus=4,  # logical slots, so several small actors fit on a 2-core machine
+            include_dashboard=False,
+            object_store_memory=1_000_000_000,
+            configure_logging=False,
+        )
+    yield ray
+    ray.shutdown()
+
+
+def build_tiny_qwen2(path: Path, seed: int = 0) -> Path:
+    """Write a random-init Qwen2 (hidden 64, 2 layers, vocab 32) as an HF safetensors folder."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=TINY_VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        eos_token_id=TINY_EOS_TOKEN_ID,
+        pad_token_id=TINY_PAD_TOKEN_ID,
+        bos_token_id=None,
+    )
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny random Qwen2 model folder shared by the whole session (read-only: copy before changing)."""
+    return build_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"))
