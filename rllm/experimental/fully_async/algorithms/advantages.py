@@ -1,0 +1,335 @@
+"""Advantages: the one entry point the trainer calls, over verl 0.7.1's estimator registry plus GiGPO.
+
+`compute_advantages(data, adv_estimator, ...)` writes ``advantages`` and ``returns`` [B, R] into a `DataProto`.
+The math is verl's (`verl.trainer.ppo.core_algos`, looked up through `get_adv_estimator_fn`); GiGPO is ours
+(`gigpo.py`, registered as "gigpo"). verl's own dispatcher, `ray_trainer.compute_advantage`, is not used: it cannot
+pass GiGPO's step fields, needs an `AlgoConfig` even for GAE, and its module does not import in this environment
+(verl.trainer.ppo.ray_trainer pulls in `datasets` -> pyarrow 26, which needs numpy 2; verl 0.7.1 pins numpy < 2).
+
+Estimators (``algorithm.adv_estimator``), with s_i = sum_t r_{i,t} the outcome score of response i in group g:
+
+- ``grpo``  A_i = (s_i - mean_g s) / (std_g s + eps)     (Shao et al. 2024, arXiv 2402.03300, Sec. 4.1.2)
+- Dr.GRPO   A_i = s_i - mean_g s                         (Liu et al. 2025, arXiv 2503.20783, Sec. 3.2)
+            Not an estimator of its own but this combination of keys:
+                algorithm.adv_estimator = grpo
+                algorithm.norm_adv_by_std_in_grpo = false
+                actor_rollout_ref.actor.loss_agg_mode = seq-mean-token-sum-norm
+            (the last removes the per-response length normalisation; see `DR_GRPO_KEYS`).
+- ``rloo``  A_i = n/(n-1) * (s_i - mean_g s) = s_i - mean_{j != i} s_j        (Ahmadian et al. 2024, arXiv 2402.14740)
+- ``reinforce_plus_plus``  G_{i,t} = sum_{k>=t} gamma^(k-t) r_{i,k}; A = whiten_batch(G)   (Hu 2025, arXiv 2501.03262)
+- ``reinforce_plus_plus_baseline``  A = whiten_batch(s_i - mean_g s) broadcast over tokens     (same paper)
+- ``gae``   delta_t = r_t + gamma V_{t+1} - V_t, A_t = sum_l (gamma lam)^l delta_{t+l}, whitened over the batch;
+            returns = A (before whitening) + V                         (Schulman et al. 2016, arXiv 1506.02438)
+            The critic itself (verl DataParallelPPOCritic) is trained in the loop; this only needs ``values``.
+- ``gigpo`` see `gigpo.py`                                            (Feng et al. 2025, arXiv 2505.10978)
+
+Degenerate inputs (verl's behaviour checked against its 0.7.1 source, and what we do instead):
+
+- Groups of one response. verl's grpo uses mean 0, std 1 (A = s: the raw reward becomes the advantage); rloo uses
+  no baseline (A = s); reinforce_plus_plus_baseline whitens the raw s with the rest of the batch. With
+  ``singleton_group_advantage="zero"`` (default) such rows get A = 0: a lone response has no baseline, and its raw
+  reward is on a different scale from the normalised advantages around it. In a fully-async run singleton groups
+  appear when filtering or staleness drops removed the rest of a group. "verl" keeps verl's rule.
+- Groups whose scores are all equal (within 1e-6). Mathematically A = 0, but verl's grpo divides the float error
+  of the group mean by (0 + 1e-6): seven rewards of 2.7 give |A| up to 0.19. Such rows are set to exactly 0 and are
+  left out of the batch whitening of reinforce_plus_plus_baseline. (reinforce_plus_plus and gae have no groups.)
+- Zero-length responses (all-zero ``response_mask`` row). Their score still counts in their group's statistics (it
+  is a real sample with a real reward, which the trainer must place at position 0 since there is no last token);
+  their advantages are zero because every output is multiplied by ``response_mask``.
+- Batches whose un-whitened values (reinforce_plus_plus returns, gae's raw advantages) are all equal: whitening a
+  constant gives 0, but verl scales the float error of the mean by up to 1e4 (0.0012 for three rewards of 0.7);
+  we return exactly 0.
+- Batches with fewer than two response tokens. verl's batch whitening (gae, reinforce_plus_plus[_baseline])
+  raises there; we return A = 0 and, for gae, returns = values (a critic target equal to its own prediction).
+- Non-finite rewards raise a ValueError naming the rows; nothing NaN is written.
+
+Postcondition for every estimator: ``advantages`` and ``returns`` are finite and zero wherever ``response_mask``
+is zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from verl import DataProto
+from verl.trainer.config import AlgoConfig
+from verl.trainer.ppo.core_algos import get_adv_estimator_fn
+
+from rllm.experimental.fully_async.algorithms.filters import REWARD_EQUAL_TOL, dataclass_from_config
+from rllm.experimental.fully_async.algorithms.gigpo import GiGPOConfig, SingletonRule, compute_gigpo, degenerate_rows
+
+SUPPORTED_ESTIMATORS: tuple[str, ...] = (
+    "grpo",
+    "rloo",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "gae",
+    "gigpo",
+)
+_GROUP_ESTIMATORS = frozenset({"grpo", "rloo", "reinforce_plus_plus_baseline"})
+_WHITENING_ESTIMATORS = frozenset({"gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline"})
+_BASE_TENSORS = ("response_mask", "token_level_rewards")
+_REQUIRED_TENSORS: dict[str, tuple[str, ...]] = {
+    name: (*_BASE_TENSORS, "values") if name == "gae" else _BASE_TENSORS for name in SUPPORTED_ESTIMATORS
+}
+_REQUIRED_NON_TENSORS: dict[str, tuple[str, ...]] = {
+    "grpo": ("uid",),
+    "rloo": ("uid",),
+    "reinforce_plus_plus": (),
+    "reinforce_plus_plus_baseline": ("uid",),
+    "gae": (),
+    "gigpo": ("uid", "traj_uid", "step_index", "state_hash"),
+}
+
+# The keys that make verl's "grpo" into Dr.GRPO (Liu et al. 2025): no std division, no per-response length
+# normalisation of the loss (seq-mean-token-sum-norm divides token sums by a constant, the max response length).
+DR_GRPO_KEYS: dict[str, object] = {
+    "algorithm.adv_estimator": "grpo",
+    "algorithm.norm_adv_by_std_in_grpo": False,
+    "actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-sum-norm",
+}
+
+
+@dataclass(frozen=True)
+class AdvantageConfig:
+    """Advantage settings. Proposed config keys: ``algorithm.*`` (same names, verl's where verl has them).
+
+    adv_estimator: one of `SUPPORTED_ESTIMATORS`.
+    gamma: token-level discount for gae and reinforce_plus_plus (verl default 1.0).
+    lam: GAE lambda (verl default 1.0; 0.95 is the usual choice with a learned critic).
+    norm_adv_by_std_in_grpo: divide by the group std (GRPO) or not (Dr.GRPO); also GiGPO's episode level.
+    singleton_group_advantage: "zero" (default) or "verl"; see the module docstring.
+    gigpo: GiGPO's settings (``algorithm.gigpo.*``).
+    """
+
+    adv_estimator: str = "grpo"
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    singleton_group_advantage: SingletonRule = "zero"
+    gigpo: GiGPOConfig = field(default_factory=GiGPOConfig)
+
+    def __post_init__(self) -> None:
+        if self.adv_estimator not in SUPPORTED_ESTIMATORS:
+            raise ValueError(
+                f"algorithm.adv_estimator must be one of {list(SUPPORTED_ESTIMATORS)}, got {self.adv_estimator!r}"
+            )
+        if not 0.0 <= self.gamma <= 1.0:
+            raise ValueError(f"algorithm.gamma must be in [0, 1], got {self.gamma}")
+        if not 0.0 <= self.lam <= 1.0:
+            raise ValueError(f"algorithm.lam must be in [0, 1], got {self.lam}")
+        if self.singleton_group_advantage not in ("zero", "verl"):
+            raise ValueError(
+                f"algorithm.singleton_group_advantage must be 'zero' or 'verl', got {self.singleton_group_advantage!r}"
+            )
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> AdvantageConfig:
+        """From the ``algorithm`` section of the run config; keys this class does not know are ignored there
+        (``algorithm`` also holds verl's other settings), missing ones take the defaults above."""
+        section = _select_algorithm(cfg)
+        values = {name: section[name] for name in _ALGORITHM_KEYS if name in section}
+        gigpo = dataclass_from_config({"gigpo": section.get("gigpo")}, "gigpo", GiGPOConfig)
+        return cls(**values, gigpo=gigpo or GiGPOConfig())
+
+    def compute(self, data: DataProto) -> DataProto:
+        """`compute_advantages` with these settings."""
+        return compute_advantages(
+            data,
+            self.adv_estimator,
+            gamma=self.gamma,
+            lam=self.lam,
+            norm_adv_by_std_in_grpo=self.norm_adv_by_std_in_grpo,
+            singleton_group_advantage=self.singleton_group_advantage,
+            gigpo=self.gigpo,
+        )
+
+
+_ALGORITHM_KEYS = ("adv_estimator", "gamma", "lam", "norm_adv_by_std_in_grpo", "singleton_group_advantage")
+
+
+def _select_algorithm(cfg: Any) -> dict[str, Any]:
+    from omegaconf import DictConfig, OmegaConf
+
+    section = cfg.get("algorithm", {})
+    return OmegaConf.to_container(section, resolve=True) if isinstance(section, DictConfig) else dict(section)
+
+
+def _require(data: DataProto, tensors: tuple[str, ...], non_tensors: tuple[str, ...], estimator: str) -> None:
+    missing = [k for k in tensors if k not in data.batch]
+    missing += [f"non_tensor_batch[{k!r}]" for k in non_tensors if k not in data.non_tensor_batch]
+    if missing:
+        raise KeyError(f"adv_estimator={estimator!r} needs batch keys {missing}, which the batch lacks")
+
+
+def _group_estimator(
+    estimator: str,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+    *,
+    norm_adv_by_std_in_grpo: bool,
+    singleton_group_advantage: SingletonRule,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run a verl group estimator on the rows of groups that carry signal; the other rows get 0."""
+    singleton, zero_spread = degenerate_rows(token_level_rewards.sum(dim=-1), index)
+    inactive = zero_spread | (singleton if singleton_group_advantage == "zero" else np.zeros_like(singleton))
+    active = np.nonzero(~inactive)[0]
+    advantages = torch.zeros_like(token_level_rewards)
+    returns = torch.zeros_like(token_level_rewards)
+    rows = torch.from_numpy(active)
+    if len(active) == 0:
+        return advantages, returns
+    if estimator in _WHITENING_ESTIMATORS and response_mask[rows].sum() < 2:
+        return advantages, returns
+    kwargs: dict[str, object] = {
+        "token_level_rewards": token_level_rewards[rows],
+        "response_mask": response_mask[rows],
+        "index": index[active],
+    }
+    if estimator == "grpo":
+        kwargs["norm_adv_by_std_in_grpo"] = norm_adv_by_std_in_grpo
+    adv, ret = get_adv_estimator_fn(estimator)(**kwargs)
+    advantages[rows] = adv.to(advantages.dtype)
+    returns[rows] = ret.to(returns.dtype)
+    return advantages, returns
+
+
+def compute_advantages(
+    data: DataProto,
+    adv_estimator: str,
+    *,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std_in_grpo: bool = True,
+    singleton_group_advantage: SingletonRule = "zero",
+    gigpo: GiGPOConfig | None = None,
+) -> DataProto:
+    """Write ``advantages`` and ``returns`` [B, R] into `data` (in place; `data` is returned).
+
+    Reads ``response_mask`` [B, R] and ``token_level_rewards`` [B, R] (reward on the last response token) always;
+    ``values`` [B, R] for gae; ``non_tensor_batch["uid"]`` [B] (prompt group) for grpo, rloo,
+    reinforce_plus_plus_baseline and gigpo; for gigpo also ``traj_uid``, ``step_index``, ``state_hash`` and,
+    optionally, ``step_rewards`` from ``non_tensor_batch``. Estimator formulas and the rules for degenerate groups
+    are in the module docstring.
+    """
+    if adv_estimator not in SUPPORTED_ESTIMATORS:
+        raise ValueError(f"adv_estimator must be one of {list(SUPPORTED_ESTIMATORS)}, got {adv_estimator!r}")
+    _require(data, _REQUIRED_TENSORS[adv_estimator], _REQUIRED_NON_TENSORS[adv_estimator], adv_estimator)
+    token_level_rewards = data.batch["token_level_rewards"].float()
+    response_mask = data.batch["response_mask"].float()
+    if token_level_rewards.shape != response_mask.shape:
+        raise ValueError(
+            f"token_level_rewards {tuple(token_level_rewards.shape)} and response_mask "
+            f"{tuple(response_mask.shape)} differ in shape"
+        )
+    finite = torch.isfinite(token_level_rewards).all(dim=-1)
+    if not bool(finite.all()):
+        raise ValueError(f"token_level_rewards are not finite in rows {torch.nonzero(~finite).flatten().tolist()}")
+
+    if adv_estimator in _GROUP_ESTIMATORS:
+        advantages, returns = _group_estimator(
+            adv_estimator,
+            token_level_rewards,
+            response_mask,
+            np.asarray(data.non_tensor_batch["uid"], dtype=object),
+            norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
+            singleton_group_advantage=singleton_group_advantage,
+        )
+    elif adv_estimator == "gigpo":
+        nt = data.non_tensor_batch
+        out = compute_gigpo(
+            token_level_rewards,
+            response_mask,
+            nt["uid"],
+            nt["traj_uid"],
+            nt["step_index"],
+            nt["state_hash"],
+            nt.get("step_rewards"),
+            config=gigpo,
+            norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
+            singleton_group_advantage=singleton_group_advantage,
+        )
+        advantages, returns = out.advantages, out.advantages
+    elif response_mask.sum() < 2:  # gae / reinforce_plus_plus: verl's batch whitening is undefined here
+        advantages = torch.zeros_like(token_level_rewards)
+        returns = data.batch["values"].float().clone() if adv_estimator == "gae" else torch.zeros_like(advantages)
+    elif adv_estimator == "gae":
+        advantages, returns = get_adv_estimator_fn("gae")(
+            token_level_rewards=token_level_rewards,
+            values=data.batch["values"].float(),
+            response_mask=response_mask,
+            gamma=gamma,
+            lam=lam,
+        )
+    else:  # reinforce_plus_plus reads gamma from an AlgoConfig
+        advantages, returns = get_adv_estimator_fn(adv_estimator)(
+            token_level_rewards=token_level_rewards,
+            response_mask=response_mask,
+            config=AlgoConfig(gamma=gamma, lam=lam, adv_estimator=adv_estimator),
+        )
+
+    if adv_estimator in ("gae", "reinforce_plus_plus"):
+        advantages = _zero_if_constant_before_whitening(advantages, returns, data, adv_estimator, response_mask)
+    data.batch["advantages"] = advantages.float() * response_mask
+    data.batch["returns"] = returns.float() * response_mask
+    return data
+
+
+def _zero_if_constant_before_whitening(
+    advantages: torch.Tensor, returns: torch.Tensor, data: DataProto, adv_estimator: str, response_mask: torch.Tensor
+) -> torch.Tensor:
+    """Whitening a constant gives 0; verl's masked_whiten instead scales the mean's float error by up to 1e4."""
+    valid = response_mask.bool()
+    if int(valid.sum()) < 2:
+        return advantages
+    raw = returns - data.batch["values"].float() if adv_estimator == "gae" else returns  # the un-whitened values
+    raw = raw[valid]
+    if float(raw.max() - raw.min()) <= REWARD_EQUAL_TOL:
+        return torch.zeros_like(advantages)
+    return advantages
+
+
+@dataclass(frozen=True)
+class AdvantageStats:
+    """Summary of a batch's advantages and of its groups, for logging."""
+
+    num_rows: int
+    num_groups: int
+    num_singleton_groups: int
+    num_zero_spread_groups: int  # groups of two or more responses with equal scores: advantage 0
+    adv_mean: float  # over response tokens
+    adv_std: float
+    adv_abs_max: float
+    zero_adv_token_fraction: float  # response tokens whose advantage is exactly 0
+
+    def to_metrics(self, prefix: str = "advantages/") -> dict[str, float]:
+        return {f"{prefix}{name}": float(value) for name, value in self.__dict__.items()}
+
+
+def summarize_advantages(data: DataProto) -> AdvantageStats:
+    """`AdvantageStats` of a batch after `compute_advantages` (groups from ``non_tensor_batch["uid"]`` if present)."""
+    mask = data.batch["response_mask"].bool()
+    adv = data.batch["advantages"][mask].double()
+    num_rows = len(data)
+    if "uid" in data.non_tensor_batch and num_rows:
+        index = np.asarray(data.non_tensor_batch["uid"], dtype=object)
+        singleton, zero_spread = degenerate_rows(data.batch["token_level_rewards"].sum(dim=-1), index)
+        num_groups = len(set(index.tolist()))
+        num_zero_spread = len(set(index[zero_spread].tolist()))
+        num_singleton = int(singleton.sum())
+    else:
+        num_groups = num_zero_spread = num_singleton = 0
+    return AdvantageStats(
+        num_rows=num_rows,
+        num_groups=num_groups,
+        num_singleton_groups=num_singleton,
+        num_zero_spread_groups=num_zero_spread,
+        adv_mean=float(adv.mean()) if adv.numel() else 0.0,
+        adv_std=float(adv.std(unbiased=False)) if adv.numel() else 0.0,
+        adv_abs_max=float(adv.abs().max()) if adv.numel() else 0.0,
+        zero_adv_token_fraction=float((adv == 0).double().mean()) if adv.numel() else 0.0,
+    )

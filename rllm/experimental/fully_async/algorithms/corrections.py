@@ -1,0 +1,533 @@
+"""Off-policy corrections for stale and mismatched rollouts, expressed in verl's terms.
+
+Three policies meet in a fully-async step. pi_behav generated the tokens (the engines; a resumed response mixes
+several versions, each token tagged with its version v_behav,t). pi_prox is the proximal policy the PPO trust region
+is centred on: the trainer's weights at the start of the step (version V). pi_theta is the policy being optimised.
+
+Decoupled PPO (Fu et al. 2025, AReaL, arXiv 2505.24298, the decoupled PPO objective of Sec. 5):
+
+    J(theta) = E_{a ~ pi_behav} [ w * min( u * A, clip(u, 1 - eps, 1 + eps) * A ) ]
+    u = pi_theta(a) / pi_prox(a),      w = pi_prox(a) / pi_behav(a)
+
+verl's `compute_policy_loss_vanilla` computes exactly this when given ``old_log_prob = log pi_prox`` and
+``rollout_is_weights = w`` (it multiplies the clipped per-token loss by the weights, then aggregates). So this module
+only decides what goes into those two batch keys (and into ``response_mask`` when tokens are rejected):
+
+    mode        old_log_probs        rollout_is_weights                 forward pass before the step
+    none        log pi_trainer       -                                  yes
+    bypass      log pi_behav         -                                  no
+    tis         log pi_trainer       min(pi_trainer / pi_behav, C)      yes
+    decoupled   log pi_prox          w, truncated or masked at C        yes, or none with "loglinear"
+
+The weight, at token level (w_t) or sequence level (w = prod_t w_t, verl's sequence IS), is limited by C:
+
+    truncate   w~ = min(w, C)                         truncated IS (Espeholt et al. 2018, IMPALA, arXiv 1802.01561)
+    mask       keep iff 1/C <= w <= C, else the token (or sequence) leaves response_mask
+               (masked IS / rejection; verl rollout_rs "token_k1" / "seq_sum_k1")
+
+Both run through verl's `rollout_corr_helper` (`compute_rollout_correction_weights`,
+`compute_rollout_rejection_mask`, `compute_offpolicy_metrics`). AReaL's own "mask" drops only w > C and its
+sequence level uses the geometric mean of token ratios; here the bounds are two-sided and the sequence weight is
+the product, as in verl.
+
+TIS (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training",
+https://fengyao.notion.site/off-policy-rl) is the same formula with pi_prox = pi_trainer, named for its purpose:
+correcting the numerical mismatch between inference engine and trainer, not staleness.
+
+Proximal log-probs. "recompute" takes the trainer's log-probs under its weights before the step (the trainer
+supplies them as ``old_log_probs``). "loglinear" avoids that forward pass (A-3PO, Li, Wu & Shen 2025,
+arXiv 2512.06547; AReaL's docs/algorithms/prox_approx.md and `compute_prox_logp_approximations` in
+areal/trainer/ppo/actor.py):
+
+    alpha_t        = clamp((v_prox - v_behav,t) / (v_theta - v_behav,t), 0, 1)   if v_theta > v_behav,t >= 0, else 0
+    log pi_prox,t ~= log pi_behav,t + alpha_t * (log pi_theta,t - log pi_behav,t)
+
+where log pi_theta comes from a forward pass at version v_theta. AReaL sets v_prox = v_theta - 1. In this trainer
+the natural source of log pi_theta is the update's own forward pass: for mini-batch k of K in a step that starts at
+version V, v_theta = V + k/K and v_prox = V. With one mini-batch (k = 0) alpha = 1 and the "approximation" is exact:
+pi_prox is then simply the detached log-probs of the update, which is what the patched actor should use. The
+approximation is exact whenever every token has alpha in {0, 1}; in between it interpolates linearly in log space
+and its error is reported (`prox_approx_*` statistics) whenever both it and the recomputed values exist.
+
+When to use which (``algorithm.off_policy_correction.mode``):
+
+- decoupled (default for fully-async, max_staleness >= 1): the trust region stays around the recent policy while w
+  corrects for whatever the behaviour policy was, however stale. truncate keeps every token (biased towards the
+  behaviour policy where w > C, lower variance); mask drops tokens whose version gap is too large (the weights it
+  keeps are exact, the dropped tail is its bias, and fewer tokens train: watch ``masked_token_fraction``). Token
+  level is the default; sequence level weights whole responses and has much higher variance, use it with mask.
+  Use prox "recompute" unless the extra forward pass is a bottleneck; validate "loglinear" with its error metrics
+  before relying on it at high staleness.
+- tis: synchronous or near-synchronous runs (staleness 0) whose rollout engine differs numerically from the trainer
+  (bf16 SGLang vs fp32 FSDP, other kernels). C = 2 (verl's default).
+- bypass: the cheapest; no forward pass before the step, the PPO clip is centred on pi_behav. Fine at staleness
+  <= 1 with matching numerics; at higher staleness the clip range is spent on the version gap and most tokens get
+  clipped to zero gradient. With unpatched verl 0.7.1 and one mini-batch it needs actor.use_rollout_log_probs=True
+  (otherwise old_log_prob is replaced by the update's own log-probs).
+- none: plain PPO against the trainer's recomputed log-probs, no behaviour correction: a synchronous baseline.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from verl import DataProto
+from verl.trainer.ppo.rollout_corr_helper import (
+    SAFETY_BOUND,
+    compute_offpolicy_metrics,
+    compute_rollout_correction_weights,
+    compute_rollout_rejection_mask,
+)
+
+CorrectionMode = Literal["none", "bypass", "tis", "decoupled"]
+ProxMethod = Literal["recompute", "loglinear"]
+WeightLevel = Literal["token", "sequence"]
+CapMode = Literal["truncate", "mask"]
+
+
+@dataclass(frozen=True)
+class CorrectionConfig:
+    """Proposed config keys: ``algorithm.off_policy_correction.*`` (same names). See `correction_config_from` for how
+    verl's own ``algorithm.rollout_correction`` keys map onto this when that section is absent.
+
+    mode: "decoupled" | "tis" | "bypass" | "none" (see the module docstring for when to use which).
+    prox_log_probs: "recompute" | "loglinear", decoupled only. "loglinear" needs log pi_theta, which only exists
+        inside the actor's update: the patched actor applies it; the trainer-side batch function refuses it.
+    level: "token" | "sequence", the granularity of w.
+    cap_mode: "truncate" | "mask", how w is limited (decoupled only; tis always truncates).
+    cap: C > 1. verl's default 2.0; AReaL uses 2.0 to 5.0. Larger C = less bias, more variance.
+    """
+
+    mode: CorrectionMode = "decoupled"
+    prox_log_probs: ProxMethod = "recompute"
+    level: WeightLevel = "token"
+    cap_mode: CapMode = "truncate"
+    cap: float = 2.0
+
+    def __post_init__(self) -> None:
+        key = "algorithm.off_policy_correction"
+        allowed = {
+            "mode": ("none", "bypass", "tis", "decoupled"),
+            "prox_log_probs": ("recompute", "loglinear"),
+            "level": ("token", "sequence"),
+            "cap_mode": ("truncate", "mask"),
+        }
+        for name, values in allowed.items():
+            if getattr(self, name) not in values:
+                raise ValueError(f"{key}.{name} must be one of {list(values)}, got {getattr(self, name)!r}")
+        if not (math.isfinite(self.cap) and self.cap > 1.0):
+            raise ValueError(f"{key}.cap must be a finite number > 1, got {self.cap}")
+        if self.mode != "decoupled" and self.prox_log_probs != "recompute":
+            raise ValueError(f"{key}.prox_log_probs={self.prox_log_probs!r} only applies to mode=decoupled")
+        if self.mode == "tis" and self.cap_mode != "truncate":
+            raise ValueError(f"{key}.cap_mode must be 'truncate' with mode=tis (use mode=decoupled to mask)")
+
+
+@dataclass(frozen=True)
+class CorrectionStats:
+    """What the correction did, for logging. None marks a quantity that does not apply or could not be computed."""
+
+    mode: str
+    num_tokens: int  # response tokens before rejection
+    num_sequences: int  # sequences with at least one response token
+    weight_mean: float | None = None  # final weights over kept tokens
+    weight_max: float | None = None
+    weight_min: float | None = None
+    raw_weight_max: float | None = None  # before truncation (exp clamped at e^20)
+    capped_token_fraction: float | None = None  # truncate: tokens whose weight was lowered to C
+    capped_seq_fraction: float | None = None
+    masked_token_fraction: float | None = None  # mask: tokens removed from response_mask
+    masked_seq_fraction: float | None = None  # sequences that lost at least one token
+    log_prob_gap_mean: float | None = None  # mean of log pi_trainer - log pi_behav over tokens
+    log_prob_gap_abs_mean: float | None = None
+    log_prob_gap_abs_max: float | None = None
+    staleness_mean: float | None = None  # trainer_version - token version
+    staleness_max: float | None = None
+    prox_approx_abs_error_mean: float | None = None  # |loglinear - recomputed| over tokens
+    prox_approx_abs_error_max: float | None = None
+    prox_approx_weight_abs_error_mean: float | None = None  # same in weight space: |w_approx - w_recomputed|
+    diagnostics: dict[str, float] = field(default_factory=dict)  # verl compute_offpolicy_metrics (kl, chi2, ppl)
+
+    def to_metrics(self, prefix: str = "off_policy/") -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        for name, value in self.__dict__.items():
+            if name in ("mode", "diagnostics") or value is None:
+                continue
+            metrics[f"{prefix}{name}"] = float(value)
+        metrics.update({f"{prefix}verl/{name}": float(value) for name, value in self.diagnostics.items()})
+        return metrics
+
+
+@dataclass(frozen=True)
+class OffPolicyCorrection:
+    """What to train with: the verl batch keys [B, R] and the statistics."""
+
+    old_log_probs: torch.Tensor
+    rollout_is_weights: torch.Tensor | None
+    response_mask: torch.Tensor
+    stats: CorrectionStats
+
+
+def loglinear_proximal_log_probs(
+    behav_log_probs: torch.Tensor,
+    theta_log_probs: torch.Tensor,
+    behav_versions: torch.Tensor,
+    *,
+    theta_version: float,
+    prox_version: float,
+) -> torch.Tensor:
+    """Log-linear approximation of log pi_prox (formula in the module docstring; AReaL prox_approx).
+
+    Args:
+        behav_log_probs: [B, R] log pi_behav of the sampled tokens.
+        theta_log_probs: [B, R] log pi_theta of the same tokens, from weights of version `theta_version`.
+        behav_versions: [B, R] version that generated each token; negative marks tokens nobody generated.
+        theta_version: v_theta (may be fractional, e.g. V + k/K inside a step of K mini-batches).
+        prox_version: v_prox (AReaL: v_theta - 1; this trainer: the version at the start of the step).
+
+    Returns:
+        [B, R] approximate log pi_prox (detached).
+    """
+    v_behav = behav_versions.to(torch.float64)
+    version_diff = theta_version - v_behav
+    safe_diff = torch.where(version_diff > 0, version_diff, torch.ones_like(version_diff))
+    alpha = torch.where((version_diff > 0) & (v_behav >= 0), (prox_version - v_behav) / safe_diff, 0.0)
+    alpha = alpha.clamp(0.0, 1.0).to(behav_log_probs.dtype)
+    behav, theta = behav_log_probs.detach(), theta_log_probs.detach()
+    return behav + alpha * (theta - behav)
+
+
+@dataclass(frozen=True)
+class _Weights:
+    weights: torch.Tensor  # [B, R], zero outside the (possibly reduced) mask
+    response_mask: torch.Tensor  # [B, R]
+    raw_log_weights: torch.Tensor  # [B, R], token log w_t, or the sequence sum broadcast
+
+
+def _behaviour_weights(
+    prox_log_probs: torch.Tensor,
+    behav_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    level: WeightLevel,
+    cap_mode: CapMode,
+    cap: float,
+) -> _Weights:
+    """w = pi_prox / pi_behav, truncated or masked at C, through verl's rollout_corr_helper. Needs a valid token."""
+    log_ratio = prox_log_probs.detach() - behav_log_probs.detach()
+    weights, _ = compute_rollout_correction_weights(
+        log_ratio, response_mask, rollout_is=level, rollout_is_threshold=cap
+    )
+    mask = response_mask
+    if cap_mode == "mask":
+        option = "token_k1" if level == "token" else "seq_sum_k1"
+        mask, _ = compute_rollout_rejection_mask(log_ratio, response_mask, rollout_rs=option, rollout_rs_threshold=cap)
+        weights = weights * mask
+    if level == "token":
+        raw = log_ratio * response_mask
+    else:
+        raw = (log_ratio * response_mask).sum(dim=-1, keepdim=True).expand_as(log_ratio)
+    return _Weights(weights=weights.to(prox_log_probs.dtype), response_mask=mask, raw_log_weights=raw)
+
+
+def _masked_values(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return values.detach()[mask.bool()].double()
+
+
+def apply_off_policy_correction(
+    rollout_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: CorrectionConfig,
+    *,
+    recomputed_log_probs: torch.Tensor | None = None,
+    theta_log_probs: torch.Tensor | None = None,
+    rollout_versions: torch.Tensor | None = None,
+    theta_version: float | None = None,
+    prox_version: float | None = None,
+    trainer_version: float | None = None,
+) -> OffPolicyCorrection:
+    """Choose old_log_probs and rollout_is_weights for verl's policy loss (table in the module docstring).
+
+    Args:
+        rollout_log_probs: [B, R] log pi_behav from the engines.
+        response_mask: [B, R] trained tokens.
+        recomputed_log_probs: [B, R] log pi under the trainer's weights before the step. Needed by none, tis and
+            decoupled+recompute; optional for bypass (then only the log-prob gap is reported).
+        theta_log_probs, rollout_versions, theta_version, prox_version: inputs of `loglinear_proximal_log_probs`.
+            Needed by decoupled+loglinear; if given together with `recomputed_log_probs`, the approximation's error
+            is reported whatever the mode.
+        trainer_version: for the staleness statistics (with `rollout_versions`).
+
+    Returns:
+        `OffPolicyCorrection`: old_log_probs [B, R], rollout_is_weights [B, R] or None, response_mask [B, R] (tokens
+        rejected by cap_mode="mask" removed), stats. Weights are zero outside the returned mask; with no response
+        token at all they are all zero and every statistic is 0 or None (never NaN).
+    """
+    mode = config.mode
+    if rollout_log_probs.shape != response_mask.shape:
+        raise ValueError(
+            f"rollout_log_probs {tuple(rollout_log_probs.shape)} vs response_mask {tuple(response_mask.shape)}"
+        )
+    approx = None
+    if theta_log_probs is not None and rollout_versions is not None:
+        if theta_version is None or prox_version is None:
+            raise ValueError("the log-linear approximation needs both theta_version and prox_version")
+        approx = loglinear_proximal_log_probs(
+            rollout_log_probs, theta_log_probs, rollout_versions, theta_version=theta_version, prox_version=prox_version
+        )
+    old_log_probs = _old_log_probs(config, rollout_log_probs, recomputed_log_probs, approx)
+
+    valid = response_mask.bool()
+    num_tokens = int(valid.sum())
+    weights: torch.Tensor | None = None
+    new_mask = response_mask
+    weight_fields: dict[str, float | None] = {}
+    if mode in ("tis", "decoupled"):
+        cap_mode: CapMode = "truncate" if mode == "tis" else config.cap_mode
+        if num_tokens == 0:  # verl's helpers raise on an empty mask; there is nothing to weight
+            weights = torch.zeros_like(rollout_log_probs)
+        else:
+            computed = _behaviour_weights(
+                old_log_probs, rollout_log_probs, response_mask, level=config.level, cap_mode=cap_mode, cap=config.cap
+            )
+            weights, new_mask = computed.weights, computed.response_mask
+            weight_fields = _weight_stats(computed, response_mask, cap_mode=cap_mode, cap=config.cap)
+
+    stats = CorrectionStats(
+        mode=mode,
+        num_tokens=num_tokens,
+        num_sequences=int(valid.any(dim=-1).sum()),
+        **weight_fields,
+        **_gap_stats(recomputed_log_probs, rollout_log_probs, response_mask),
+        **_staleness_stats(rollout_versions, trainer_version, response_mask),
+        **_approx_error_stats(approx, recomputed_log_probs, rollout_log_probs, response_mask),
+        diagnostics=_verl_diagnostics(recomputed_log_probs, rollout_log_probs, response_mask),
+    )
+    return OffPolicyCorrection(
+        old_log_probs=old_log_probs, rollout_is_weights=weights, response_mask=new_mask, stats=stats
+    )
+
+
+def _old_log_probs(
+    config: CorrectionConfig,
+    rollout_log_probs: torch.Tensor,
+    recomputed_log_probs: torch.Tensor | None,
+    approx: torch.Tensor | None,
+) -> torch.Tensor:
+    """log pi_old for verl's loss: the rollout's (bypass), the approximation (decoupled+loglinear), or recomputed."""
+    if config.mode == "bypass":
+        return rollout_log_probs
+    if config.mode == "decoupled" and config.prox_log_probs == "loglinear":
+        if approx is None:
+            raise ValueError(
+                "prox_log_probs=loglinear needs theta_log_probs and rollout_versions (log pi_theta exists only "
+                "inside the actor update; apply it there)"
+            )
+        return approx
+    if recomputed_log_probs is None:
+        raise ValueError(
+            f"off_policy_correction mode={config.mode!r} needs the trainer's recomputed log-probs (old_log_probs)"
+        )
+    return recomputed_log_probs
+
+
+def _weight_stats(
+    computed: _Weights, response_mask: torch.Tensor, *, cap_mode: CapMode, cap: float
+) -> dict[str, float | None]:
+    valid = response_mask.bool()
+    kept = computed.response_mask.bool() & valid
+    seq_valid = valid.any(dim=-1)
+    final = _masked_values(computed.weights, kept)
+    raw = _masked_values(computed.raw_log_weights, valid)
+    out: dict[str, float | None] = {
+        "weight_mean": float(final.mean()) if final.numel() else None,
+        "weight_max": float(final.max()) if final.numel() else None,
+        "weight_min": float(final.min()) if final.numel() else None,
+        "raw_weight_max": math.exp(min(float(raw.max()), SAFETY_BOUND)),
+    }
+    over = (computed.raw_log_weights > math.log(cap)) & valid
+    if cap_mode == "truncate":
+        out["capped_token_fraction"] = float(over.sum()) / float(valid.sum())
+        out["capped_seq_fraction"] = float(over.any(dim=-1).sum()) / float(seq_valid.sum())
+    else:
+        removed = valid & ~kept
+        out["masked_token_fraction"] = float(removed.sum()) / float(valid.sum())
+        out["masked_seq_fraction"] = float(removed.any(dim=-1).sum()) / float(seq_valid.sum())
+    return out
+
+
+def _gap_stats(
+    recomputed: torch.Tensor | None, behav: torch.Tensor, response_mask: torch.Tensor
+) -> dict[str, float | None]:
+    if recomputed is None or not bool(response_mask.bool().any()):
+        return {}
+    gap = _masked_values(recomputed - behav, response_mask)
+    return {
+        "log_prob_gap_mean": float(gap.mean()),
+        "log_prob_gap_abs_mean": float(gap.abs().mean()),
+        "log_prob_gap_abs_max": float(gap.abs().max()),
+    }
+
+
+def _staleness_stats(
+    versions: torch.Tensor | None, trainer_version: float | None, response_mask: torch.Tensor
+) -> dict[str, float | None]:
+    if versions is None or trainer_version is None or not bool(response_mask.bool().any()):
+        return {}
+    lag = trainer_version - _masked_values(versions, response_mask)
+    return {"staleness_mean": float(lag.mean()), "staleness_max": float(lag.max())}
+
+
+def _approx_error_stats(
+    approx: torch.Tensor | None, recomputed: torch.Tensor | None, behav: torch.Tensor, response_mask: torch.Tensor
+) -> dict[str, float | None]:
+    if approx is None or recomputed is None or not bool(response_mask.bool().any()):
+        return {}
+    error = _masked_values(approx - recomputed, response_mask).abs()
+    w_approx = torch.exp(_masked_values(approx - behav, response_mask).clamp(-SAFETY_BOUND, SAFETY_BOUND))
+    w_exact = torch.exp(_masked_values(recomputed - behav, response_mask).clamp(-SAFETY_BOUND, SAFETY_BOUND))
+    return {
+        "prox_approx_abs_error_mean": float(error.mean()),
+        "prox_approx_abs_error_max": float(error.max()),
+        "prox_approx_weight_abs_error_mean": float((w_approx - w_exact).abs().mean()),
+    }
+
+
+def _verl_diagnostics(
+    recomputed: torch.Tensor | None, behav: torch.Tensor, response_mask: torch.Tensor
+) -> dict[str, float]:
+    """verl's KL / perplexity / chi^2 diagnostics over the sequences that have response tokens."""
+    rows = response_mask.bool().any(dim=-1)
+    if recomputed is None or not bool(rows.any()):
+        return {}
+    metrics = compute_offpolicy_metrics(
+        old_log_prob=recomputed.detach()[rows], rollout_log_prob=behav.detach()[rows], response_mask=response_mask[rows]
+    )
+    return {k: float(v) for k, v in metrics.items()}
+
+
+def apply_off_policy_correction_to_batch(
+    data: DataProto, config: CorrectionConfig, *, trainer_version: float | None = None
+) -> CorrectionStats:
+    """Trainer-side correction on a `DataProto`, after the trainer recomputed ``old_log_probs`` (if it does).
+
+    Reads ``rollout_log_probs``, ``response_mask``, ``old_log_probs`` (the trainer's recomputed log-probs; not needed
+    for bypass) and, if present, ``response_versions`` [B, R] (per-token versions, -1 on padding; for staleness
+    statistics).
+    Writes ``old_log_probs`` (what verl's loss uses as log pi_old), ``rollout_is_weights`` (removed when the mode
+    has none, so a stale tensor cannot leak into the loss) and ``response_mask`` (rejections applied).
+    decoupled+loglinear is refused here: it belongs inside the actor update, where log pi_theta is computed.
+    """
+    if config.mode == "decoupled" and config.prox_log_probs == "loglinear":
+        raise ValueError(
+            "off_policy_correction.prox_log_probs=loglinear is applied inside the actor update (patched dp_actor), "
+            "not on the batch before it"
+        )
+    batch = data.batch
+    if "rollout_log_probs" not in batch:
+        raise KeyError("off-policy correction needs batch key 'rollout_log_probs' (the engines' log-probs)")
+    recomputed = batch.get("old_log_probs", None)
+    versions = batch.get("response_versions", None)
+    result = apply_off_policy_correction(
+        batch["rollout_log_probs"],
+        batch["response_mask"],
+        config,
+        recomputed_log_probs=recomputed,
+        rollout_versions=versions,
+        trainer_version=trainer_version,
+    )
+    batch["old_log_probs"] = result.old_log_probs
+    batch["response_mask"] = result.response_mask
+    if result.rollout_is_weights is None:
+        if "rollout_is_weights" in batch:
+            del batch["rollout_is_weights"]
+    else:
+        batch["rollout_is_weights"] = result.rollout_is_weights
+    return result.stats
+
+
+def correction_config_from(cfg: Any) -> CorrectionConfig | None:
+    """The correction a run asks for, or None (then the trainer keeps verl's plain old-log-prob handling).
+
+    ``algorithm.off_policy_correction`` wins when present. Otherwise verl's ``algorithm.rollout_correction`` maps:
+    ``bypass_mode: true`` -> mode=bypass; ``rollout_is: token|sequence`` with ``rollout_is_threshold`` -> mode=tis
+    at that level and cap. verl's ``rollout_rs`` (rejection) has no exact counterpart and is refused with the key
+    to use instead.
+    """
+    from rllm.experimental.fully_async.algorithms.filters import dataclass_from_config
+
+    config = dataclass_from_config(cfg, "algorithm.off_policy_correction", CorrectionConfig)
+    if config is not None:
+        return config
+    verl_section = dataclass_from_config(cfg, "algorithm.rollout_correction", _VerlRolloutCorrection)
+    if verl_section is None:
+        return None
+    if verl_section.rollout_rs is not None:
+        raise ValueError(
+            "algorithm.rollout_correction.rollout_rs is not supported here: use "
+            "algorithm.off_policy_correction.cap_mode=mask (rejects tokens with w outside [1/cap, cap])"
+        )
+    if verl_section.bypass_mode:
+        return CorrectionConfig(mode="bypass")
+    if verl_section.rollout_is is not None:
+        return CorrectionConfig(mode="tis", level=verl_section.rollout_is, cap=float(verl_section.rollout_is_threshold))
+    return None
+
+
+@dataclass(frozen=True)
+class _VerlRolloutCorrection:
+    """verl 0.7.1's ``algorithm.rollout_correction`` keys (RolloutCorrectionConfig), as far as they are mapped."""
+
+    rollout_is: str | None = None
+    rollout_is_threshold: float = 2.0
+    rollout_rs: str | None = None
+    rollout_rs_threshold: Any = None
+    bypass_mode: bool = False
+    loss_type: str = "ppo_clip"
+    rollout_is_batch_normalize: bool = False
+
+
+@dataclass(frozen=True)
+class OffPolicyCorrector:
+    """The trainer's handle on the configured correction (what `build_correction` returns)."""
+
+    config: CorrectionConfig
+
+    @property
+    def needs_recompute(self) -> bool:
+        """Whether the trainer must compute log-probs under its current weights before `apply`."""
+        return self.config.mode in ("none", "tis") or (
+            self.config.mode == "decoupled" and self.config.prox_log_probs == "recompute"
+        )
+
+    def apply(
+        self, data: DataProto, *, proximal_log_probs: torch.Tensor | None, trainer_version: float | None = None
+    ) -> dict[str, float]:
+        """Correct `data` in place (see `apply_off_policy_correction_to_batch`); returns the metrics to log.
+
+        `proximal_log_probs` [B, R]: the trainer's log-probs under its weights before the step, when
+        `needs_recompute` (stored as ``old_log_probs`` first); None otherwise.
+        """
+        if proximal_log_probs is not None:
+            data.batch["old_log_probs"] = proximal_log_probs
+        return apply_off_policy_correction_to_batch(data, self.config, trainer_version=trainer_version).to_metrics()
+
+
+def build_correction(cfg: Any) -> OffPolicyCorrector | None:
+    """`OffPolicyCorrector` for the run config, or None when no correction is configured.
+
+    decoupled + ``prox_log_probs=loglinear`` is refused here: it needs log pi_theta from inside the actor update,
+    which the trainer-side path does not have.
+    """
+    config = correction_config_from(cfg)
+    if config is None:
+        return None
+    if config.mode == "decoupled" and config.prox_log_probs == "loglinear":
+        raise ValueError(
+            "algorithm.off_policy_correction.prox_log_probs=loglinear needs the patched actor (log pi_theta exists "
+            "only inside the update); use prox_log_probs=recompute"
+        )
+    return OffPolicyCorrector(config)

@@ -1,0 +1,385 @@
+"""Dynamic group filtering (DAPO / slime style) and the over-sampling arithmetic that keeps batches full.
+
+Group-relative estimators (GRPO, RLOO, GiGPO) learn nothing from a group whose samples all earned the same reward:
+every advantage is zero, the group only dilutes the batch. DAPO (arXiv 2503.14476, Sec. 3.2 "Dynamic Sampling")
+drops such groups and keeps sampling until the batch is full; slime does the same with its `dynamic_sampling_filter`.
+Responses that ran into the length limit carry a reward for text that was cut off; DAPO's "overlong filtering"
+(Sec. 3.4) keeps them out of the loss. This module does both on `TrajectoryGroup`s, before anything is tensorised.
+
+Every function here is pure: lists in, a `FilterResult` out. Nothing is lost silently (DESIGN rule 5): each
+dropped trajectory comes back inside a `DroppedGroup` carrying a `FilterReason`, so the caller can write exactly one
+``filtered(reason)`` ledger entry per sample. The invariant the tests check is
+
+    input trajectories = kept trajectories + dropped trajectories      (as multisets of `Trajectory.uid`).
+
+Order of the stages in `filter_groups` (each sees only what the previous one kept):
+
+1. length: a trajectory is *over length* when one of its sequences has more than `max_response_length` response
+   tokens, and *truncated* when one of its sequences stopped because of the limit (``finish_reason == "length"``, or
+   exactly `max_response_length` tokens). Over-length trajectories are always dropped when a limit is set;
+   truncated ones only with `drop_truncated`. `length_scope="trajectory"` drops just those trajectories,
+   `"group"` drops the whole group they belong to (keeps the group's baseline unbiased, costs more samples).
+2. group size: a group left with fewer than `min_group_size` trajectories is dropped (a group baseline needs two).
+3. reward variance: with `drop_zero_variance`, a group whose rewards all lie within `reward_tol` of each other is
+   dropped. A group of one trajectory has zero variance by definition.
+
+Over-sampling. Filtering makes the executor produce more groups than the trainer consumes. With a keep rate r
+(kept groups / finished groups) the executor must have about (target - kept) / r groups running to deliver the
+`target`. `groups_to_launch` computes that number, bounded so that one batch never launches more than
+`max_oversample` times what it still needs; `KeepRateEstimate` tracks r with exponentially discounted counts and a
+prior, so the estimate follows the keep rate's drift (it falls as the policy solves more prompts) without jumping
+on one unlucky batch. Launching more groups than the staleness budget would allow trades filter losses for
+staleness drops; the executor should still apply its capacity rule to the result.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from enum import Enum
+from typing import Any, Literal, TypeVar
+
+from rllm.experimental.fully_async.protocol import Trajectory, TrajectoryGroup
+
+# Two rewards closer than this count as equal. Matches the epsilon verl's GRPO adds to the group std, so a group the
+# filter keeps is one where GRPO's normalisation is not dominated by that epsilon.
+REWARD_EQUAL_TOL = 1e-6
+
+
+class FilterReason(str, Enum):
+    """Why a trajectory was filtered; the value is what the ledger records."""
+
+    ZERO_REWARD_VARIANCE = "zero_reward_variance"  # all rewards of the group equal: no group-relative signal
+    RESPONSE_OVER_MAX_LENGTH = "response_over_max_length"  # a response longer than the trainer's response width
+    RESPONSE_TRUNCATED = "response_truncated"  # a response cut off by the length limit (DAPO overlong filtering)
+    GROUP_TOO_SMALL = "group_too_small"  # fewer than min_group_size trajectories left after the stages above
+
+
+@dataclass(frozen=True)
+class FilterConfig:
+    """Which filters run. Proposed config keys: ``algorithm.group_filter.*`` (same names).
+
+    drop_zero_variance: drop groups whose rewards are all equal. On for GRPO/RLOO/GiGPO (they give such groups zero
+        advantage anyway); off for GAE, whose critic still learns from them.
+    max_response_length: the trainer's response width in tokens (``data.max_response_length``); None disables the
+        length stage.
+    drop_truncated: also drop responses that stopped at the limit (DAPO overlong filtering). Off by default: the
+        truncation is often what the reward should punish.
+    length_scope: "trajectory" drops only the offending trajectories; "group" drops their whole group.
+    min_group_size: smallest group worth training on after trajectory drops; 2 for any group baseline, 1 to keep
+        everything (then singleton groups reach the advantage code, which gives them zero advantage by default).
+    reward_tol: rewards within this distance count as equal.
+    """
+
+    drop_zero_variance: bool = True
+    max_response_length: int | None = None
+    drop_truncated: bool = False
+    length_scope: Literal["trajectory", "group"] = "trajectory"
+    min_group_size: int = 2
+    reward_tol: float = REWARD_EQUAL_TOL
+
+    def __post_init__(self) -> None:
+        if self.max_response_length is not None and self.max_response_length < 1:
+            raise ValueError(
+                f"algorithm.group_filter.max_response_length must be >= 1 or null, got {self.max_response_length}"
+            )
+        if self.length_scope not in ("trajectory", "group"):
+            raise ValueError(
+                f"algorithm.group_filter.length_scope must be 'trajectory' or 'group', got {self.length_scope!r}"
+            )
+        if self.min_group_size < 1:
+            raise ValueError(f"algorithm.group_filter.min_group_size must be >= 1, got {self.min_group_size}")
+        if self.reward_tol < 0:
+            raise ValueError(f"algorithm.group_filter.reward_tol must be >= 0, got {self.reward_tol}")
+        if self.drop_truncated and self.max_response_length is None:
+            raise ValueError(
+                "algorithm.group_filter.drop_truncated needs max_response_length: set it to data.max_response_length"
+            )
+
+
+@dataclass(frozen=True)
+class DroppedGroup:
+    """Trajectories of one prompt group dropped for one reason.
+
+    `group` keeps the prompt's identity and metadata but holds only the dropped trajectories; when the whole group
+    was dropped it is the group itself.
+    """
+
+    group: TrajectoryGroup
+    reason: FilterReason
+
+    @property
+    def num_trajectories(self) -> int:
+        return len(self.group.trajectories)
+
+
+@dataclass(frozen=True)
+class FilterResult:
+    """What survived, and every drop with its reason. `num_input_*` count what went in."""
+
+    kept: tuple[TrajectoryGroup, ...]
+    dropped: tuple[DroppedGroup, ...]
+    num_input_groups: int
+    num_input_trajectories: int
+
+    @property
+    def num_kept_groups(self) -> int:
+        return len(self.kept)
+
+    @property
+    def num_kept_trajectories(self) -> int:
+        return sum(len(g.trajectories) for g in self.kept)
+
+    @property
+    def keep_rate(self) -> float:
+        """Kept groups / input groups (1.0 for an empty input: nothing was lost)."""
+        return self.num_kept_groups / self.num_input_groups if self.num_input_groups else 1.0
+
+    def dropped_trajectories_by_reason(self) -> dict[FilterReason, int]:
+        counts: Counter[FilterReason] = Counter()
+        for d in self.dropped:
+            counts[d.reason] += d.num_trajectories
+        return dict(counts)
+
+    def to_metrics(self, prefix: str = "filter/") -> dict[str, float]:
+        metrics = {
+            f"{prefix}input_groups": float(self.num_input_groups),
+            f"{prefix}kept_groups": float(self.num_kept_groups),
+            f"{prefix}kept_trajectories": float(self.num_kept_trajectories),
+            f"{prefix}keep_rate": self.keep_rate,
+        }
+        by_reason = self.dropped_trajectories_by_reason()
+        for reason in FilterReason:
+            metrics[f"{prefix}dropped_trajectories/{reason.value}"] = float(by_reason.get(reason, 0))
+        return metrics
+
+
+def _count_trajectories(groups: list[TrajectoryGroup] | tuple[TrajectoryGroup, ...]) -> int:
+    return sum(len(g.trajectories) for g in groups)
+
+
+def _trajectory_length_reason(
+    trajectory: Trajectory, max_response_length: int, drop_truncated: bool
+) -> FilterReason | None:
+    """The length reason that drops `trajectory`, or None. Over length wins over truncated."""
+    lengths = [len(s.response_ids) for s in trajectory.sequences]
+    if any(n > max_response_length for n in lengths):
+        return FilterReason.RESPONSE_OVER_MAX_LENGTH
+    if drop_truncated and any(
+        s.finish_reason == "length" or len(s.response_ids) == max_response_length for s in trajectory.sequences
+    ):
+        return FilterReason.RESPONSE_TRUNCATED
+    return None
+
+
+def drop_by_length(
+    groups: list[TrajectoryGroup] | tuple[TrajectoryGroup, ...],
+    max_response_length: int,
+    *,
+    drop_truncated: bool = False,
+    scope: Literal["trajectory", "group"] = "trajectory",
+) -> FilterResult:
+    """Drop trajectories (scope "trajectory") or whole groups (scope "group") whose responses are too long.
+
+    A group dropped with scope "group" is recorded under the reason of its first offending trajectory. A group whose
+    trajectories are all dropped with scope "trajectory" is not kept as an empty group.
+    """
+    kept: list[TrajectoryGroup] = []
+    dropped: list[DroppedGroup] = []
+    for group in groups:
+        reasons = [_trajectory_length_reason(t, max_response_length, drop_truncated) for t in group.trajectories]
+        if all(r is None for r in reasons):
+            kept.append(group)
+            continue
+        if scope == "group":
+            first = next(r for r in reasons if r is not None)
+            dropped.append(DroppedGroup(group, first))
+            continue
+        for reason in FilterReason:
+            hit = [t for t, r in zip(group.trajectories, reasons, strict=True) if r is reason]
+            if hit:
+                dropped.append(DroppedGroup(replace(group, trajectories=hit), reason))
+        survivors = [t for t, r in zip(group.trajectories, reasons, strict=True) if r is None]
+        if survivors:
+            kept.append(replace(group, trajectories=survivors))
+    return FilterResult(tuple(kept), tuple(dropped), len(groups), _count_trajectories(groups))
+
+
+def drop_small_groups(groups: list[TrajectoryGroup] | tuple[TrajectoryGroup, ...], min_group_size: int) -> FilterResult:
+    """Drop groups with fewer than `min_group_size` trajectories."""
+    kept = tuple(g for g in groups if len(g.trajectories) >= min_group_size)
+    dropped = tuple(
+        DroppedGroup(g, FilterReason.GROUP_TOO_SMALL) for g in groups if len(g.trajectories) < min_group_size
+    )
+    return FilterResult(kept, dropped, len(groups), _count_trajectories(groups))
+
+
+def has_zero_reward_variance(group: TrajectoryGroup, tol: float = REWARD_EQUAL_TOL) -> bool:
+    """True when max(reward) - min(reward) <= tol (always for groups of zero or one trajectory)."""
+    rewards = group.rewards
+    return len(rewards) < 2 or max(rewards) - min(rewards) <= tol
+
+
+def drop_zero_variance(
+    groups: list[TrajectoryGroup] | tuple[TrajectoryGroup, ...], tol: float = REWARD_EQUAL_TOL
+) -> FilterResult:
+    """Drop groups whose rewards are all equal (DAPO dynamic sampling)."""
+    kept = tuple(g for g in groups if not has_zero_reward_variance(g, tol))
+    dropped = tuple(
+        DroppedGroup(g, FilterReason.ZERO_REWARD_VARIANCE) for g in groups if has_zero_reward_variance(g, tol)
+    )
+    return FilterResult(kept, dropped, len(groups), _count_trajectories(groups))
+
+
+def filter_groups(groups: list[TrajectoryGroup] | tuple[TrajectoryGroup, ...], config: FilterConfig) -> FilterResult:
+    """Run the configured stages in order (length, group size, reward variance); see the module docstring."""
+    current: tuple[TrajectoryGroup, ...] = tuple(groups)
+    dropped: list[DroppedGroup] = []
+    if config.max_response_length is not None:
+        stage = drop_by_length(
+            current, config.max_response_length, drop_truncated=config.drop_truncated, scope=config.length_scope
+        )
+        current, dropped = stage.kept, dropped + list(stage.dropped)
+    stage = drop_small_groups(current, config.min_group_size)
+    current, dropped = stage.kept, dropped + list(stage.dropped)
+    if config.drop_zero_variance:
+        stage = drop_zero_variance(current, config.reward_tol)
+        current, dropped = stage.kept, dropped + list(stage.dropped)
+    return FilterResult(current, tuple(dropped), len(groups), _count_trajectories(groups))
+
+
+GroupFilterFn = Callable[[list[TrajectoryGroup]], tuple[list[TrajectoryGroup], list[tuple[TrajectoryGroup, str]]]]
+
+_Config = TypeVar("_Config")
+
+
+def dataclass_from_config(cfg: Any, path: str, cls: type[_Config]) -> _Config | None:
+    """Build `cls` from the mapping at dotted `path` of an OmegaConf config; None when the section is absent or null.
+
+    Missing fields take the dataclass defaults; an unknown field raises a ValueError naming ``path.field``. `cfg` may
+    also be a plain nested dict.
+    """
+    from omegaconf import DictConfig, OmegaConf
+
+    section = OmegaConf.select(cfg, path, default=None) if isinstance(cfg, DictConfig) else _select(cfg, path)
+    if section is None:
+        return None
+    values = OmegaConf.to_container(section, resolve=True) if isinstance(section, DictConfig) else dict(section)
+    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown key {path}.{unknown[0]} (known: {', '.join(sorted(known))})")
+    return cls(**values)
+
+
+def _select(cfg: Any, path: str) -> Any:
+    node = cfg
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def build_group_filter(cfg: Any) -> GroupFilterFn | None:
+    """The executor's filter from ``algorithm.group_filter`` (None when that section is absent: no filtering).
+
+    The returned callable maps groups to (kept groups, [(dropped group, reason string)]); the reason strings are
+    `FilterReason` values, what the ledger records. A kept group may hold fewer trajectories than the input group
+    (trajectory-level length drops): callers must queue the kept objects, not their inputs.
+    """
+    config = dataclass_from_config(cfg, "algorithm.group_filter", FilterConfig)
+    if config is None:
+        return None
+
+    def group_filter(groups: list[TrajectoryGroup]) -> tuple[list[TrajectoryGroup], list[tuple[TrajectoryGroup, str]]]:
+        result = filter_groups(groups, config)
+        return list(result.kept), [(d.group, d.reason.value) for d in result.dropped]
+
+    return group_filter
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Over-sampling arithmetic
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KeepRateEstimate:
+    """Exponentially discounted estimate of the group keep rate r, shrunk towards a prior.
+
+        kept_w <- decay * kept_w + kept,    seen_w <- decay * seen_w + seen
+        r = (kept_w + prior * prior_weight) / (seen_w + prior_weight)
+
+    decay: weight of the past per observation (0.9 ~ the last ten batches matter). prior: the rate assumed before any
+    data (1.0: no over-sampling until filtering is seen). prior_weight: how many groups the prior is worth.
+    Immutable: `observe` returns a new estimate, so the executor can keep it in its state and checkpoint it.
+    """
+
+    kept_w: float = 0.0
+    seen_w: float = 0.0
+    decay: float = 0.9
+    prior: float = 1.0
+    prior_weight: float = 4.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.decay <= 1.0:
+            raise ValueError(f"async_training.keep_rate_decay must be in [0, 1], got {self.decay}")
+        if not 0.0 < self.prior <= 1.0:
+            raise ValueError(f"keep-rate prior must be in (0, 1], got {self.prior}")
+        if self.prior_weight <= 0:
+            raise ValueError(f"keep-rate prior_weight must be > 0, got {self.prior_weight}")
+
+    @property
+    def rate(self) -> float:
+        return (self.kept_w + self.prior * self.prior_weight) / (self.seen_w + self.prior_weight)
+
+    def observe(self, kept: int, seen: int) -> KeepRateEstimate:
+        """Fold in one filtering outcome: `kept` of `seen` finished groups survived."""
+        if not 0 <= kept <= seen:
+            raise ValueError(f"keep-rate observation needs 0 <= kept <= seen, got kept={kept}, seen={seen}")
+        return replace(self, kept_w=self.decay * self.kept_w + kept, seen_w=self.decay * self.seen_w + seen)
+
+    def observe_result(self, result: FilterResult) -> KeepRateEstimate:
+        return self.observe(result.num_kept_groups, result.num_input_groups)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """How many groups to start now, and the numbers it was derived from (for logging)."""
+
+    to_launch: int
+    effective_keep_rate: float  # r clipped to >= 1 / max_oversample
+    expected_yield: float  # kept + effective_keep_rate * (in_flight + to_launch)
+
+
+def groups_to_launch(
+    target: int, kept: int, in_flight: int, keep_rate: float, *, max_oversample: float = 2.0
+) -> LaunchPlan:
+    """Groups to start now so that the expected number of kept groups reaches `target`.
+
+        r_hat = max(r, 1 / max_oversample)
+        n     = max(0, ceil((target - kept) / r_hat) - in_flight)
+
+    so that kept + r_hat * (in_flight + n) >= target. Clipping r to 1/max_oversample bounds what one batch can ask
+    for: in_flight + n <= ceil(max_oversample * (target - kept)). With r = 1 this is plain `target - kept -
+    in_flight`. The caller still applies the staleness capacity rule to n.
+    """
+    if target < 0 or kept < 0 or in_flight < 0:
+        raise ValueError(f"groups_to_launch needs non-negative counts, got {target=}, {kept=}, {in_flight=}")
+    if max_oversample < 1.0:
+        raise ValueError(f"async_training.max_oversample must be >= 1, got {max_oversample}")
+    if not 0.0 <= keep_rate <= 1.0:
+        raise ValueError(f"keep_rate must be in [0, 1], got {keep_rate}")
+    r_hat = max(keep_rate, 1.0 / max_oversample)
+    missing = max(0, target - kept)
+    # Round before the ceiling so that e.g. 3 / 0.6 = 5.000000000000001 asks for 5, not 6.
+    needed_running = math.ceil(round(missing / r_hat, 9))
+    n = max(0, needed_running - in_flight)
+    return LaunchPlan(
+        to_launch=n,
+        effective_keep_rate=r_hat,
+        expected_yield=kept + r_hat * (in_flight + n),
+    )
