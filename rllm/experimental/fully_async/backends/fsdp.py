@@ -1,0 +1,350 @@
+"""FSDPPolicyBackend: the trainer's policy, optimizer and PPO step, through verl's patched DataParallelPPOActor.
+
+The trainer (a Ray actor; world size 1 by default) calls four things: `compute_log_prob` for old or proximal
+log-probs, `update_policy` for exactly one optimizer step on one batch, `save_hf` to hand weights to ParamSync's
+disk transport, and `state_dict`/`load_state_dict` for checkpoints. The backend knows nothing of Ray, queues or
+policy versions.
+
+The PPO math is verl's: `DataParallelPPOActor.update_policy` with the actor config's `fully_async` flag on
+(`FULLY_ASYNC_FLAG`; added by patches/verl_dp_actor.patch, see patches/README.md). Under that flag one call is one
+mini-batch and one optimizer step, `old_log_probs` always come from the batch, "token-mean" is the whole-batch
+token mean however the batch is split into micro-batches, and a batch without response tokens makes no step.
+
+Layout: world size 1 runs the HF model as a plain `nn.Module` (CPU or one GPU). With a process group of world size
+N > 1 (e.g. started by torchrun) the model is sharded with FSDP2 `fully_shard` on a 1-D mesh of all ranks, each rank
+passing its own shard of the batch; FSDP2 averages gradients and the patch's `world_size` factor undoes that, so
+the step equals the one on the whole batch.
+
+Precision: on CPU the forward runs in fp32. verl's `fsdp_config.dtype` admits only bf16/fp16 (GPU autocast dtypes);
+bf16 matmuls on CPU are slow, and their rounding would show up as trainer-vs-engine log-prob gaps. On GPU
+the actor autocasts to `fsdp_config.dtype` over fp32 parameters, as verl does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import math
+import os
+import shutil
+import warnings
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from verl import DataProto
+from verl.utils.device import get_device_name
+from verl.utils.metric import reduce_metrics
+from verl.utils.torch_functional import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
+from verl.workers.actor.dp_actor import DataParallelPPOActor
+from verl.workers.config import FSDPActorConfig
+from verl.workers.config.optimizer import build_optimizer
+
+from rllm.experimental.fully_async.backends import FULLY_ASYNC_FLAG, build_verl_actor_config
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["FULLY_ASYNC_FLAG", "FSDPPolicyBackend", "build_actor_config"]
+
+# Batch keys update_policy needs ([B, P+R] for the first three, [B, R] for the rest); the optional ones are used
+# when present: rollout_is_weights multiplies the per-token loss, rollout_log_probs only feeds metrics.
+LOG_PROB_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
+UPDATE_KEYS = (*LOG_PROB_KEYS, "response_mask", "old_log_probs", "advantages")
+OPTIONAL_UPDATE_KEYS = ("rollout_log_probs", "rollout_is_weights")
+
+# `_target_` for the sections verl turns into dataclasses; filled in when the caller's config leaves them out
+# (verl's generated YAML has them; a hand-written dict usually does not, and build_optimizer needs the dataclass).
+_SECTION_TARGETS = {
+    "optim": "verl.workers.config.FSDPOptimizerConfig",
+    "fsdp_config": "verl.workers.config.FSDPEngineConfig",
+    "policy_loss": "verl.workers.config.PolicyLossConfig",
+}
+
+# Files copied next to the weights so the folder is a complete model for an engine that loads from disk.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+_CPU_AUTOCAST_WARNING = "In CPU autocast, but the target dtype is not supported"
+
+
+def build_actor_config(actor_cfg: Mapping[str, Any]) -> FSDPActorConfig:
+    """verl's FSDPActorConfig from an `actor_rollout_ref.actor` section (DictConfig or dict), `fully_async` on.
+
+    The section is shaped like verl/trainer/config/_generated_ppo_trainer.yaml's; missing `_target_`s default to
+    verl's FSDP dataclasses (see `build_verl_actor_config`).
+    """
+    config = build_verl_actor_config(actor_cfg, "verl.workers.config.FSDPActorConfig", _SECTION_TARGETS)
+    if not isinstance(config, FSDPActorConfig):
+        raise TypeError(f"actor config builds {type(config).__name__}, expected FSDPActorConfig (check its _target_)")
+    return config
+
+
+def ensure_process_group(device_type: str) -> None:
+    """torch.distributed must be up before verl's actor is built; start a private world of one if nobody has.
+
+    A world of one uses an in-process HashStore: no port, no network. Larger worlds are started by the launcher
+    (torchrun's env:// variables) before the backend is built.
+    """
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def _shard_fsdp2(model: nn.Module, config: FSDPActorConfig, device_type: str) -> nn.Module:
+    """FSDP2 over every rank: decoder layers and the root are `fully_shard`-ed by verl's apply_fsdp2."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from verl.utils.fsdp_utils import apply_fsdp2
+
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("fsdp",))
+    # Gradients are reduced in fp32 so the data-parallel average is exact; parameters stay fp32 (verl's actor
+    # autocasts on GPU, and CPU runs in fp32).
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    fsdp_kwargs = {
+        "mesh": mesh,
+        "mp_policy": mp_policy,
+        "reshard_after_forward": bool(config.fsdp_config.get("reshard_after_forward", True)),
+    }
+    # transformers 5 keeps _no_split_modules as a set, which verl's default lookup cannot index: name the layer
+    # classes here unless the config does.
+    wrap_policy = dict(config.fsdp_config.get("wrap_policy") or {})
+    if not wrap_policy.get("transformer_layer_cls_to_wrap"):
+        wrap_policy["transformer_layer_cls_to_wrap"] = sorted(getattr(model, "_no_split_modules", None) or [])
+    apply_fsdp2(model, fsdp_kwargs, {"wrap_policy": wrap_policy})
+    return model
+
+
+def _build_lr_scheduler(optimizer: torch.optim.Optimizer, config: FSDPActorConfig) -> Any:
+    """verl's schedule (fsdp_workers._build_model_optimizer): constant or cosine, each after a linear warmup."""
+    optim = config.optim
+    total_steps = int(optim.get("total_training_steps", -1) or -1)
+    warmup_steps = optim.get("lr_warmup_steps", -1)
+    warmup_steps = -1 if warmup_steps is None else int(warmup_steps)
+    if warmup_steps < 0:
+        warmup_steps = int(float(optim.get("lr_warmup_steps_ratio", 0.0)) * max(total_steps, 0))
+    kind = optim.get("lr_scheduler_type", "constant")
+    if kind == "constant":
+        return get_constant_schedule_with_warmup(optimizer=optimizer, num_warmup_steps=warmup_steps)
+    if kind == "cosine":
+        if total_steps <= 0:
+            raise ValueError("lr_scheduler_type=cosine needs actor.optim.total_training_steps > 0")
+        return get_cosine_schedule_with_warmup(
+            optimizer=optimizer,
+            num_warmup_steps=warmup_steps,
+            num_training_steps=total_steps,
+            min_lr_ratio=float(optim.get("min_lr_ratio", 0.0) or 0.0),
+            num_cycles=float(optim.get("num_cycles", 0.5)),
+        )
+    raise ValueError(f"actor.optim.lr_scheduler_type must be constant or cosine, got {kind!r}")
+
+
+def _require_keys(data: DataProto, keys: tuple[str, ...], caller: str) -> None:
+    present = set(data.batch.keys())
+    missing = [k for k in keys if k not in present]
+    if missing:
+        raise KeyError(f"{caller} needs batch keys {missing} (has {sorted(present)})")
+    if "temperature" not in data.meta_info:
+        raise KeyError(f"{caller} needs meta_info['temperature'] (the sampling temperature of the rollouts)")
+
+
+class FSDPPolicyBackend:
+    """The policy model, its AdamW optimizer and LR schedule, and verl's patched PPO actor around them."""
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        actor_cfg: Mapping[str, Any],
+        *,
+        seed: int = 0,
+        attn_implementation: str = "sdpa",
+        enable_gradient_checkpointing: bool = False,
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        from rllm.experimental.fully_async.verl_patch import require_patched_verl
+
+        require_patched_verl()  # unpatched verl would train, silently, on the wrong numbers
+        self.model_path = Path(model_path)
+        self.config = build_actor_config(actor_cfg)
+        self.device = torch.device(get_device_name())
+        if self.device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        ensure_process_group(self.device.type)
+        self.world_size = dist.get_world_size()
+        self.rank = dist.get_rank()
+
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_pretrained(
+            self.model_path, dtype=torch.float32, attn_implementation=attn_implementation
+        )
+        if enable_gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.to(self.device)
+        if self.world_size > 1:
+            model = _shard_fsdp2(model, self.config, self.device.type)
+        self.model = model
+
+        self.optimizer = build_optimizer(self.model.parameters(), self.config.optim)
+        self.lr_scheduler = _build_lr_scheduler(self.optimizer, self.config)
+        self.actor = DataParallelPPOActor(self.config, self.model, self.optimizer)
+        if self.device.type == "cpu":
+            self.actor.param_dtype = torch.float32  # see the module docstring: CPU computes in fp32
+        self.optimizer_steps = 0  # steps actually taken; an all-masked batch takes none
+        logger.info(
+            "policy backend: %s on %s, world size %d, %d parameters",
+            self.model_path,
+            self.device,
+            self.world_size,
+            sum(p.numel() for p in self.model.parameters()),
+        )
+
+    # ------------------------------------------------------------------------------------------------------------
+    # PPO
+    # ------------------------------------------------------------------------------------------------------------
+
+    def compute_log_prob(self, data: DataProto) -> torch.Tensor:
+        """log pi(response token | prefix) at meta_info['temperature'], float32 [B, R] on CPU, without gradients.
+
+        Needs batch keys input_ids, attention_mask, position_ids ([B, P+R]; prompts left-padded, responses
+        right-padded) and responses ([B, R]). Micro-batching follows the actor config (ppo_infer_* keys, falling
+        back to the training ones).
+        """
+        _require_keys(data, LOG_PROB_KEYS, "compute_log_prob")
+        cfg = self.config
+        micro = cfg.ppo_infer_micro_batch_size_per_gpu or cfg.ppo_micro_batch_size_per_gpu or len(data)
+        meta = {
+            "micro_batch_size": micro,
+            "use_dynamic_bsz": cfg.use_dynamic_bsz,
+            "max_token_len": cfg.ppo_infer_max_token_len_per_gpu,
+            **data.meta_info,
+        }
+        view = DataProto(batch=data.batch.select(*LOG_PROB_KEYS), meta_info=meta)
+        with self._quiet_cpu_autocast():
+            out = self.actor.compute_log_prob(view, calculate_entropy=False)
+        return out["log_probs"].float().cpu()
+
+    def update_policy(self, data: DataProto) -> dict[str, float]:
+        """One optimizer step on the whole batch (none if it has no response token). Returns float metrics.
+
+        Needs batch keys input_ids, attention_mask, position_ids [B, P+R], responses, response_mask,
+        old_log_probs, advantages [B, R] (rollout_log_probs and rollout_is_weights [B, R] when present) and
+        meta_info['temperature']. Metrics are verl's (`actor/pg_loss`, `actor/ppo_kl`, `actor/pg_clipfrac`,
+        `actor/grad_norm`, ...; per-micro-batch values averaged) plus `actor/lr` (the rate this step used) and
+        `actor/optimizer_step` (1.0 if a step was taken). The LR schedule advances only when a step was taken.
+        """
+        _require_keys(data, UPDATE_KEYS, "update_policy")
+        present = set(data.batch.keys())
+        keys = [*UPDATE_KEYS, *(k for k in OPTIONAL_UPDATE_KEYS if k in present)]
+        view = DataProto(batch=data.batch.select(*keys), meta_info=dict(data.meta_info))
+        lr = float(self.lr_scheduler.get_last_lr()[0])
+        with self._quiet_cpu_autocast():
+            raw = self.actor.update_policy(view)
+        metrics = {key: float(value) for key, value in reduce_metrics(raw).items()}
+        # The patched actor leaves out grad_norm when it took no step; verl's _optimizer_step also skips the step
+        # (zeroing gradients) when the norm is not finite.
+        stepped = math.isfinite(metrics.get("actor/grad_norm", math.nan))
+        if stepped:
+            self.lr_scheduler.step()
+            self.optimizer_steps += 1
+        metrics["actor/lr"] = lr
+        metrics["actor/optimizer_step"] = float(stepped)
+        return metrics
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Weights out: HF folder for the engines, state dicts for checkpoints
+    # ------------------------------------------------------------------------------------------------------------
+
+    def save_hf(self, path: str | os.PathLike[str]) -> None:
+        """Write the current weights as an HF safetensors folder (config, weights, tokenizer files if any).
+
+        Collective at world size > 1 (every rank must call it); rank 0 writes.
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(self.model, options=options)
+        if self.rank == 0:
+            out = Path(path)
+            out.mkdir(parents=True, exist_ok=True)
+            self.model.save_pretrained(out, state_dict=state, safe_serialization=True)
+            for name in TOKENIZER_FILES:
+                if (self.model_path / name).is_file():
+                    shutil.copy2(self.model_path / name, out / name)
+        if self.world_size > 1:
+            dist.barrier()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model, optimizer and LR-schedule state for a checkpoint (tensors on CPU).
+
+        World size 1: plain torch state dicts, loadable into a backend built from the same model and config.
+        World size > 1: full (unsharded) state dicts on rank 0, empty elsewhere; collective.
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        if self.world_size == 1:
+            model_state = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+            optim_state = copy.deepcopy(_to_cpu(self.optimizer.state_dict()))
+        else:
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
+        return {
+            "model": model_state,
+            "optimizer": optim_state,
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "optimizer_steps": self.optimizer_steps,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what `state_dict` returned (at world size > 1, rank 0's copy is broadcast; collective)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        if self.world_size == 1:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:
+            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+            set_state_dict(
+                self.model,
+                self.optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optimizer"],
+                options=options,
+            )
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.optimizer_steps = int(state["optimizer_steps"])
+
+    # ------------------------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _quiet_cpu_autocast(self) -> Iterator[None]:
+        # verl's actor always enters torch.autocast(param_dtype); fp32 on CPU disables it with a UserWarning.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_CPU_AUTOCAST_WARNING)
+            yield
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_cpu(v) for v in value]
+    return value

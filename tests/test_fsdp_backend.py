@@ -1,0 +1,254 @@
+"""FSDPPolicyBackend: log-probs, one PPO step per batch, the LR schedule, HF export and checkpoints, on CPU.
+
+Uses the patched verl of the venv (the backend refuses anything else) and the session's tiny random Qwen2.
+The patch's own numbers are proven in test_verl_patch.py; here the backend around it is judged.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_verl_patch import BATCH_SIZE, RESPONSE_LEN, TEMPERATURE, make_batch, response_log_probs
+from transformers import AutoModelForCausalLM
+from verl import DataProto
+
+from rllm.experimental.fully_async.backends.fsdp import FULLY_ASYNC_FLAG, FSDPPolicyBackend, build_actor_config
+
+LR = 1e-3
+
+
+def actor_cfg(**overrides) -> dict:
+    """The keys a user sets; everything else comes from verl's dataclass defaults."""
+    cfg = {
+        "ppo_micro_batch_size_per_gpu": 2,
+        "use_torch_compile": False,
+        "grad_clip": 1.0,
+        "clip_ratio": 0.2,
+        "optim": {"lr": LR, "weight_decay": 0.01, "betas": [0.9, 0.999]},
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tiny_model_dir) -> Path:
+    """The tiny model plus a tokenizer file, so save_hf has something to carry over."""
+    path = tmp_path_factory.mktemp("model_with_tokenizer")
+    shutil.copytree(tiny_model_dir, path, dirs_exist_ok=True)
+    (path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 256}))
+    return path
+
+
+def trainer_batch(seed: int, backend: FSDPPolicyBackend, empty: bool = False) -> DataProto:
+    """A batch as the trainer builds it: float response_mask, old_log_probs from the backend itself, plus noise."""
+    data = make_batch(seed, empty_rows=tuple(range(BATCH_SIZE)) if empty else ())
+    data.batch["response_mask"] = data.batch["response_mask"].float()
+    noise = 0.1 * torch.randn(BATCH_SIZE, RESPONSE_LEN, generator=torch.Generator().manual_seed(seed))
+    data.batch["old_log_probs"] = backend.compute_log_prob(data) + noise
+    return data
+
+
+def params(backend: FSDPPolicyBackend) -> torch.Tensor:
+    return torch.cat([p.detach().flatten().clone() for p in backend.model.parameters()])
+
+
+def test_fully_async_flag_is_set_on_verls_actor_config(model_dir):
+    config = build_actor_config({"ppo_micro_batch_size_per_gpu": 4, "optim": {"lr": 0.5}})
+    assert getattr(config, FULLY_ASYNC_FLAG) is True
+    assert type(config.optim).__name__ == "FSDPOptimizerConfig" and config.optim.lr == 0.5
+    # verl's own flattened defaults (what config.py starts from) build too, with the flag switched on.
+    import verl
+    from omegaconf import OmegaConf
+
+    generated = OmegaConf.load(Path(verl.__file__).parent / "trainer/config/_generated_ppo_trainer.yaml")
+    section = generated.actor_rollout_ref.actor
+    section.ppo_micro_batch_size_per_gpu = 8
+    config = build_actor_config(section)
+    assert config.fully_async is True and config.ppo_micro_batch_size_per_gpu == 8
+
+    backend = FSDPPolicyBackend(model_dir, actor_cfg())
+    assert backend.actor.config.fully_async is True and backend.world_size == 1
+
+
+def test_compute_log_prob_equals_a_plain_forward_at_the_batch_temperature(model_dir):
+    reference_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    data = make_batch(seed=5)
+    with torch.no_grad():
+        expected = response_log_probs(reference_model, data)  # divides logits by TEMPERATURE
+    for micro in (1, 4):
+        backend = FSDPPolicyBackend(model_dir, actor_cfg(ppo_micro_batch_size_per_gpu=micro))
+        got = backend.compute_log_prob(data)
+        assert got.shape == (BATCH_SIZE, RESPONSE_LEN) and got.dtype == torch.float32
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert data.meta_info["temperature"] == TEMPERATURE and "micro_batch_size" not in data.meta_info
+
+
+def test_update_policy_takes_one_step_and_follows_the_warmup_schedule(model_dir):
+    backend = FSDPPolicyBackend(model_dir, actor_cfg(optim={"lr": LR, "lr_warmup_steps": 2}))
+    lrs = []
+    for step in range(4):
+        before = params(backend)
+        metrics = backend.update_policy(trainer_batch(step, backend))
+        assert all(isinstance(v, float) and math.isfinite(v) for v in metrics.values()), metrics
+        assert metrics["actor/optimizer_step"] == 1.0 and metrics["actor/grad_norm"] > 0
+        if step > 0:  # verl's warmup starts at lr 0, so the first step cannot move anything
+            assert (params(backend) - before).abs().max() > 0
+        lrs.append(metrics["actor/lr"])
+    assert lrs == pytest.approx([0.0, LR / 2, LR, LR])
+    assert backend.optimizer_steps == 4
+
+
+def test_batch_without_response_tokens_changes_nothing(model_dir):
+    backend = FSDPPolicyBackend(model_dir, actor_cfg())
+    backend.update_policy(trainer_batch(0, backend))
+    before, lr_before = params(backend), backend.lr_scheduler.get_last_lr()
+    metrics = backend.update_policy(trainer_batch(1, backend, empty=True))
+    assert metrics["actor/optimizer_step"] == 0.0 and "actor/grad_norm" not in metrics
+    assert all(math.isfinite(v) for v in metrics.values())
+    assert torch.equal(params(backend), before)
+    assert backend.optimizer_steps == 1 and backend.lr_scheduler.get_last_lr() == lr_before
+
+
+def test_rollout_is_weights_scale_the_loss(model_dir):
+    losses = []
+    for weight in (None, 2.0):
+        backend = FSDPPolicyBackend(model_dir, actor_cfg())
+        data = trainer_batch(7, backend)
+        if weight is not None:
+            data.batch["rollout_is_weights"] = torch.full((BATCH_SIZE, RESPONSE_LEN), weight)
+        losses.append(backend.update_policy(data)["actor/pg_loss"])
+    assert losses[1] == pytest.approx(2 * losses[0], rel=1e-5)
+
+
+def test_missing_inputs_are_named(model_dir):
+    backend = FSDPPolicyBackend(model_dir, actor_cfg())
+    data = trainer_batch(0, backend)
+    without_old = DataProto(batch=data.batch.exclude("old_log_probs"), meta_info=dict(data.meta_info))
+    with pytest.raises(KeyError, match="old_log_probs"):
+        backend.update_policy(without_old)
+    with pytest.raises(KeyError, match="temperature"):
+        backend.compute_log_prob(DataProto(batch=data.batch, meta_info={}))
+
+
+def test_save_hf_writes_a_loadable_model_with_the_tokenizer_files(model_dir, tmp_path):
+    backend = FSDPPolicyBackend(model_dir, actor_cfg())
+    backend.update_policy(trainer_batch(0, backend))
+    backend.update_policy(trainer_batch(1, backend))
+    out = tmp_path / "weights_v2"
+    backend.save_hf(out)
+    assert {"config.json", "model.safetensors", "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="sdpa")
+    data = make_batch(seed=9)
+    with torch.no_grad():
+        torch.testing.assert_close(response_log_probs(loaded, data), backend.compute_log_prob(data))
+
+
+def test_state_dict_restores_model_optimizer_and_schedule(model_dir):
+    cfg = actor_cfg(optim={"lr": LR, "lr_warmup_steps": 3})
+    original = FSDPPolicyBackend(model_dir, cfg)
+    original.update_policy(trainer_batch(0, original))
+    state = original.state_dict()
+
+    restored = FSDPPolicyBackend(model_dir, cfg, seed=123)
+    restored.load_state_dict(state)
+    assert restored.optimizer_steps == 1 and torch.equal(params(restored), params(original))
+    # One more step from the same state must land on the same weights: Adam moments and the LR warmup came along.
+    batch = trainer_batch(1, original)
+    m_original = original.update_policy(batch)
+    m_restored = restored.update_policy(batch)
+    assert m_restored["actor/lr"] == m_original["actor/lr"] == pytest.approx(LR * 1 / 3)
+    torch.testing.assert_close(params(restored), params(original), rtol=0, atol=1e-7)
+
+
+def test_megatron_backend_builds_a_fully_async_config_and_needs_megatron_to_build_an_actor():
+    from rllm.experimental.fully_async.backends import megatron
+
+    config = megatron.build_actor_config({"ppo_micro_batch_size_per_gpu": 2, "optim": {"lr": 1e-5}})
+    assert type(config).__name__ == "McoreActorConfig" and config.fully_async is True
+    assert type(config.optim).__name__ == "McoreOptimizerConfig"
+    if megatron.megatron_available():
+        pytest.skip("megatron-core is installed: building an actor needs real Megatron modules and a GPU")
+    with pytest.raises(RuntimeError, match=r"install_megatron_sglang\.sh"):
+        megatron.build_megatron_actor(
+            {}, model_config=None, hf_config=None, tf_config=None, actor_module=None, actor_optimizer=None
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# World size 2: FSDP2 over a gloo CPU mesh, each rank holding half the batch
+# ----------------------------------------------------------------------------------------------------------------
+
+_FSDP2_WORKER = r"""
+import json, sys, torch, torch.distributed as dist
+from test_verl_patch import make_batch
+from test_fsdp_backend import actor_cfg
+from rllm.experimental.fully_async.backends.fsdp import FSDPPolicyBackend
+
+rank, world = int(sys.argv[1]), int(sys.argv[2])
+store_path, model_dir, out = sys.argv[3:6]
+dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+backend = FSDPPolicyBackend(model_dir, actor_cfg())
+data = make_batch(seed=11)
+data.batch["response_mask"] = data.batch["response_mask"].float()
+data.batch["old_log_probs"] = torch.load(out + ".old.pt")
+shard = data[rank::world]  # every other row: each rank holds a different half of the batch
+metrics = backend.update_policy(shard)
+state = backend.state_dict()["model"]  # collective; full tensors on rank 0
+if rank == 0:
+    torch.save({k: v.float() for k, v in state.items()}, out)
+    json.dump({"metrics": metrics, "rows": len(shard)}, open(out + ".json", "w"))
+dist.destroy_process_group()
+"""
+
+
+def _run_world(world: int, model_dir: Path, tmp_path: Path, old_log_probs: torch.Tensor) -> tuple[dict, dict]:
+    """Run _FSDP2_WORKER on `world` processes (a FileStore rendezvous: no ports); rank 0's weights and report."""
+    out = tmp_path / f"world{world}.pt"
+    torch.save(old_log_probs, f"{out}.old.pt")
+    store = tmp_path / f"store{world}"
+    tests_dir = Path(__file__).parent
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(tests_dir), str(tests_dir.parent)])}
+    args = [str(store), str(model_dir), str(out)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _FSDP2_WORKER, str(rank), str(world), *args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(world)
+    ]
+    for proc in procs:
+        _, stderr = proc.communicate(timeout=240)
+        assert proc.returncode == 0, stderr[-4000:]
+    return torch.load(out), json.loads(Path(f"{out}.json").read_text())
+
+
+def test_fsdp2_world_of_two_takes_the_same_step_as_one_process(model_dir, tmp_path):
+    """Half the batch on each of two ranks (FSDP2, gloo) must give the whole-batch step of a single process."""
+    single = FSDPPolicyBackend(model_dir, actor_cfg())
+    data = make_batch(seed=11)
+    data.batch["response_mask"] = data.batch["response_mask"].float()
+    noise = 0.3 * torch.randn(BATCH_SIZE, RESPONSE_LEN, generator=torch.Generator().manual_seed(0))
+    old = single.compute_log_prob(data) + noise
+    data.batch["old_log_probs"] = old
+    single_metrics = single.update_policy(data)
+
+    sharded, report = _run_world(2, model_dir, tmp_path, old)
+    sharded_metrics = report["metrics"]
+    assert report["rows"] == BATCH_SIZE // 2
+    assert single_metrics["actor/optimizer_step"] == sharded_metrics["actor/optimizer_step"] == 1.0
+    assert sharded_metrics["actor/grad_norm"] == pytest.approx(single_metrics["actor/grad_norm"], rel=1e-5)
+    single_state = single.state_dict()["model"]
+    assert set(single_state) == set(sharded)
+    for name, value in single_state.items():
+        torch.testing.assert_close(sharded[name], value, rtol=1e-5, atol=1e-6, msg=name)
