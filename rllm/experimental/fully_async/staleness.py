@@ -1,0 +1,342 @@
+"""Staleness policy: how many rollouts may start now, what is too stale to train, and rLLM's keys mapped.
+
+Pure code (no Ray, no asyncio, no I/O): the RolloutExecutor, the trainer, the simulator and the tests call the
+same functions (DESIGN rule 1). Modelled on AReaL's staleness manager.
+
+Units. Everything counts **groups** (one prompt's n samples, a `TrajectoryGroup`), and **versions count optimizer
+steps**: the trainer's version is the number of steps it has taken, and ParamSync tags the engines with the
+trainer's version when it pushes weights, so with a sync every K steps the engine version jumps by K (0, K, 2K, ...)
+and a token's version says which step's weights produced it. `B` is the number of groups one optimizer step
+consumes. (If a runtime counts versions per sync instead, pass B = groups per sync; the rule is the same.)
+
+The rule (AReaL; DESIGN rule 4) — a new rollout starts only while
+
+    accepted + running < (η + v + 1) · B
+
+where η = max_staleness, v = the version the rollout will start with (the engines' current version), `running`
+= groups started and not finished, `accepted` = groups finished and kept (queued, in the trainer's hands or
+trained). Why it bounds staleness: the trainer reaches version t after consuming t·B groups; a group started at
+version v was among the first (η + v + 1)·B kept groups, so if groups are trained in start order it is trained by
+version η + v at the latest, i.e. with staleness ≤ η. Completion order is not start order (a long generation
+finishes after later short ones), so the bound is soft; the hard bound is the training-time check
+`is_too_stale`, which drops and counts what slipped through (DESIGN rule 4).
+
+Groups that finish but are not kept (rejected by a workflow) or are kept and later discarded (dropped as too stale,
+filtered at training time) leave `accepted`: they free budget so replacements can be generated — otherwise the
+trainer could wait forever for a batch the budget no longer allows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, NamedTuple, Protocol
+
+from rllm.experimental.fully_async.protocol import TrajectoryGroup
+
+
+class VersionProvider(Protocol):
+    """Anything that knows the policy version new rollouts start with (an engine pool, a fake in a test)."""
+
+    def get_version(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class RolloutCounts:
+    """A snapshot of the manager's counters (groups)."""
+
+    running: int  # started, not finished
+    accepted: int  # finished and kept; includes consumed
+    consumed: int  # kept groups the trainer has trained
+    rejected: int  # finished but not kept (cumulative)
+    discarded: int  # kept, then dropped before training (cumulative)
+    started: int  # cumulative
+
+    @property
+    def pending(self) -> int:
+        """Kept groups not trained yet: in the queue or in the trainer's hands."""
+        return self.accepted - self.consumed
+
+
+class StalenessManager:
+    """Counts groups and answers one question: how many new rollouts may start now.
+
+    capacity(v) = min(C − running, (η + v + 1)·B − (accepted + running)), C = max_concurrent (no limit if None).
+
+    Not thread-safe by design: its one owner is the executor's event loop (or the simulator's loop). Every
+    counter change is checked, and an impossible one (finishing more than are running, consuming more than are
+    pending) raises and changes nothing, because a silent clamp would hide a bookkeeping bug and let the
+    budget drift.
+    """
+
+    def __init__(
+        self,
+        batch_groups: int,
+        max_staleness: int,
+        max_concurrent: int | None = None,
+        version_provider: VersionProvider | None = None,
+    ) -> None:
+        if batch_groups < 1:
+            raise ValueError(f"batch_groups must be >= 1, got {batch_groups}")
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        if max_concurrent is not None and max_concurrent < 1:
+            raise ValueError(f"max_concurrent must be >= 1 or None, got {max_concurrent}")
+        self.B = batch_groups
+        self.eta = max_staleness
+        self.max_concurrent = max_concurrent
+        self.version_provider = version_provider
+        self._running = 0
+        self._accepted = 0
+        self._consumed = 0
+        self._rejected = 0
+        self._discarded = 0
+        self._started = 0
+
+    def budget(self, version: int) -> int:
+        """(η + v + 1)·B: how many kept-or-running groups the rule allows at version v."""
+        if version < 0:
+            raise ValueError(f"version must be >= 0, got {version}")
+        return (self.eta + version + 1) * self.B
+
+    def capacity(self, version: int | None = None) -> int:
+        """How many groups may start now (can be negative when over budget, e.g. after a restore).
+
+        `version` defaults to the VersionProvider's; one of the two must be given.
+        """
+        if version is None:
+            if self.version_provider is None:
+                raise ValueError("capacity() needs a version: pass one or give the manager a version_provider")
+            version = self.version_provider.get_version()
+        staleness_capacity = self.budget(version) - (self._accepted + self._running)
+        if self.max_concurrent is None:
+            return staleness_capacity
+        return min(self.max_concurrent - self._running, staleness_capacity)
+
+    def on_start(self, n: int = 1) -> None:
+        """n groups started. The caller checks capacity() first; the manager only counts."""
+        _check_positive(n)
+        self._running += n
+        self._started += n
+
+    def on_finish(self, accepted: bool, n: int = 1) -> None:
+        """n running groups finished: kept (queued for training) or rejected (failed, filtered by the workflow)."""
+        _check_positive(n)
+        if n > self._running:
+            raise ValueError(f"on_finish({n}) but only {self._running} groups are running")
+        self._running -= n
+        if accepted:
+            self._accepted += n
+        else:
+            self._rejected += n
+
+    def on_consumed(self, n: int) -> None:
+        """The trainer trained n kept groups. They stay in `accepted`: they used their slot in the budget."""
+        _check_positive(n)
+        if n > self._accepted - self._consumed:
+            raise ValueError(f"on_consumed({n}) but only {self._accepted - self._consumed} kept groups are pending")
+        self._consumed += n
+
+    def on_discarded(self, n: int) -> None:
+        """n kept, untrained groups were dropped (too stale, filtered at training time): their slots come back."""
+        _check_positive(n)
+        if n > self._accepted - self._consumed:
+            raise ValueError(f"on_discarded({n}) but only {self._accepted - self._consumed} kept groups are pending")
+        self._accepted -= n
+        self._discarded += n
+
+    def counts(self) -> RolloutCounts:
+        return RolloutCounts(
+            running=self._running,
+            accepted=self._accepted,
+            consumed=self._consumed,
+            rejected=self._rejected,
+            discarded=self._discarded,
+            started=self._started,
+        )
+
+    def state_dict(self) -> dict[str, int]:
+        """JSON-serialisable counters for a checkpoint (running is saved only to be ignored; see load_state_dict)."""
+        return {
+            "accepted": self._accepted,
+            "consumed": self._consumed,
+            "rejected": self._rejected,
+            "discarded": self._discarded,
+            "started": self._started,
+        }
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        """Restore counters from a checkpoint, with `running` reset to 0.
+
+        Why reset: the rollouts that were running when the checkpoint was taken did not survive the restart; the
+        ledger re-issues them and the executor counts them again with on_start. Keeping them in `running` would
+        count them twice and shrink the budget for good. The queue snapshot is assumed to be restored with the
+        counters (its groups are the pending ones); if it is not, call on_discarded(number lost).
+        """
+        values = {key: int(state[key]) for key in ("accepted", "consumed", "rejected", "discarded", "started")}
+        if any(v < 0 for v in values.values()) or values["consumed"] > values["accepted"]:
+            raise ValueError(f"inconsistent staleness counters in checkpoint: {values}")
+        self._accepted = values["accepted"]
+        self._consumed = values["consumed"]
+        self._rejected = values["rejected"]
+        self._discarded = values["discarded"]
+        self._started = values["started"]
+        self._running = 0
+
+
+def _check_positive(n: int) -> None:
+    if n < 1:
+        raise ValueError(f"count must be >= 1, got {n}")
+
+
+# --- training-time check ----------------------------------------------------------------------------------------
+
+
+def is_too_stale(min_token_version: int | None, trainer_version: int, max_staleness: int) -> bool:
+    """True when trainer_version − min_token_version > max_staleness (DESIGN rule 3); False if nothing was generated."""
+    if min_token_version is None:
+        return False
+    return trainer_version - min_token_version > max_staleness
+
+
+class StalenessSplit(NamedTuple):
+    fresh: list[TrajectoryGroup]
+    too_stale: list[TrajectoryGroup]
+
+
+def split_by_staleness(groups: Iterable[TrajectoryGroup], trainer_version: int, max_staleness: int) -> StalenessSplit:
+    """Split groups into (fresh, too_stale) by their oldest trained token, keeping the input order in each."""
+    fresh: list[TrajectoryGroup] = []
+    too_stale: list[TrajectoryGroup] = []
+    for group in groups:
+        stale = is_too_stale(group.min_version, trainer_version, max_staleness)
+        (too_stale if stale else fresh).append(group)
+    return StalenessSplit(fresh, too_stale)
+
+
+def check_sync_interval(max_staleness: int, sync_every_steps: int) -> None:
+    """Reject settings that deadlock: the engines keep version v for K steps, so the trainer at step v + K − 1
+    needs groups started at version v, which the rule allows only if η ≥ K − 1."""
+    if sync_every_steps < 1:
+        raise ValueError(f"sync every K steps needs K >= 1, got {sync_every_steps}")
+    if max_staleness < sync_every_steps - 1:
+        raise ValueError(
+            f"max_staleness={max_staleness} is below sync_every_steps - 1 = {sync_every_steps - 1}: the rollout "
+            f"budget would run out between weight syncs; raise max_staleness or sync more often"
+        )
+
+
+# --- rLLM / verl keys ------------------------------------------------------------------------------------------
+
+
+class OldLogProbSource(str, Enum):
+    """Where the PPO ratio's denominator (old log-prob) comes from."""
+
+    ROLLOUT = "rollout"  # the engine's log-probs (behaviour policy): no extra forward pass
+    PROXIMAL = "proximal"  # recomputed by the trainer before the update; rollout log-probs give the behaviour IS
+    RECOMPUTE = "recompute"  # recomputed by the trainer; rollout log-probs unused
+
+
+@dataclass(frozen=True)
+class AsyncSettings:
+    """This project's names for what rLLM's `async_training` section sets."""
+
+    max_staleness: int  # η, in versions (optimizer steps)
+    sync_every_steps: int  # K: push weights to the engines every K optimizer steps
+    batch_groups: int  # B: groups (prompts) per optimizer step
+    resume_on_abort: bool  # a generation interrupted by a weight push resumes with the new weights
+    old_log_prob_source: OldLogProbSource
+
+
+RLLM_ASYNC_KEYS = frozenset(
+    {
+        "staleness_threshold",
+        "trigger_parameter_sync_step",
+        "required_samples",
+        "require_batches",
+        "partial_rollout",
+        "use_rollout_log_probs",
+        "compute_prox_log_prob",
+    }
+)
+# Present in rLLM/verl configs but about their deployment (validation placement, NCCL buffers), not scheduling.
+RLLM_IGNORED_KEYS = frozenset({"use_trainer_do_validate", "checkpoint_engine"})
+
+
+def map_rllm_async_keys(async_training: Mapping[str, Any], ppo_mini_batch_size: int | None = None) -> AsyncSettings:
+    """Map rLLM's / verl's `async_training` keys (defaults as in their fully-async config) onto AsyncSettings.
+
+    verl (`recipe/fully_async_policy`, rollouter `set_max_required_samples`) and rLLM (`RolloutExecutor`) define,
+    with s = staleness_threshold, K = trigger_parameter_sync_step, R = required_samples (prompts per trainer step;
+    verl: ppo_mini_batch_size · require_batches):
+
+        max_required_samples M = int(R · (1 + s) · K)   # queued + running samples allowed in one sync period
+
+    Mapping:
+
+        batch_groups      B = R (a verl/rLLM "sample" is one prompt with its n responses, i.e. one group)
+        sync_every_steps  K = trigger_parameter_sync_step
+        max_staleness     η = floor(M / B) − 1
+                            AReaL's rule keeps started − consumed ≤ (η + 1)·B outstanding groups, verl keeps ≤ M;
+                            η is the largest value whose bound does not exceed verl's. M ≥ B·K gives η ≥ K − 1,
+                            the least that does not deadlock (check_sync_interval). s = 0 → η = K − 1;
+                            s = 0.1, K = 4 → M = 4.4·B → η = 3; s = 1, K = 2 → η = 3.
+        resume_on_abort   = partial_rollout (True: a weight push aborts running generations and the client resumes
+                            them with the new weights, so a trajectory mixes versions; False: the push waits for
+                            running generations to finish, so each trajectory has one version)
+        old_log_prob_source
+                          compute_prox_log_prob=True             → "proximal" (decoupled PPO: trainer recomputes,
+                                                                   rollout log-probs correct for the behaviour policy)
+                          use_rollout_log_probs=True, prox=False → "rollout"
+                          both False                             → "recompute"
+
+    Raises ValueError (one line naming the key) on an unknown key, a bad value, or no way to get R.
+    """
+    unknown = sorted(set(async_training) - RLLM_ASYNC_KEYS - RLLM_IGNORED_KEYS)
+    if unknown:
+        raise ValueError(f"async_training.{unknown[0]} is not a known rLLM async_training key")
+    s = float(async_training.get("staleness_threshold", 0.1))
+    if not math.isfinite(s) or s < 0:
+        raise ValueError(f"async_training.staleness_threshold must be a finite number >= 0, got {s}")
+    K = _positive_int(async_training, "trigger_parameter_sync_step", 4)
+    if async_training.get("required_samples") is not None:
+        R = _positive_int(async_training, "required_samples", None)
+    elif ppo_mini_batch_size is not None:
+        R = ppo_mini_batch_size * _positive_int(async_training, "require_batches", 1)
+        if R < 1:
+            raise ValueError(f"ppo_mini_batch_size must be >= 1, got {ppo_mini_batch_size}")
+    else:
+        raise ValueError("async_training.required_samples is missing (or give ppo_mini_batch_size × require_batches)")
+    M = int(R * (1 + s) * K)
+    eta = M // R - 1
+    use_rollout = _bool(async_training, "use_rollout_log_probs", True)
+    prox = _bool(async_training, "compute_prox_log_prob", False)
+    if prox:
+        source = OldLogProbSource.PROXIMAL
+    elif use_rollout:
+        source = OldLogProbSource.ROLLOUT
+    else:
+        source = OldLogProbSource.RECOMPUTE
+    return AsyncSettings(
+        max_staleness=eta,
+        sync_every_steps=K,
+        batch_groups=R,
+        resume_on_abort=_bool(async_training, "partial_rollout", True),
+        old_log_prob_source=source,
+    )
+
+
+def _positive_int(section: Mapping[str, Any], key: str, default: int | None) -> int:
+    value = section.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"async_training.{key} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _bool(section: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = section.get(key, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"async_training.{key} must be true or false, got {value!r}")
+    return value

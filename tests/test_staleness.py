@@ -1,0 +1,293 @@
+"""Staleness policy: the capacity rule under random schedules, the training-time check, and rLLM's key mapping."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rllm.experimental.fully_async.protocol import Sequence, Trajectory, TrajectoryGroup
+from rllm.experimental.fully_async.staleness import (
+    AsyncSettings,
+    OldLogProbSource,
+    StalenessManager,
+    check_sync_interval,
+    is_too_stale,
+    map_rllm_async_keys,
+    split_by_staleness,
+)
+
+
+class FakeVersion:
+    """The ten-line fake the Protocol is for: a version the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.version = 0
+
+    def get_version(self) -> int:
+        return self.version
+
+
+def group(prompt_uid: str, versions: list[int]) -> TrajectoryGroup:
+    seq = Sequence(
+        prompt_ids=[1],
+        response_ids=list(range(len(versions))),
+        response_logprobs=[0.0] * len(versions),
+        response_versions=versions,
+    )
+    return TrajectoryGroup(prompt_uid, [Trajectory(uid=f"{prompt_uid}/0", prompt_uid=prompt_uid, sequences=[seq])])
+
+
+# --- the capacity rule ------------------------------------------------------------------------------------------
+
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["start", "finish_ok", "finish_rejected", "consume", "discard", "bump"]),
+        st.integers(min_value=1, max_value=5),
+    ),
+    max_size=200,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    batch_groups=st.integers(1, 6),
+    max_staleness=st.integers(0, 3),
+    max_concurrent=st.one_of(st.none(), st.integers(1, 10)),
+    ops=OPS,
+)
+def test_random_schedules_never_exceed_the_budget_or_go_negative(batch_groups, max_staleness, max_concurrent, ops):
+    version = FakeVersion()
+    manager = StalenessManager(batch_groups, max_staleness, max_concurrent, version_provider=version)
+    for op, n in ops:
+        before = manager.counts()
+        try:
+            if op == "start":
+                n = min(n, manager.capacity())  # the executor's loop: start only what capacity allows
+                if n <= 0:
+                    continue
+                manager.on_start(n)
+            elif op == "finish_ok":
+                manager.on_finish(True, n)
+            elif op == "finish_rejected":
+                manager.on_finish(False, n)
+            elif op == "consume":
+                manager.on_consumed(n)
+            elif op == "discard":
+                manager.on_discarded(n)
+            else:
+                version.version += 1
+        except ValueError:
+            assert manager.counts() == before, f"a rejected {op}({n}) must change nothing"
+        c = manager.counts()
+        assert min(c.running, c.accepted, c.consumed, c.rejected, c.discarded, c.pending) >= 0
+        assert c.accepted + c.running <= (max_staleness + version.version + 1) * batch_groups
+        if max_concurrent is not None:
+            assert c.running <= max_concurrent
+        assert c.started == c.running + c.accepted + c.rejected + c.discarded
+
+
+@settings(max_examples=100, deadline=None)
+@given(batch_groups=st.integers(1, 6), ops=OPS)
+def test_with_staleness_zero_at_most_one_batch_starts_per_version(batch_groups, ops):
+    """η = 0 and nothing rejected or discarded: by version v at most (v + 1)·B groups were ever started."""
+    version = FakeVersion()
+    manager = StalenessManager(batch_groups, max_staleness=0, version_provider=version)
+    for op, n in ops:
+        if op == "start":
+            n = min(n, manager.capacity())
+            if n > 0:
+                manager.on_start(n)
+        elif op == "finish_ok" and manager.counts().running >= n:
+            manager.on_finish(True, n)
+        elif op == "consume" and manager.counts().pending >= n:
+            manager.on_consumed(n)
+        elif op == "bump":
+            version.version += 1
+        assert manager.counts().started <= (version.version + 1) * batch_groups
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    batch_groups=st.integers(1, 5),
+    sync_every=st.integers(1, 4),
+    extra_staleness=st.integers(0, 2),
+    choices=st.lists(st.sampled_from(["start", "finish", "train"]), min_size=1, max_size=300),
+)
+def test_in_order_pipeline_trains_nothing_staler_than_max_staleness_and_never_deadlocks(
+    batch_groups, sync_every, extra_staleness, choices
+):
+    """Simulated loop: engines carry the version of the last sync (every K steps); groups finish and are trained
+    in start order. Every trained group is within η, and whenever the trainer lacks a batch and nothing runs,
+    capacity is positive (progress is always possible) when η ≥ K − 1."""
+    eta = sync_every - 1 + extra_staleness
+    manager = StalenessManager(batch_groups, eta)
+    trainer_version, engine_version = 0, 0
+    running: list[int] = []  # start versions, oldest first
+    queued: list[int] = []
+    for choice in choices:
+        if choice == "start" and manager.capacity(engine_version) > 0:
+            manager.on_start()
+            running.append(engine_version)
+        elif choice == "finish" and running:
+            manager.on_finish(True)
+            queued.append(running.pop(0))
+        elif choice == "train" and len(queued) >= batch_groups:
+            batch, queued = queued[:batch_groups], queued[batch_groups:]
+            assert all(trainer_version - v <= eta for v in batch)
+            assert not split_by_staleness([group(f"p{i}", [v]) for i, v in enumerate(batch)], trainer_version, eta)[1]
+            manager.on_consumed(batch_groups)
+            trainer_version += 1
+            if trainer_version % sync_every == 0:
+                engine_version = trainer_version
+        if not running and len(queued) < batch_groups:
+            assert manager.capacity(engine_version) > 0, "the trainer waits for a batch nobody may start"
+
+
+def test_capacity_shrinks_when_version_lags_and_grows_when_it_advances():
+    manager = StalenessManager(batch_groups=4, max_staleness=1)
+    assert manager.capacity(0) == 8
+    manager.on_start(8)
+    assert manager.capacity(0) == 0
+    manager.on_finish(True, 8)
+    manager.on_consumed(4)  # trained groups keep their slot: only a new version frees budget
+    assert manager.capacity(0) == 0
+    assert manager.capacity(1) == 4
+
+
+def test_discarded_and_rejected_groups_free_their_slots():
+    manager = StalenessManager(batch_groups=2, max_staleness=0)
+    manager.on_start(2)
+    manager.on_finish(False)
+    assert manager.capacity(0) == 1
+    manager.on_finish(True)
+    manager.on_discarded(1)
+    assert manager.capacity(0) == 2
+
+
+def test_concurrency_limit_caps_capacity():
+    manager = StalenessManager(batch_groups=100, max_staleness=0, max_concurrent=3)
+    manager.on_start(2)
+    assert manager.capacity(0) == 1
+
+
+def test_impossible_transitions_raise_and_change_nothing():
+    manager = StalenessManager(batch_groups=2, max_staleness=0)
+    manager.on_start(1)
+    before = manager.counts()
+    with pytest.raises(ValueError, match="only 1 groups are running"):
+        manager.on_finish(True, 2)
+    with pytest.raises(ValueError, match="pending"):
+        manager.on_consumed(1)
+    with pytest.raises(ValueError, match="pending"):
+        manager.on_discarded(1)
+    with pytest.raises(ValueError):
+        manager.on_start(0)
+    assert manager.counts() == before
+
+
+def test_capacity_without_version_or_provider_raises():
+    with pytest.raises(ValueError, match="version_provider"):
+        StalenessManager(1, 0).capacity()
+
+
+def test_restore_resets_running_so_reissued_rollouts_are_not_counted_twice():
+    manager = StalenessManager(batch_groups=2, max_staleness=1)
+    manager.on_start(4)
+    manager.on_finish(True, 2)
+    state = manager.state_dict()
+    restored = StalenessManager(batch_groups=2, max_staleness=1)
+    restored.load_state_dict(state)
+    assert restored.counts().running == 0
+    assert restored.counts().accepted == 2
+    assert restored.capacity(0) == 2  # the two that were running can be started again
+    with pytest.raises(ValueError, match="inconsistent"):
+        restored.load_state_dict(state | {"consumed": 5})
+
+
+# --- the training-time check ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("min_version", "trainer_version", "max_staleness", "expected"),
+    [(3, 5, 2, False), (2, 5, 2, True), (5, 5, 0, False), (4, 5, 0, True), (None, 100, 0, False)],
+)
+def test_is_too_stale_compares_lag_with_max_staleness(min_version, trainer_version, max_staleness, expected):
+    assert is_too_stale(min_version, trainer_version, max_staleness) is expected
+
+
+def test_split_by_staleness_uses_the_oldest_token_of_a_resumed_trajectory():
+    resumed = group("a", [1, 1, 4])  # started at version 1, resumed after a sync to 4
+    fresh = group("b", [4, 4])
+    split = split_by_staleness([resumed, fresh], trainer_version=4, max_staleness=2)
+    assert split.fresh == [fresh]
+    assert split.too_stale == [resumed]
+
+
+# --- rLLM keys --------------------------------------------------------------------------------------------------
+
+
+def test_rllm_defaults_map_to_staleness_three_with_sync_every_four():
+    settings_ = map_rllm_async_keys({"required_samples": 128})
+    assert settings_ == AsyncSettings(
+        max_staleness=3,  # int(128 · 1.1 · 4) = 563 → 563 // 128 − 1 = 3
+        sync_every_steps=4,
+        batch_groups=128,
+        resume_on_abort=True,
+        old_log_prob_source=OldLogProbSource.ROLLOUT,
+    )
+
+
+@pytest.mark.parametrize(
+    ("threshold", "sync_step", "expected_eta"), [(0.0, 1, 0), (0.0, 4, 3), (1.0, 1, 1), (1.0, 2, 3), (0.5, 2, 2)]
+)
+def test_staleness_threshold_maps_to_the_largest_bound_within_verls(threshold, sync_step, expected_eta):
+    mapped = map_rllm_async_keys(
+        {"staleness_threshold": threshold, "trigger_parameter_sync_step": sync_step, "required_samples": 8}
+    )
+    assert mapped.max_staleness == expected_eta
+    assert (mapped.max_staleness + 1) * 8 <= int(8 * (1 + threshold) * sync_step)
+    check_sync_interval(mapped.max_staleness, mapped.sync_every_steps)  # never a deadlocking combination
+
+
+def test_required_samples_falls_back_to_verls_mini_batch_times_require_batches():
+    assert map_rllm_async_keys({"require_batches": 3}, ppo_mini_batch_size=16).batch_groups == 48
+
+
+@pytest.mark.parametrize(
+    ("keys", "expected"),
+    [
+        ({"use_rollout_log_probs": True, "compute_prox_log_prob": False}, OldLogProbSource.ROLLOUT),
+        ({"use_rollout_log_probs": True, "compute_prox_log_prob": True}, OldLogProbSource.PROXIMAL),
+        ({"use_rollout_log_probs": False, "compute_prox_log_prob": True}, OldLogProbSource.PROXIMAL),
+        ({"use_rollout_log_probs": False, "compute_prox_log_prob": False}, OldLogProbSource.RECOMPUTE),
+    ],
+)
+def test_log_prob_keys_choose_the_old_log_prob_source(keys, expected):
+    assert map_rllm_async_keys(keys | {"required_samples": 4}).old_log_prob_source is expected
+
+
+def test_partial_rollout_false_disables_resume_on_abort():
+    assert map_rllm_async_keys({"required_samples": 4, "partial_rollout": False}).resume_on_abort is False
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        ({"required_samples": 4, "staleness_treshold": 0.1}, "async_training.staleness_treshold is not a known"),
+        ({"required_samples": 4, "staleness_threshold": -0.5}, "staleness_threshold must be"),
+        ({"required_samples": 0}, "required_samples must be an integer >= 1"),
+        ({"required_samples": 4, "trigger_parameter_sync_step": 1.5}, "trigger_parameter_sync_step must be"),
+        ({"required_samples": 4, "partial_rollout": "yes"}, "partial_rollout must be true or false"),
+        ({}, "required_samples is missing"),
+    ],
+)
+def test_bad_rllm_keys_raise_one_line_naming_the_key(keys, message):
+    with pytest.raises(ValueError, match=message) as info:
+        map_rllm_async_keys(keys)
+    assert "\n" not in str(info.value)
+
+
+def test_sync_interval_longer_than_staleness_allows_is_rejected():
+    with pytest.raises(ValueError, match="raise max_staleness or sync more often"):
+        check_sync_interval(max_staleness=1, sync_every_steps=4)

@@ -1,0 +1,166 @@
+"""The addition task: tokenizer, data format, reward, model, greedy evaluation and the asset cache (small sizes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from rllm.experimental.fully_async.tasks import addition
+from rllm.experimental.fully_async.tasks.addition import (
+    DATA_SOURCE,
+    build_addition_model,
+    build_addition_tokenizer,
+    compute_score,
+    evaluate_accuracy,
+    make_problems,
+    prepare_addition_assets,
+    write_addition_parquets,
+)
+
+SMALL = {"num_train": 256, "num_val": 64, "warmup_steps": 3}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_addition_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def small_assets(tmp_path_factory):
+    return prepare_addition_assets(tmp_path_factory.mktemp("cache"), seed=0, **SMALL)
+
+
+def test_tokenizer_round_trips_and_uses_the_chat_template(tokenizer):
+    assert len(tokenizer) == 15
+    ids = tokenizer.encode("12+34=046", add_special_tokens=False)
+    assert len(ids) == 9
+    assert tokenizer.decode(ids) == "12+34=046"
+    messages = [{"role": "user", "content": "12+34="}]
+    prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert list(prompt_ids) == ids[:6]
+    assert tokenizer.decode([*ids[6:], tokenizer.eos_token_id, tokenizer.pad_token_id]) == "046<eos><pad>"
+    assert tokenizer.decode([*ids[6:], tokenizer.eos_token_id], skip_special_tokens=True) == "046"
+    assert tokenizer.decode(tokenizer.encode("1x", add_special_tokens=False)) == "1<unk>"
+
+
+def test_tokenizer_survives_save_and_from_pretrained(tokenizer, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    messages = [{"role": "user", "content": "99+01="}]
+    assert loaded.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False) == (
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    )
+    assert (loaded.pad_token_id, loaded.eos_token_id) == (0, 1)
+
+
+@pytest.mark.parametrize(
+    ("solution", "expected"),
+    [("046", 1.0), ("046<eos>", 1.0), ("046<eos>123", 1.0), ("046<pad><pad>", 1.0), ("0467", 0.0), ("46", 0.0),
+     ("", 0.0), ("047<eos>", 0.0)],
+)  # fmt: skip
+def test_reward_is_exact_match_after_eos_and_pad(solution, expected):
+    assert compute_score(DATA_SOURCE, solution, "046") == expected
+    assert compute_score(DATA_SOURCE, solution, "046", extra_info={"index": 3}) == expected
+
+
+def test_splits_are_deterministic_disjoint_and_sized():
+    train, val = make_problems(seed=0)
+    assert (len(train), len(val)) == (7000, 1000)
+    assert not set(train) & set(val)
+    assert make_problems(seed=0) == (train, val)
+    assert make_problems(seed=1)[0] != train
+    with pytest.raises(ValueError, match="10,000"):
+        make_problems(seed=0, num_train=9500, num_val=1000)
+
+
+def test_parquet_is_in_verls_rl_format(tmp_path):
+    train_path, val_path = write_addition_parquets(tmp_path, seed=3, num_train=50, num_val=10)
+    train, val = pd.read_parquet(train_path), pd.read_parquet(val_path)
+    assert {"prompt", "data_source", "reward_model", "extra_info"} <= set(train.columns)
+    first = train.iloc[0]
+    content = first["prompt"][0]["content"]
+    assert first["prompt"][0]["role"] == "user"
+    a, b = content.rstrip("=").split("+")
+    assert first["reward_model"] == {"style": "rule", "ground_truth": f"{int(a) + int(b):03d}"}
+    assert first["data_source"] == DATA_SOURCE
+    assert first["extra_info"] == {"index": 0, "split": "train"}
+    assert val.iloc[9]["extra_info"] == {"index": 9, "split": "test"}
+
+
+def test_model_is_the_calibrated_tiny_qwen2():
+    model = build_addition_model(seed=0)
+    assert model.config.model_type == "qwen2"
+    assert sum(p.numel() for p in model.parameters()) == 124_416
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied embeddings
+
+
+def test_warmup_lowers_the_answer_loss(tokenizer):
+    model = build_addition_model(seed=0)
+    train, _ = make_problems(seed=0, num_train=512, num_val=0)
+    result = addition.supervised_warmup(model, tokenizer, train, seed=0, steps=30, batch_size=64)
+    assert result.final_loss < 2.4  # a uniform guess over 15 tokens is ln 15 = 2.71
+
+
+def test_greedy_loop_matches_transformers_generate(tokenizer):
+    model = build_addition_model(seed=5).eval()
+    prompts = [tokenizer.encode(p, add_special_tokens=False) for p in ["12+34=", "99+99=", "00+07="]]
+    ours = addition.greedy_complete(model, prompts, max_new_tokens=4)
+    with torch.inference_mode():
+        reference = model.generate(
+            torch.tensor(prompts), do_sample=False, max_new_tokens=4, min_new_tokens=4, pad_token_id=0
+        )[:, 6:].tolist()
+    assert ours == reference
+
+
+def test_assets_are_a_standard_hf_folder_and_evaluate_reproduces_the_warmup_score(small_assets):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert small_assets.tokenizer_dir == small_assets.model_dir
+    assert (small_assets.model_dir / "model.safetensors").is_file()
+    AutoModelForCausalLM.from_pretrained(small_assets.model_dir)
+    assert AutoTokenizer.from_pretrained(small_assets.model_dir).eos_token_id == 1
+    assert len(pd.read_parquet(small_assets.train_parquet)) == SMALL["num_train"]
+    accuracy = evaluate_accuracy(small_assets.model_dir, small_assets.val_parquet)
+    assert accuracy == pytest.approx(small_assets.warmup_val_accuracy)
+
+
+def test_second_call_with_the_same_key_reuses_the_entry(small_assets):
+    entry = small_assets.model_dir.parent
+    stamp = (entry / "assets.json").stat().st_mtime_ns
+    again = prepare_addition_assets(entry.parent, seed=0, **SMALL)
+    assert again == small_assets
+    assert (entry / "assets.json").stat().st_mtime_ns == stamp
+    other = prepare_addition_assets(entry.parent, seed=1, **SMALL)
+    assert other.model_dir.parent != entry
+    assert sorted(p.name for p in entry.parent.iterdir() if p.name.startswith(".tmp")) == []
+
+
+def test_a_failed_build_leaves_no_entry_behind(tmp_path, monkeypatch):
+    def broken_warmup(*args, **kwargs):
+        raise RuntimeError("out of memory halfway")
+
+    monkeypatch.setattr(addition, "supervised_warmup", broken_warmup)
+    with pytest.raises(RuntimeError, match="halfway"):
+        prepare_addition_assets(tmp_path, seed=0, **SMALL)
+    assert list(Path(tmp_path).iterdir()) == []
+
+
+def test_cache_key_covers_every_setting(monkeypatch):
+    base = addition._cache_key(0, 256, 64, 3)
+    variants = {
+        addition._cache_key(1, 256, 64, 3),
+        addition._cache_key(0, 255, 64, 3),
+        addition._cache_key(0, 256, 63, 3),
+        addition._cache_key(0, 256, 64, 4),
+    }
+    monkeypatch.setattr(addition, "ASSETS_VERSION", addition.ASSETS_VERSION + 1)
+    variants.add(addition._cache_key(0, 256, 64, 3))
+    monkeypatch.setattr(addition, "MODEL_CONFIG", addition.MODEL_CONFIG | {"hidden_size": 32})
+    variants.add(addition._cache_key(0, 256, 64, 3))
+    assert len(variants) == 6
+    assert base not in variants
