@@ -1,0 +1,264 @@
+"""Start N inference-engine servers as subprocesses on free ports, wait until they are healthy, stop them.
+
+The launcher does not know which engine it starts: an `EngineCommand` builds the command line (the embedded
+engine here, SGLang in `sglang.py`), so the rollout side gets the same list of URLs either way.
+
+Processes never outlive their owner: each engine runs in its own session (process group), `stop()` sends
+SIGTERM to the group, waits, then SIGKILLs it; a failed start stops the engines already started; the context
+manager and an `atexit` hook call `stop()` too. Engine output goes to one log file per engine, whose tail is put
+into the error when an engine dies or does not become healthy in time.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import errno
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+# The directory that contains the `rllm` package, so `python -m rllm...` works in the child from any cwd.
+_PROJECT_ROOT = str(Path(__file__).resolve().parents[4])
+_BIND_RETRIES = 3  # a free port can be taken by someone else between probing and binding
+
+
+class EngineStartupError(RuntimeError):
+    """An engine exited or did not answer /health in time; the message carries its log tail."""
+
+
+class EngineCommand(Protocol):
+    """How to start engine number `index` listening on host:port."""
+
+    def build(self, host: str, port: int, index: int) -> list[str]: ...
+
+    def env(self, index: int) -> dict[str, str]: ...
+
+
+@dataclass(frozen=True)
+class EmbeddedEngineCommand:
+    """Command line of the embedded CPU engine (`engines/embedded_server.py`)."""
+
+    model_path: str
+    max_running_requests: int = 256
+    max_prefill_tokens: int = 16384
+    dtype: str = "float32"
+    seed: int = 0  # engine i samples with seed + i, so replicas do not draw identical streams
+    weight_version: str = "0"
+    num_threads: int = 0  # torch threads per engine; 0 = torch default. On a small CPU, cores / engines.
+    log_level: str = "INFO"
+    extra_args: tuple[str, ...] = ()
+    python: str = sys.executable
+
+    def build(self, host: str, port: int, index: int) -> list[str]:
+        return [
+            self.python,
+            "-m",
+            "rllm.experimental.fully_async.engines.embedded_server",
+            "--model-path",
+            str(self.model_path),
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--max-running-requests",
+            str(self.max_running_requests),
+            "--max-prefill-tokens",
+            str(self.max_prefill_tokens),
+            "--dtype",
+            self.dtype,
+            "--seed",
+            str(self.seed + index),
+            "--weight-version",
+            str(self.weight_version),
+            "--num-threads",
+            str(self.num_threads),
+            "--log-level",
+            self.log_level,
+            *self.extra_args,
+        ]
+
+    def env(self, index: int) -> dict[str, str]:
+        return {}
+
+
+@dataclass
+class EngineProcess:
+    """One started engine."""
+
+    index: int
+    host: str
+    port: int
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    command: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, max_chars: int = 3000) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "<no log>"
+        return text[-max_chars:]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free on `host` a moment ago (the engine may still lose a race for it; we retry)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+class EngineLauncher:
+    """Start `num_engines` engines, wait for /health, and stop them without leaving processes behind.
+
+    Use as a context manager (`with EngineLauncher(cmd, 2) as engines: engines.urls`) or call `start()` and
+    `stop()` yourself.
+    """
+
+    def __init__(
+        self,
+        command: EngineCommand,
+        num_engines: int = 1,
+        *,
+        host: str = "127.0.0.1",
+        startup_timeout_s: float = 120.0,
+        stop_timeout_s: float = 10.0,
+        log_dir: str | Path | None = None,
+    ) -> None:
+        if num_engines < 1:
+            raise ValueError(f"num_engines must be >= 1, got {num_engines}")
+        self.command = command
+        self.num_engines = num_engines
+        self.host = host
+        self.startup_timeout_s = startup_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.log_dir = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="rllm-engines-"))
+        self.processes: list[EngineProcess] = []
+        self._spawns: dict[int, int] = {}  # starts per engine index (port-race retries)
+
+    @property
+    def urls(self) -> list[str]:
+        return [p.url for p in self.processes]
+
+    def __enter__(self) -> EngineLauncher:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def start(self) -> list[str]:
+        """Start every engine and wait until all are healthy; returns their URLs. Stops all of them on failure."""
+        if self.processes:
+            raise RuntimeError("engines already started; stop() them first")
+        self._spawns = {}
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        atexit.register(self.stop)
+        try:
+            self.processes = [self._spawn(i) for i in range(self.num_engines)]
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        logger.info("started %d engine(s): %s", len(self.processes), ", ".join(self.urls))
+        return self.urls
+
+    def stop(self) -> None:
+        """Stop every engine: SIGTERM to its process group, then SIGKILL after `stop_timeout_s`."""
+        processes, self.processes = self.processes, []
+        for proc in processes:
+            _signal_group(proc.process, signal.SIGTERM)
+        deadline = time.monotonic() + self.stop_timeout_s
+        for proc in processes:
+            try:
+                proc.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("engine %s (pid %d) ignored SIGTERM; killing its process group", proc.url, proc.pid)
+            # Also reap anything the engine left in its group (e.g. workers), even after a clean exit.
+            _signal_group(proc.process, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.process.wait(timeout=self.stop_timeout_s)
+        atexit.unregister(self.stop)
+
+    def _spawn(self, index: int) -> EngineProcess:
+        self._spawns[index] = self._spawns.get(index, 0) + 1
+        port = free_port(self.host)
+        cmd = self.command.build(self.host, port, index)
+        env = {**os.environ, **self.command.env(index)}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PROJECT_ROOT, env.get("PYTHONPATH", "")) if p)
+        log_path = self.log_dir / f"engine-{index}-{port}.log"
+        with open(log_path, "wb") as log:
+            # start_new_session: the engine leads its own process group, so stop() can kill all it spawned.
+            process = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+            )
+        logger.info("engine %d: pid %d on %s:%d (log %s)", index, process.pid, self.host, port, log_path)
+        return EngineProcess(index, self.host, port, process, log_path, cmd)
+
+    def _wait_healthy(self) -> None:
+        """Poll /health of every engine until all answer 200, one exits, or the startup timeout passes."""
+        deadline = time.monotonic() + self.startup_timeout_s
+        pending = set(range(len(self.processes)))
+        with httpx.Client(timeout=httpx.Timeout(2.0)) as http:
+            while pending:
+                for i in sorted(pending):
+                    proc = self.processes[i]
+                    if not proc.alive():
+                        self.processes[i] = self._respawn_after_exit(proc)
+                        continue
+                    try:
+                        if http.get(f"{proc.url}/health").status_code == 200:
+                            pending.discard(i)
+                    except httpx.TransportError:
+                        pass  # not listening yet
+                if not pending:
+                    break
+                if time.monotonic() > deadline:
+                    stuck = [self.processes[i] for i in sorted(pending)]
+                    details = "; ".join(f"{p.url} (pid {p.pid}) log tail:\n{p.log_tail()}" for p in stuck)
+                    raise EngineStartupError(
+                        f"timed out after {self.startup_timeout_s:.0f}s waiting for /health of {len(pending)} "
+                        f"engine(s): {details}"
+                    )
+                # A readiness probe of another process: there is no event to wait on, so poll gently.
+                time.sleep(0.2)
+
+    def _respawn_after_exit(self, proc: EngineProcess) -> EngineProcess:
+        tail = proc.log_tail()
+        lost_port_race = "address already in use" in tail.lower() or f"[errno {errno.EADDRINUSE}]" in tail.lower()
+        if lost_port_race and self._spawns.get(proc.index, 0) <= _BIND_RETRIES:
+            logger.warning("engine %d lost port %d to another process; retrying on a new port", proc.index, proc.port)
+            return self._spawn(proc.index)
+        raise EngineStartupError(
+            f"engine {proc.index} ({proc.url}, pid {proc.pid}) exited with code {proc.process.returncode} before "
+            f"becoming healthy; command: {' '.join(proc.command)}\nlog tail:\n{tail}"
+        )
+
+
+def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    """Signal the process group led by `process` (ignoring groups that are already gone)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, sig)

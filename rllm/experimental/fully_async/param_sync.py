@@ -1,0 +1,311 @@
+"""ParamSync: push the trainer's new weights to every engine - write, pause(abort), load, continue.
+
+    sync(write_weights, v):  stage (trainer writes weights; engines keep generating)
+                             -> pause(mode=abort) all engines   (in-flight requests return; clients re-send,
+                                                                 engines hold the re-sent requests)
+                             -> each engine loads the staged weights as weight_version str(v)
+                             -> continue all engines             (held requests start on version v)
+
+The paused window (`SyncReport.pause_s`) is only the load, because writing happens before the pause. Engines are
+always continued, also when a load fails or an engine is dead, so nothing stays paused; the failure is then
+raised as `SyncError`, naming each failing engine URL and the version being pushed. Every engine call has a
+timeout, and the whole sync has an overall guard.
+
+How weights travel is a `WeightTransport`: `DiskTransport` (a shared directory of HF safetensors folders, via
+SGLang's `/update_weights_from_disk`) is implemented here; an NCCL transport (trainer broadcasts buckets while
+engines receive through `/init_weights_update_group` + `/update_weights_from_distributed`) fits the same
+three-method seam and is a later issue.
+
+The trainer's code is synchronous (a Ray actor), so `ParamSync` runs its `EngineClient` on a private event
+loop in a daemon thread and `sync()` blocks. It knows nothing of Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+from rllm.experimental.fully_async.client import EngineClient
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class StagedWeights:
+    """Weights ready to be loaded by engines: where they are and how big (for the transfer-rate metrics)."""
+
+    version: int
+    location: str  # disk: the folder engines load; other transports: whatever their load step needs
+    nbytes: int
+
+
+class WeightTransport(Protocol):
+    """How new weights get from the trainer to the engines (the seam for an NCCL transport)."""
+
+    def stage(self, write_weights: Callable[[str], None], version: int) -> StagedWeights:
+        """Trainer side, before engines pause: make `version` loadable (e.g. write it to disk)."""
+        ...
+
+    async def load(self, client: EngineClient, url: str, staged: StagedWeights, *, timeout_s: float) -> None:
+        """Engine side, while paused: make engine `url` serve `staged` as weight_version str(version)."""
+        ...
+
+    def release(self, staged: StagedWeights, engine_versions: dict[str, int | None]) -> None:
+        """After the sync: free what no engine needs any more (`engine_versions`: what each engine serves)."""
+        ...
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    """What one sync did and how long each part took (seconds)."""
+
+    version: int
+    write_s: float  # staging (trainer writes weights); engines still generating
+    pause_s: float  # engines paused: first pause sent .. last continue acknowledged
+    update_s: float  # loading on all engines (inside the paused window)
+    total_s: float
+    num_engines: int
+    nbytes: int
+    location: str
+
+
+class SyncError(RuntimeError):
+    """A sync failed on some engines; live engines were resumed. `failures` maps engine URL -> reason."""
+
+    def __init__(self, version: int, failures: dict[str, str], updated: list[str]) -> None:
+        lines = "; ".join(f"{url}: {reason}" for url, reason in failures.items())
+        super().__init__(
+            f"weight sync to version {version} failed on {len(failures)} engine(s): {lines}. "
+            f"Updated: {updated or 'none'}; every reachable engine was resumed."
+        )
+        self.version, self.failures, self.updated = version, failures, updated
+
+
+_VERSION_DIR = re.compile(r"^v(\d+)$")
+
+
+@dataclass
+class DiskTransport:
+    """Weights as HF safetensors folders `<root>/v<version>` that every engine can read (shared filesystem).
+
+    Folders are written under a temporary name and renamed, so an engine never sees a half-written folder.
+    After each sync the newest `keep` folders and any folder an engine still serves are kept; older ones are
+    deleted. On a multi-host cluster `root` must be on storage all engine hosts mount.
+    """
+
+    root: Path
+    keep: int = 2
+
+    def __post_init__(self) -> None:
+        self.root = Path(self.root)
+        if self.keep < 1:
+            raise ValueError(f"keep must be >= 1, got {self.keep}")
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path_for(self, version: int) -> Path:
+        return self.root / f"v{version}"
+
+    def stage(self, write_weights: Callable[[str], None], version: int) -> StagedWeights:
+        final = self.path_for(version)
+        tmp = self.root / f".tmp-v{version}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            write_weights(str(tmp))
+            files = [p for p in tmp.rglob("*") if p.is_file()]
+            if not any(p.suffix == ".safetensors" for p in files):
+                raise ValueError(f"write_weights wrote no .safetensors file into {tmp} for version {version}")
+            nbytes = sum(p.stat().st_size for p in files)
+            if final.exists():  # re-pushing a version (e.g. after a failed sync): replace it
+                shutil.rmtree(final)
+            tmp.rename(final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return StagedWeights(version=version, location=str(final), nbytes=nbytes)
+
+    async def load(self, client: EngineClient, url: str, staged: StagedWeights, *, timeout_s: float) -> None:
+        await client.update_weights_from_disk(
+            url, staged.location, weight_version=str(staged.version), flush_cache=True, timeout_s=timeout_s
+        )
+
+    def release(self, staged: StagedWeights, engine_versions: dict[str, int | None]) -> None:
+        versions = sorted(
+            (int(m.group(1)) for p in self.root.iterdir() if p.is_dir() and (m := _VERSION_DIR.match(p.name))),
+            reverse=True,
+        )
+        in_use = {v for v in engine_versions.values() if v is not None}
+        for version in versions[self.keep :]:
+            if version not in in_use:
+                shutil.rmtree(self.path_for(version), ignore_errors=True)
+                logger.debug("deleted weight folder %s", self.path_for(version))
+
+
+@dataclass
+class _Outcome:
+    failures: dict[str, str] = field(default_factory=dict)
+    updated: list[str] = field(default_factory=list)
+    paused_at: float = 0.0
+    resumed_at: float = 0.0
+    update_s: float = 0.0
+
+
+class ParamSync:
+    """Blocking pause-push-resume weight sync to a fixed set of engines (see the module docstring).
+
+    Timeouts: `pause_timeout_s` per pause call, `update_timeout_s` per engine load, `continue_timeout_s` per
+    continue call; `sync()` additionally gives up after their sum plus a margin.
+    """
+
+    def __init__(
+        self,
+        engine_urls: list[str],
+        transport: WeightTransport,
+        *,
+        pause_timeout_s: float = 60.0,
+        update_timeout_s: float = 600.0,
+        continue_timeout_s: float = 60.0,
+        connect_retries: int = 2,
+    ) -> None:
+        if not engine_urls:
+            raise ValueError("ParamSync needs at least one engine URL")
+        self.engine_urls = [u.rstrip("/") for u in engine_urls]
+        self.transport = transport
+        self.pause_timeout_s = pause_timeout_s
+        self.update_timeout_s = update_timeout_s
+        self.continue_timeout_s = continue_timeout_s
+        # What each engine serves, as far as this object knows (None: unknown, e.g. after a failed update).
+        self.engine_versions: dict[str, int | None] = dict.fromkeys(self.engine_urls)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="param-sync-loop", daemon=True)
+        self._thread.start()
+        self._client = EngineClient(
+            self.engine_urls,
+            admin_timeout_s=max(pause_timeout_s, continue_timeout_s),
+            connect_retries=connect_retries,
+            # ParamSync addresses each engine itself; dead-marking is the rollout client's business.
+            dead_after_failures=1 << 30,
+        )
+        self._closed = False
+        self._sync_lock = threading.Lock()  # one sync at a time: versions must reach engines in order
+
+    def __enter__(self) -> ParamSync:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the HTTP session and stop the private event loop (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            self._run(self._client.aclose(), timeout_s=10.0, what="closing the HTTP session")
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10.0)
+        self._loop.close()
+
+    def _run(self, coro: Coroutine[Any, Any, T], *, timeout_s: float, what: str) -> T:
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout=timeout_s)
+        except TimeoutError as exc:
+            future.cancel()
+            raise TimeoutError(f"timed out after {timeout_s:.0f}s {what}") from exc
+
+    def sync(self, write_weights: Callable[[str], None], new_version: int) -> SyncReport:
+        """Write the weights with `write_weights(path)`, then pause, load as `new_version`, and resume all engines.
+
+        Raises SyncError (engines resumed) if any engine fails; the error names the engines and the version.
+        """
+        with self._sync_lock:
+            return self._sync(write_weights, new_version)
+
+    def _sync(self, write_weights: Callable[[str], None], new_version: int) -> SyncReport:
+        if self._closed:
+            raise RuntimeError("ParamSync is closed")
+        start = time.perf_counter()
+        staged = self.transport.stage(write_weights, new_version)
+        write_s = time.perf_counter() - start
+        guard_s = self.pause_timeout_s + self.update_timeout_s + self.continue_timeout_s + 30.0
+        outcome = self._run(self._push(staged), timeout_s=guard_s, what=f"syncing weights version {new_version}")
+        self.transport.release(staged, self.engine_versions)
+        if outcome.failures:
+            raise SyncError(new_version, outcome.failures, outcome.updated)
+        report = SyncReport(
+            version=new_version,
+            write_s=write_s,
+            pause_s=outcome.resumed_at - outcome.paused_at,
+            update_s=outcome.update_s,
+            total_s=time.perf_counter() - start,
+            num_engines=len(self.engine_urls),
+            nbytes=staged.nbytes,
+            location=staged.location,
+        )
+        logger.info(
+            "weights v%d synced to %d engine(s): write %.3fs, paused %.3fs (load %.3fs), total %.3fs, %.1f MB",
+            new_version,
+            report.num_engines,
+            report.write_s,
+            report.pause_s,
+            report.update_s,
+            report.total_s,
+            report.nbytes / 1e6,
+        )
+        return report
+
+    async def _push(self, staged: StagedWeights) -> _Outcome:
+        out = _Outcome()
+        client = self._client
+        out.paused_at = time.perf_counter()
+        try:
+            paused = await self._on_all(
+                self.engine_urls, lambda u: client.pause_generation(u, "abort", timeout_s=self.pause_timeout_s), out
+            )
+            load_start = time.perf_counter()
+            out.updated = await self._on_all(
+                paused, lambda u: self.transport.load(client, u, staged, timeout_s=self.update_timeout_s), out
+            )
+            out.update_s = time.perf_counter() - load_start
+            for url in out.updated:
+                self.engine_versions[url] = staged.version
+            for url in set(paused) - set(out.updated):
+                self.engine_versions[url] = None
+        finally:
+            # Continue every engine, not only those whose pause answered: a pause may have landed even if its
+            # answer was lost. Shielded so a cancelled sync still resumes them.
+            await asyncio.shield(
+                self._on_all(
+                    self.engine_urls,
+                    lambda u: client.continue_generation(u, timeout_s=self.continue_timeout_s),
+                    out,
+                )
+            )
+            out.resumed_at = time.perf_counter()
+        return out
+
+    @staticmethod
+    async def _on_all(urls: list[str], call: Callable[[str], Coroutine[Any, Any, Any]], out: _Outcome) -> list[str]:
+        """Run `call` on every URL concurrently; record failures in `out`, return the URLs that succeeded."""
+        results = await asyncio.gather(*(call(u) for u in urls), return_exceptions=True)
+        ok = []
+        for url, res in zip(urls, results, strict=True):
+            if isinstance(res, asyncio.CancelledError):
+                raise res
+            if isinstance(res, BaseException):
+                out.failures.setdefault(url, f"{type(res).__name__}: {res}")
+            else:
+                ok.append(url)
+        return ok

@@ -1,0 +1,198 @@
+"""EngineClient against real embedded-engine processes: routing, partial-rollout resume, failures, timeouts."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import build_tiny_qwen2
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from rllm.experimental.fully_async.client import (
+    EngineClient,
+    EngineTimeoutError,
+    GenerationResult,
+    NoHealthyEngineError,
+)
+from rllm.experimental.fully_async.engines import EmbeddedEngineCommand, EngineLauncher
+
+pytestmark = pytest.mark.timeout(180)
+
+LOGPROB_TOL = 1e-4
+LONG = {"temperature": 1.0, "max_new_tokens": 200, "ignore_eos": True}
+
+
+def sharpen(src: Path, dst: Path, seed: int) -> Path:
+    """Copy an HF model with its matrices redrawn from N(0, 0.3), so two models' log-probs clearly differ."""
+    model = AutoModelForCausalLM.from_pretrained(src)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+    model.save_pretrained(dst)
+    return dst
+
+
+def reference_logprobs(model: PreTrainedModel, prompt: list[int], output: list[int]) -> list[float]:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return [logprobs[len(prompt) - 1 + i, tok].item() for i, tok in enumerate(output)]
+
+
+def max_abs_diff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b)
+    return max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
+
+
+async def wait_for_running(client: EngineClient, url: str, n: int, timeout_s: float = 30.0) -> None:
+    """Poll the engine's counters (another process: nothing to wait on) until n requests are decoding."""
+    deadline = time.monotonic() + timeout_s
+    while (await client.get_server_info(url))["engine_stats"]["num_running"] < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s}s waiting for {n} running requests on {url}")
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Reference passes here are tiny; one thread avoids thrashing against the engines on a 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("client_models")
+    path_a = sharpen(tiny_model_dir, root / "a", seed=10)
+    path_b = sharpen(build_tiny_qwen2(root / "b_base", seed=1), root / "b", seed=11)
+    return {
+        "a": (path_a, AutoModelForCausalLM.from_pretrained(path_a).eval()),
+        "b": (path_b, AutoModelForCausalLM.from_pretrained(path_b).eval()),
+    }
+
+
+@pytest.fixture(scope="module")
+def engine_launcher(models, tmp_path_factory):
+    """Two engines serving model A."""
+    cmd = EmbeddedEngineCommand(str(models["a"][0]), max_running_requests=64, num_threads=1)
+    with EngineLauncher(cmd, 2, log_dir=tmp_path_factory.mktemp("client_engine_logs")) as launcher:
+        yield launcher
+
+
+@pytest.fixture(scope="module")
+def engines(engine_launcher):
+    return engine_launcher.urls
+
+
+def test_result_has_aligned_tokens_logprobs_and_versions(engines, models):
+    async def run() -> GenerationResult:
+        async with EngineClient(engines) as client:
+            return await client.generate([3, 4, 5], {"temperature": 1.0, "max_new_tokens": 30, "ignore_eos": True})
+
+    result = asyncio.run(run())
+    assert len(result.output_ids) == len(result.logprobs) == len(result.versions) == 30
+    assert result.versions == [0] * 30
+    assert result.finish_reason == "length" and result.num_resumes == 0 and result.prompt_tokens == 3
+    assert max_abs_diff(result.logprobs, reference_logprobs(models["a"][1], [3, 4, 5], result.output_ids)) < 1e-4
+    seq = result.to_sequence([3, 4, 5])
+    assert seq.response_versions == result.versions and seq.min_version == 0
+
+
+def test_requests_are_spread_over_engines_by_load(engines):
+    async def run() -> dict[str, int]:
+        async with EngineClient(engines) as client:
+            before = {u: (await client.get_server_info(u))["engine_stats"]["requests_finished"] for u in engines}
+            await asyncio.gather(
+                *(client.generate([2 + i], {"max_new_tokens": 20, "ignore_eos": True}) for i in range(16))
+            )
+            assert client.in_flight() == dict.fromkeys(engines, 0)
+            return {
+                u: (await client.get_server_info(u))["engine_stats"]["requests_finished"] - before[u] for u in engines
+            }
+
+    served = asyncio.run(run())
+    assert sum(served.values()) == 16
+    assert min(served.values()) >= 6, f"least-loaded routing should split 16 requests about evenly: {served}"
+
+
+def test_aborted_generation_is_resumed_across_a_weight_update_and_stitched(engines, models):
+    """Pause mid-generation, update to model B as version 1, continue: one stitched sequence, two versions."""
+    url = engines[0]
+    (path_a, model_a), (path_b, model_b) = models["a"], models["b"]
+    prompt = [5, 6, 7]
+
+    async def run() -> GenerationResult:
+        async with EngineClient([url]) as client:
+            task = asyncio.ensure_future(client.generate(prompt, LONG))
+            await wait_for_running(client, url, 1)
+            await client.pause_generation(url, "abort")
+            await client.update_weights_from_disk(url, str(path_b), weight_version="1")
+            await client.continue_generation(url)
+            result = await asyncio.wait_for(task, 60)
+            await client.update_weights_from_disk(url, str(path_a), weight_version="0")  # restore for other tests
+            return result
+
+    result = asyncio.run(run())
+    assert result.finish_reason == "length" and result.num_resumes == 1
+    assert len(result.output_ids) == len(result.logprobs) == len(result.versions) == 200
+    split = result.versions.index(1)
+    assert 0 < split < 200 and result.versions == [0] * split + [1] * (200 - split)
+    # Old tokens are model A's; tokens after the update are model B's, conditioned on everything before them.
+    ref_a = reference_logprobs(model_a, prompt, result.output_ids)
+    ref_b = reference_logprobs(model_b, prompt, result.output_ids)
+    assert max_abs_diff(result.logprobs[:split], ref_a[:split]) < LOGPROB_TOL
+    assert max_abs_diff(result.logprobs[split:], ref_b[split:]) < LOGPROB_TOL
+    assert max_abs_diff(result.logprobs[split:], ref_a[split:]) > 1e-2
+
+
+def test_a_paused_engine_that_outlasts_the_request_timeout_raises_a_clear_error(engines):
+    url = engines[1]
+
+    async def run() -> None:
+        async with EngineClient([url], request_timeout_s=0.5) as client:
+            await client.pause_generation(url, "abort")
+            try:
+                with pytest.raises(EngineTimeoutError, match=rf"{url}/generate did not answer within 0.5s"):
+                    await client.generate([3], {"max_new_tokens": 4})
+            finally:
+                await client.continue_generation(url)
+            result = await client.generate([3], {"max_new_tokens": 4, "ignore_eos": True})
+            assert len(result.output_ids) == 4
+
+    asyncio.run(run())
+
+
+# Keep this test last in the module: it SIGKILLs the module's engines (saving two engine start-ups); the
+# fixture's teardown copes with dead processes.
+def test_killed_engine_is_routed_around_and_only_an_empty_fleet_raises(engine_launcher):
+    victim, survivor = engine_launcher.processes
+
+    async def run() -> None:
+        async with EngineClient(engine_launcher.urls, backoff_base_s=0.01, request_timeout_s=60) as client:
+            # Both engines busy; SIGKILL one mid-generation: its requests finish on the other.
+            tasks = [asyncio.ensure_future(client.generate([2 + i], LONG)) for i in range(6)]
+            await wait_for_running(client, victim.url, 1)
+            os.kill(victim.pid, signal.SIGKILL)
+            results = await asyncio.gather(*tasks)
+            assert all(len(r.output_ids) == len(r.logprobs) == len(r.versions) == 200 for r in results)
+            assert sum(r.num_retries for r in results) >= 1
+            assert await client.health() == {victim.url: False, survivor.url: True}
+            assert client.alive_urls == [survivor.url]
+            more = await asyncio.gather(*(client.generate([3], {"max_new_tokens": 5}) for _ in range(4)))
+            assert all(r.output_ids for r in more)
+
+            os.kill(survivor.pid, signal.SIGKILL)
+            with pytest.raises(NoHealthyEngineError) as err:
+                await client.generate([3], {"max_new_tokens": 5})
+            assert victim.url in str(err.value) and survivor.url in str(err.value)
+
+    asyncio.run(run())

@@ -1,0 +1,567 @@
+"""The embedded engine, through its HTTP API, in a real subprocess on loopback.
+
+Reference numbers come from `transformers` in this process: greedy `generate` for tokens, a full forward pass
+for log-probs. The fixture model is re-initialised with larger weights ("sharpened") because the random tiny
+model echoes its last token, which would make token-equality checks vacuous.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from conftest import build_tiny_qwen2
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+
+from rllm.experimental.fully_async.engines import (
+    EmbeddedEngineCommand,
+    EngineLauncher,
+    EngineStartupError,
+    SGLangEngineCommand,
+)
+from rllm.experimental.fully_async.engines.model_runner import ModelRunner, load_model
+from rllm.experimental.fully_async.engines.sampling import SamplingParams
+
+pytestmark = pytest.mark.timeout(180)
+
+EOS = 1
+LOGPROB_TOL = 1e-4
+
+
+def sharpen(src: Path, dst: Path, seed: int) -> Path:
+    """Copy an HF model with its matrices redrawn from N(0, 0.3): varied, non-degenerate greedy outputs."""
+    model = AutoModelForCausalLM.from_pretrained(src)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+    model.save_pretrained(dst)
+    return dst
+
+
+def reference_logprobs(
+    model: PreTrainedModel, prompt: list[int], output: list[int], temperature: float = 1.0
+) -> list[float]:
+    """log_softmax(logits / T) of each output token under `model`, from one forward pass over prompt + output."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0].float()
+    logprobs = torch.log_softmax(logits / temperature, dim=-1)
+    return [logprobs[len(prompt) - 1 + i, tok].item() for i, tok in enumerate(output)]
+
+
+def greedy_tokens(model: PreTrainedModel, prompt: list[int], n: int) -> list[int]:
+    """Argmax continuation of `prompt` for exactly n tokens (no eos handling), one full forward per token."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+def max_abs_diff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b)
+    return max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str, interval_s: float = 0.02) -> None:
+    """Poll another process's state (there is no event to wait on) until `predicate()` or fail naming `what`."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(interval_s)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Reference passes here are tiny; one thread avoids thrashing against the engines on a 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dir, tmp_path_factory):
+    """Two different sharpened tiny Qwen2 folders (A serves at start, B is the update) and their HF models."""
+    root = tmp_path_factory.mktemp("engine_models")
+    path_a = sharpen(tiny_model_dir, root / "a", seed=10)
+    path_b = sharpen(build_tiny_qwen2(root / "b_base", seed=1), root / "b", seed=11)
+    model_a = AutoModelForCausalLM.from_pretrained(path_a).eval()
+    model_b = AutoModelForCausalLM.from_pretrained(path_b).eval()
+    return {"a": (path_a, model_a), "b": (path_b, model_b)}
+
+
+@pytest.fixture(scope="module")
+def engine(models, tmp_path_factory):
+    """One engine process serving model A (stopped at the end of the module)."""
+    cmd = EmbeddedEngineCommand(str(models["a"][0]), max_running_requests=64, num_threads=1, seed=3)
+    with EngineLauncher(cmd, 1, log_dir=tmp_path_factory.mktemp("engine_logs")) as launcher:
+        yield launcher.urls[0]
+
+
+def post(url: str, path: str, payload: dict, timeout: float = 60.0) -> httpx.Response:
+    return httpx.post(f"{url}{path}", json=payload, timeout=timeout)
+
+
+def stats(url: str) -> dict:
+    return httpx.get(f"{url}/get_server_info", timeout=10).json()["engine_stats"]
+
+
+async def generate_many(url: str, payloads: list[dict], timeout: float = 120.0) -> list[dict]:
+    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=256)) as http:
+        responses = await asyncio.gather(*(http.post(f"{url}/generate", json=p) for p in payloads))
+    for r in responses:
+        r.raise_for_status()
+    return [r.json() for r in responses]
+
+
+def logprobs_of(response: dict) -> list[float]:
+    entries = response["meta_info"]["output_token_logprobs"]
+    assert [e[1] for e in entries] == response["output_ids"]
+    return [e[0] for e in entries]
+
+
+# Mixed lengths; under model A the greedy continuations of [8], [27] and [20] hit eos within 24 tokens.
+PROMPTS = [[3, 4, 5], [7, 8, 9, 10, 11, 12, 13], [8], list(range(5, 18)), [27], [9] * 5, [20]]
+
+
+# ---------------------------------------------------------------- correctness against transformers
+def test_greedy_output_matches_transformers_generate_and_logprobs_match_forward(engine, models):
+    _, model_a = models["a"]
+    payloads = [
+        {"input_ids": p, "sampling_params": {"temperature": 0, "max_new_tokens": 24}, "return_logprob": True}
+        for p in PROMPTS
+    ]
+    # Sent concurrently, so the engine pads and batches them; the reference runs each prompt alone.
+    responses = asyncio.run(generate_many(engine, payloads))
+    finish_types = set()
+    for prompt, resp in zip(PROMPTS, responses, strict=True):
+        ref = model_a.generate(
+            torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=EOS, pad_token_id=0
+        )[0, len(prompt) :].tolist()
+        assert resp["output_ids"] == ref, f"prompt {prompt}"
+        ftype = resp["meta_info"]["finish_reason"]["type"]
+        finish_types.add(ftype)
+        assert ftype == ("stop" if ref[-1] == EOS else "length")
+        assert resp["meta_info"]["completion_tokens"] == len(ref)
+        assert resp["meta_info"]["prompt_tokens"] == len(prompt)
+        assert resp["meta_info"]["weight_version"] == "0"
+        assert max_abs_diff(logprobs_of(resp), reference_logprobs(model_a, prompt, ref)) < LOGPROB_TOL
+    assert finish_types == {"stop", "length"}, "the prompts should exercise both eos and length endings"
+
+
+def test_sampled_logprobs_are_those_of_the_temperature_scaled_distribution(engine, models):
+    _, model_a = models["a"]
+    temperature = 0.7
+    payloads = [
+        {
+            "input_ids": p,
+            "sampling_params": {"temperature": temperature, "top_p": 0.9, "top_k": 20, "max_new_tokens": 20},
+            "return_logprob": True,
+        }
+        for p in PROMPTS
+    ]
+    for prompt, resp in zip(PROMPTS, asyncio.run(generate_many(engine, payloads)), strict=True):
+        out = resp["output_ids"]
+        assert out
+        expected = reference_logprobs(model_a, prompt, out, temperature)
+        assert max_abs_diff(logprobs_of(resp), expected) < LOGPROB_TOL
+        # ...and not those of the untempered distribution.
+        assert max_abs_diff(logprobs_of(resp), reference_logprobs(model_a, prompt, out, 1.0)) > 1e-3
+
+
+def test_stop_token_ids_end_generation_unless_ignore_eos(engine, models):
+    _, model_a = models["a"]
+    prompt = PROMPTS[1]
+    expected = greedy_tokens(model_a, prompt, 24)
+    stop_at = expected[3]  # a token the model emits 4th
+    cut = next(i for i, tok in enumerate(expected) if tok in (stop_at, EOS)) + 1
+    params = {"temperature": 0, "max_new_tokens": 24, "stop_token_ids": [stop_at]}
+    resp = post(engine, "/generate", {"input_ids": prompt, "sampling_params": params}).json()
+    assert resp["output_ids"] == expected[:cut]
+    assert resp["meta_info"]["finish_reason"] == {"type": "stop", "matched": expected[cut - 1]}
+    # ignore_eos also disables stop_token_ids (SGLang's check_finished).
+    params |= {"ignore_eos": True}
+    resp = post(engine, "/generate", {"input_ids": prompt, "sampling_params": params}).json()
+    assert resp["output_ids"] == expected
+    assert resp["meta_info"]["finish_reason"] == {"type": "length", "length": 24}
+
+
+def test_batch_request_returns_one_result_per_prompt(engine):
+    body = {
+        "input_ids": PROMPTS[:3],
+        "sampling_params": [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in (1, 5, 9)],
+        "rid": ["r-a", "r-b", "r-c"],
+    }
+    resp = post(engine, "/generate", body).json()
+    assert [len(r["output_ids"]) for r in resp] == [1, 5, 9]
+    assert [r["meta_info"]["id"] for r in resp] == ["r-a", "r-b", "r-c"]
+    assert all("output_token_logprobs" not in r["meta_info"] for r in resp)
+
+
+# ---------------------------------------------------------------- batching
+def test_64_concurrent_requests_of_mixed_lengths_share_forward_passes(engine):
+    before = stats(engine)
+    lengths = [1 + (i * 37) % 48 for i in range(64)]
+    payloads = [
+        {
+            "input_ids": [2 + i % 29] * (1 + i % 11),
+            "sampling_params": {"temperature": 1.0, "max_new_tokens": n, "ignore_eos": True},
+            "return_logprob": True,
+        }
+        for i, n in enumerate(lengths)
+    ]
+    responses = asyncio.run(generate_many(engine, payloads))
+    assert [len(r["output_ids"]) for r in responses] == lengths
+    assert all(len(logprobs_of(r)) == n for r, n in zip(responses, lengths, strict=True))
+    after = stats(engine)
+    tokens = after["generated_tokens"] - before["generated_tokens"]
+    passes = after["forward_passes"] - before["forward_passes"]
+    assert tokens == sum(lengths)
+    # One request at a time would need one pass per token; shared passes need about max(lengths) + prefills.
+    assert passes * 4 < tokens, f"{passes} forward passes for {tokens} tokens: requests were not batched"
+    assert after["max_running_seen"] > 8
+
+
+# ---------------------------------------------------------------- pause / abort / continue
+def test_pause_abort_returns_partial_output_and_holds_new_requests_until_continue(engine):
+    long_params = {"temperature": 1.0, "max_new_tokens": 240, "ignore_eos": True}
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(timeout=60) as http:
+            first = asyncio.ensure_future(
+                http.post(f"{engine}/generate", json={"input_ids": [4, 5, 6], "sampling_params": long_params})
+            )
+            await asyncio.to_thread(wait_until, lambda: stats(engine)["num_running"] == 1, 30, "the request to run")
+            await http.post(f"{engine}/pause_generation", json={"mode": "abort"})
+            partial = (await asyncio.wait_for(first, 30)).json()
+            assert partial["meta_info"]["finish_reason"]["type"] == "abort"
+            assert 0 < len(partial["output_ids"]) < 240
+
+            held = asyncio.ensure_future(
+                http.post(f"{engine}/generate", json={"input_ids": [4, 5, 6], "sampling_params": long_params})
+            )
+            await asyncio.to_thread(wait_until, lambda: stats(engine)["paused"] == "abort", 10, "pause")
+            done, _ = await asyncio.wait([held], timeout=0.5)
+            assert not done, "a request sent while paused must wait for /continue_generation"
+            assert stats(engine)["num_running"] == 0
+            await http.post(f"{engine}/continue_generation", json={})
+            resumed = (await asyncio.wait_for(held, 30)).json()
+            assert resumed["meta_info"]["finish_reason"]["type"] == "length"
+            assert len(resumed["output_ids"]) == 240
+
+    asyncio.run(scenario())
+
+
+def test_abort_request_by_rid_ends_only_that_request(engine):
+    params = {"temperature": 1.0, "max_new_tokens": 240, "ignore_eos": True}
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(timeout=60) as http:
+            victim = asyncio.ensure_future(
+                http.post(f"{engine}/generate", json={"input_ids": [3], "sampling_params": params, "rid": "victim"})
+            )
+            other = asyncio.ensure_future(
+                http.post(f"{engine}/generate", json={"input_ids": [3], "sampling_params": params, "rid": "other"})
+            )
+            await asyncio.to_thread(wait_until, lambda: stats(engine)["num_running"] == 2, 30, "both requests")
+            await http.post(f"{engine}/abort_request", json={"rid": "victim"})
+            aborted, finished = (await victim).json(), (await other).json()
+            assert aborted["meta_info"]["finish_reason"]["type"] == "abort"
+            assert finished["meta_info"]["finish_reason"]["type"] == "length"
+            assert len(finished["output_ids"]) == 240
+
+    asyncio.run(scenario())
+
+
+def test_a_client_that_disconnects_frees_its_row(engine):
+    """The handler is cancelled on disconnect, so an abandoned request stops occupying the batch."""
+    params = {"temperature": 1.0, "max_new_tokens": 240, "ignore_eos": True}
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(timeout=2.0) as impatient:
+            request = asyncio.ensure_future(
+                impatient.post(f"{engine}/generate", json={"input_ids": [3], "sampling_params": params})
+            )
+            await asyncio.to_thread(wait_until, lambda: stats(engine)["num_running"] == 1, 30, "the request to run")
+            post(engine, "/pause_generation", {"mode": "in_place"})  # keeps it running but never finishing
+            try:
+                with pytest.raises(httpx.ReadTimeout):
+                    await request
+                await asyncio.to_thread(
+                    wait_until, lambda: stats(engine)["num_running"] == 0, 10, "the abandoned row to be dropped"
+                )
+            finally:
+                post(engine, "/continue_generation", {})
+
+    asyncio.run(scenario())
+
+
+# ---------------------------------------------------------------- weight updates
+def test_weight_update_switches_version_and_weights_and_reports_them(engine, models):
+    (path_a, model_a), (path_b, model_b) = models["a"], models["b"]
+    prompt = PROMPTS[3]
+    params = {"temperature": 0, "max_new_tokens": 16}
+    try:
+        resp = post(engine, "/update_weights_from_disk", {"model_path": str(path_b), "weight_version": "7"})
+        assert resp.status_code == 200 and resp.json()["success"] is True
+        assert httpx.get(f"{engine}/get_weight_version").json() == {"weight_version": "7"}
+        assert httpx.get(f"{engine}/get_model_info").json()["weight_version"] == "7"
+        out = post(engine, "/generate", {"input_ids": prompt, "sampling_params": params, "return_logprob": True})
+        out = out.json()
+        expected = model_b.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=EOS)
+        assert out["output_ids"] == expected[0, len(prompt) :].tolist()
+        assert out["meta_info"]["weight_version"] == "7"
+        assert max_abs_diff(logprobs_of(out), reference_logprobs(model_b, prompt, out["output_ids"])) < LOGPROB_TOL
+        assert max_abs_diff(logprobs_of(out), reference_logprobs(model_a, prompt, out["output_ids"])) > 1e-2
+    finally:
+        restore = post(engine, "/update_weights_from_disk", {"model_path": str(path_a), "weight_version": "0"})
+        assert restore.json()["success"] is True
+
+
+def test_weight_update_from_a_bad_folder_fails_and_keeps_serving(engine, tmp_path, models):
+    bad = tmp_path / "bad"
+    shutil.copytree(models["a"][0], bad)
+    (bad / "model.safetensors").write_bytes(b"not a safetensors file")
+    resp = post(engine, "/update_weights_from_disk", {"model_path": str(bad), "weight_version": "99"})
+    assert resp.status_code == 400
+    assert resp.json()["success"] is False and str(bad) in resp.json()["message"]
+    assert httpx.get(f"{engine}/get_weight_version").json()["weight_version"] == "0"
+    out = post(engine, "/generate", {"input_ids": [3], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}})
+    assert len(out.json()["output_ids"]) == 3
+
+
+def test_weight_update_is_atomic_under_concurrent_load(engine, models):
+    """Updates without a pause drain running requests first, so every response is one version's output."""
+    (path_a, model_a), (path_b, model_b) = models["a"], models["b"]
+    by_version = {"0": model_a, "1": model_b, "2": model_a, "3": model_b, "4": model_a}
+
+    async def scenario() -> list[tuple[list[int], dict]]:
+        results: list[tuple[list[int], dict]] = []
+        updates_done = asyncio.Event()
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=128)) as http:
+
+            async def worker(i: int) -> None:
+                # Keep requests coming until the updates are over, so they straddle every swap.
+                n = 0
+                while not updates_done.is_set() or n == 0:
+                    prompt = [2 + (i + n) % 29, 3 + i % 7]
+                    params = {"temperature": 1.0, "max_new_tokens": 5 + (i * 7 + n) % 25, "ignore_eos": True}
+                    body = {"input_ids": prompt, "sampling_params": params, "return_logprob": True}
+                    r = await http.post(f"{engine}/generate", json=body)
+                    results.append((prompt, r.json()))
+                    n += 1
+
+            async def updates() -> None:
+                try:
+                    for version in range(1, 5):
+                        path = path_b if version % 2 else path_a
+                        r = await http.post(
+                            f"{engine}/update_weights_from_disk",
+                            json={"model_path": str(path), "weight_version": str(version)},
+                        )
+                        assert r.json()["success"] is True
+                finally:
+                    updates_done.set()
+
+            await asyncio.gather(updates(), *(worker(i) for i in range(24)))
+        return results
+
+    try:
+        results = asyncio.run(scenario())
+        versions_seen = set()
+        for prompt, resp in results:
+            version = resp["meta_info"]["weight_version"]
+            versions_seen.add(version)
+            other = model_a if by_version[version] is model_b else model_b
+            lp = logprobs_of(resp)
+            assert max_abs_diff(lp, reference_logprobs(by_version[version], prompt, resp["output_ids"])) < LOGPROB_TOL
+            assert max_abs_diff(lp, reference_logprobs(other, prompt, resp["output_ids"])) > 1e-2
+        assert len(versions_seen) >= 3, f"the load should straddle updates, saw versions {versions_seen}"
+    finally:
+        post(engine, "/update_weights_from_disk", {"model_path": str(path_a), "weight_version": "0"})
+
+
+# ---------------------------------------------------------------- API edges
+def test_invalid_requests_are_rejected_with_a_message(engine):
+    cases = [
+        ({"input_ids": [3, 99]}, "input_ids"),
+        ({"text": "hello"}, "input_ids"),
+        ({"input_ids": [3], "sampling_params": {"frequency_penalty": 0.5}}, "frequency_penalty"),
+        ({"input_ids": [3], "sampling_params": {"bogus": 1}}, "bogus"),
+        ({"input_ids": [3] * 300}, "context length"),
+    ]
+    for payload, needle in cases:
+        resp = post(engine, "/generate", payload)
+        assert resp.status_code == 400, payload
+        assert needle in resp.json()["error"]["message"]
+
+
+def test_flush_cache_health_and_model_info(engine, models):
+    assert httpx.get(f"{engine}/health").status_code == 200
+    assert httpx.post(f"{engine}/flush_cache").status_code == 200
+    info = httpx.get(f"{engine}/get_model_info").json()
+    assert info["model_path"] == str(models["a"][0])
+    assert info["eos_token_ids"] == [EOS] and info["vocab_size"] == 32
+
+
+# ---------------------------------------------------------------- model support and launcher
+def test_runner_serves_a_llama_architecture_like_transformers(tmp_path):
+    """SmolLM2 is a Llama: check the batched cache against transformers for that architecture too."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=48, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, eos_token_id=2, pad_token_id=0, bos_token_id=None,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0, 0.3)
+    model.save_pretrained(tmp_path / "llama")
+    served, info = load_model(tmp_path / "llama")
+    runner = ModelRunner(served, info)
+    prompts = [[5, 6, 7], [9] * 9, [11, 12]]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    outputs = [[t] for t in runner.prefill(prompts, [greedy] * 3).token_ids]
+    for _ in range(11):
+        step = runner.decode([o[-1] for o in outputs], [greedy] * 3)
+        for out, tok in zip(outputs, step.token_ids, strict=True):
+            out.append(tok)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out == greedy_tokens(model, prompt, 12)
+    assert runner.forward_passes == 12
+
+
+def test_sampling_is_reproducible_for_a_seed_and_top_k_1_is_greedy(models):
+    path_a, _ = models["a"]
+    model, info = load_model(path_a)
+    prompts = [[3, 4], [9] * 6, [20]]
+
+    def run(seed: int, params: SamplingParams) -> list[list[int]]:
+        runner = ModelRunner(model, info, seed=seed)
+        outputs = [[t] for t in runner.prefill(prompts, [params] * 3).token_ids]
+        for _ in range(15):
+            for out, tok in zip(outputs, runner.decode([o[-1] for o in outputs], [params] * 3).token_ids, strict=True):
+                out.append(tok)
+        return outputs
+
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=16)
+    assert run(5, sampled) == run(5, sampled)
+    assert run(5, sampled) != run(6, sampled)
+    top1 = SamplingParams(temperature=1.0, top_k=1, max_new_tokens=16)
+    assert run(5, top1) == run(6, top1) == run(0, SamplingParams(temperature=0.0, max_new_tokens=16))
+
+
+class ScriptCommand:
+    """An EngineCommand running a small Python script (cheap stand-ins for failing or stubborn engines)."""
+
+    def __init__(self, script: str) -> None:
+        self.script = script
+
+    def build(self, host: str, port: int, index: int) -> list[str]:
+        return [sys.executable, "-c", self.script.format(host=host, port=port)]
+
+    def env(self, index: int) -> dict[str, str]:
+        return {}
+
+
+def is_running(pid: int) -> bool:
+    """True if `pid` exists and is not a zombie (an orphan's zombie may linger until init reaps it)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def test_launcher_reports_an_engine_that_fails_to_start_and_leaves_no_process(tmp_path):
+    # Each "engine" starts a child, records its pid and dies: the error must carry the log tail, and the
+    # children must die with their process groups.
+    script = (
+        "import subprocess, sys\n"
+        "child = subprocess.Popen(['sleep', '60'])\n"
+        f"open({str(tmp_path)!r} + '/child-{{port}}', 'w').write(str(child.pid))\n"
+        "print('model folder not found', flush=True)\n"
+        "sys.exit(3)\n"
+    )
+    launcher = EngineLauncher(ScriptCommand(script), 2, log_dir=tmp_path, startup_timeout_s=60)
+    with pytest.raises(EngineStartupError, match="exited with code 3") as err:
+        launcher.start()
+    assert "model folder not found" in str(err.value)
+    assert launcher.processes == []
+    child_pids = [int(p.read_text()) for p in tmp_path.glob("child-*")]
+    assert child_pids
+    wait_until(lambda: not any(is_running(pid) for pid in child_pids), 10, "the engines' children to exit")
+
+
+def test_launcher_stop_kills_an_engine_that_ignores_sigterm(tmp_path):
+    """The process-group SIGKILL fallback: a child that ignores SIGTERM is still gone after stop()."""
+    script = (
+        "import signal, http.server\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "class H(http.server.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self):\n"
+        "        self.send_response(200); self.end_headers()\n"
+        "    def log_message(self, *a): pass\n"
+        "http.server.HTTPServer(('{host}', {port}), H).serve_forever()\n"
+    )
+    launcher = EngineLauncher(ScriptCommand(script), 1, log_dir=tmp_path, stop_timeout_s=1.0)
+    launcher.start()
+    pid = launcher.processes[0].pid
+    launcher.stop()
+    assert not is_running(pid)
+
+
+def test_sglang_command_line_has_the_flags_fully_async_needs():
+    cmd = SGLangEngineCommand(
+        "/models/qwen", tp_size=2, gpu_ids=(4, 5, 6, 7), seed=5, max_running_requests=128, python="python"
+    )
+    argv = cmd.build("127.0.0.1", 30001, index=1)
+    assert argv[:3] == ["python", "-m", "sglang.launch_server"]
+    flags = dict(zip(argv[3::2], argv[4::2], strict=False))
+    assert flags["--model-path"] == "/models/qwen"
+    assert flags["--host"] == "127.0.0.1" and flags["--port"] == "30001"
+    assert flags["--tp-size"] == "2"
+    assert flags["--weight-version"] == "0"  # SGLang's default "default" is not an integer version
+    assert flags["--random-seed"] == "6"
+    assert flags["--max-running-requests"] == "128"
+    assert cmd.env(1) == {"CUDA_VISIBLE_DEVICES": "6,7"}
+    with pytest.raises(ValueError, match="gpu_ids"):
+        cmd.env(2)
+
+
+@pytest.mark.skipif(
+    not os.environ.get("RLLM_REAL_MODEL_DIR"),
+    reason="set RLLM_REAL_MODEL_DIR to an HF causal-LM folder (e.g. SmolLM2-135M saved as safetensors)",
+)
+def test_engine_serves_a_real_pretrained_model_like_transformers(tmp_path):
+    model_dir = Path(os.environ["RLLM_REAL_MODEL_DIR"])
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    prompts = [[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365], [1, 504, 3458, 282, 4649, 314], [2683, 359]]
+    prompts = [[t % model.config.vocab_size for t in p] for p in prompts]
+    cmd = EmbeddedEngineCommand(str(model_dir), num_threads=1)
+    with EngineLauncher(cmd, 1, log_dir=tmp_path) as launcher:
+        payloads = [
+            {"input_ids": p, "sampling_params": {"temperature": 0, "max_new_tokens": 16}, "return_logprob": True}
+            for p in prompts
+        ]
+        responses = asyncio.run(generate_many(launcher.urls[0], payloads, timeout=300))
+    eos = model.generation_config.eos_token_id
+    eos_ids = {eos} if isinstance(eos, int) else set(eos or ())
+    for prompt, resp in zip(prompts, responses, strict=True):
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0, len(prompt) :].tolist()
+        ends = [i for i, tok in enumerate(ref) if tok in eos_ids]
+        ref = ref[: ends[0] + 1] if ends else ref  # generate pads after eos; the engine stops there
+        assert resp["output_ids"] == ref
+        assert max_abs_diff(logprobs_of(resp), reference_logprobs(model, prompt, ref)) < LOGPROB_TOL

@@ -1,0 +1,192 @@
+"""ParamSync with the disk transport against real embedded engines: reports, resume, failures, atomicity."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import build_tiny_qwen2
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from rllm.experimental.fully_async.client import EngineClient, GenerationResult
+from rllm.experimental.fully_async.engines import EmbeddedEngineCommand, EngineLauncher, free_port
+from rllm.experimental.fully_async.param_sync import DiskTransport, ParamSync, SyncError, SyncReport
+
+pytestmark = pytest.mark.timeout(180)
+
+LOGPROB_TOL = 1e-4
+
+
+def sharpen(src: Path, dst: Path, seed: int) -> Path:
+    """Copy an HF model with its matrices redrawn from N(0, 0.3), so two models' log-probs clearly differ."""
+    model = AutoModelForCausalLM.from_pretrained(src)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+    model.save_pretrained(dst)
+    return dst
+
+
+def reference_logprobs(model: PreTrainedModel, prompt: list[int], output: list[int]) -> list[float]:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return [logprobs[len(prompt) - 1 + i, tok].item() for i, tok in enumerate(output)]
+
+
+def max_abs_diff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b)
+    return max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
+
+
+def writer(model_dir: Path) -> Callable[[str], None]:
+    """Stand-in for the trainer's `save_hf(path)`: writes an HF safetensors folder."""
+
+    def write(path: str) -> None:
+        shutil.copytree(model_dir, path, dirs_exist_ok=True)
+
+    return write
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Reference passes here are tiny; one thread avoids thrashing against the engines on a 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("sync_models")
+    path_a = sharpen(tiny_model_dir, root / "a", seed=10)
+    path_b = sharpen(build_tiny_qwen2(root / "b_base", seed=1), root / "b", seed=11)
+    return {
+        "a": (path_a, AutoModelForCausalLM.from_pretrained(path_a).eval()),
+        "b": (path_b, AutoModelForCausalLM.from_pretrained(path_b).eval()),
+    }
+
+
+@pytest.fixture(scope="module")
+def engines(models, tmp_path_factory):
+    cmd = EmbeddedEngineCommand(str(models["a"][0]), max_running_requests=64, num_threads=1)
+    with EngineLauncher(cmd, 2, log_dir=tmp_path_factory.mktemp("sync_engine_logs")) as launcher:
+        yield launcher.urls
+
+
+async def versions_and_pause_state(urls: list[str]) -> list[tuple[str, object]]:
+    async with EngineClient(urls) as client:
+        out = []
+        for url in urls:
+            stats = (await client.get_server_info(url))["engine_stats"]
+            out.append((await client.get_weight_version(url), stats["paused"]))
+        return out
+
+
+def test_sync_reports_timings_and_leaves_engines_resumed_on_the_new_version(engines, models, tmp_path):
+    with ParamSync(engines, DiskTransport(tmp_path / "weights")) as sync:
+        report = sync.sync(writer(models["b"][0]), new_version=1)
+        assert isinstance(report, SyncReport)
+        assert report.version == 1 and report.num_engines == 2
+        assert report.nbytes > 0 and Path(report.location) == tmp_path / "weights" / "v1"
+        assert 0 < report.update_s <= report.pause_s < report.total_s
+        assert report.write_s > 0
+        assert sync.engine_versions == dict.fromkeys(engines, 1)
+        assert asyncio.run(versions_and_pause_state(engines)) == [("1", None), ("1", None)]
+
+        async def generate_on_each() -> list[GenerationResult]:
+            async with EngineClient(engines) as client:
+                return await asyncio.gather(
+                    *(client.generate([4, 5], {"max_new_tokens": 8, "ignore_eos": True}) for _ in range(4))
+                )
+
+        for result in asyncio.run(generate_on_each()):
+            assert result.versions == [1] * 8
+            assert max_abs_diff(result.logprobs, reference_logprobs(models["b"][1], [4, 5], result.output_ids)) < 1e-4
+        sync.sync(writer(models["a"][0]), new_version=2)  # leave model A behind for the other tests
+
+
+def test_disk_transport_keeps_only_the_newest_folders(engines, models, tmp_path):
+    root = tmp_path / "weights"
+    with ParamSync(engines, DiskTransport(root, keep=2)) as sync:
+        for version in range(1, 5):
+            sync.sync(writer(models["a"][0]), new_version=version)
+    assert sorted(p.name for p in root.iterdir()) == ["v3", "v4"]
+
+
+def test_sync_to_a_dead_engine_raises_naming_it_and_resumes_the_live_ones(engines, models, tmp_path):
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    sync = ParamSync([*engines, dead], DiskTransport(tmp_path / "weights"), pause_timeout_s=5)
+    with sync, pytest.raises(SyncError) as err:
+        sync.sync(writer(models["a"][0]), new_version=7)
+    assert dead in str(err.value) and "version 7" in str(err.value)
+    assert err.value.failures.keys() == {dead}
+    assert sorted(err.value.updated) == sorted(engines)
+    assert asyncio.run(versions_and_pause_state(engines)) == [("7", None), ("7", None)]
+
+
+def test_a_failed_load_raises_and_leaves_engines_resumed_on_the_old_version(engines, tmp_path, models):
+    def write_corrupt(path: str) -> None:
+        shutil.copytree(models["a"][0], path, dirs_exist_ok=True)
+        (Path(path) / "model.safetensors").write_bytes(b"truncated")
+
+    before = asyncio.run(versions_and_pause_state(engines))
+    with ParamSync(engines, DiskTransport(tmp_path / "weights")) as sync:
+        with pytest.raises(SyncError) as err:
+            sync.sync(write_corrupt, new_version=99)
+        assert set(err.value.failures) == set(engines) and "version 99" in str(err.value)
+        assert sync.engine_versions == dict.fromkeys(engines)
+    assert asyncio.run(versions_and_pause_state(engines)) == before
+    assert all(paused is None for _, paused in before)
+
+
+def test_updates_under_concurrent_load_give_each_piece_exactly_one_versions_weights(engines, models, tmp_path):
+    """Repeated syncs while generating: each resumed piece's log-probs are one version's, stitched in order."""
+    model_for = {v: models["b"][1] if v % 2 else models["a"][1] for v in range(0, 7)}
+    path_for = {v: models["b"][0] if v % 2 else models["a"][0] for v in range(0, 7)}
+
+    async def scenario(sync: ParamSync) -> list[tuple[list[int], GenerationResult]]:
+        results: list[tuple[list[int], GenerationResult]] = []
+        syncing_done = asyncio.Event()
+        async with EngineClient(engines) as client:
+
+            async def worker(i: int) -> None:
+                n = 0
+                while not syncing_done.is_set() or n == 0:
+                    prompt = [2 + (i + n) % 29]
+                    params = {"temperature": 1.0, "max_new_tokens": 40 + 13 * i % 60, "ignore_eos": True}
+                    results.append((prompt, await client.generate(prompt, params)))
+                    n += 1
+
+            async def syncs() -> None:
+                try:
+                    for version in range(3, 7):
+                        await asyncio.to_thread(sync.sync, writer(path_for[version]), version)
+                finally:
+                    syncing_done.set()
+
+            await asyncio.gather(syncs(), *(worker(i) for i in range(12)))
+        return results
+
+    with ParamSync(engines, DiskTransport(tmp_path / "weights")) as sync:
+        sync.sync(writer(path_for[2]), 2)  # a known starting version on both engines
+        results = asyncio.run(scenario(sync))
+    resumed = 0
+    for prompt, result in results:
+        assert len(result.output_ids) == len(result.logprobs) == len(result.versions)
+        assert result.versions == sorted(result.versions), "versions never go backwards within a sequence"
+        resumed += result.num_resumes
+        start = 0
+        for version in sorted(set(result.versions)):
+            end = start + result.versions.count(version)
+            expected = reference_logprobs(model_for[version], prompt, result.output_ids)[start:end]
+            assert max_abs_diff(result.logprobs[start:end], expected) < LOGPROB_TOL, f"version {version} piece"
+            start = end
+    assert resumed >= 1, "some generation should have been interrupted by a sync and resumed"
