@@ -238,10 +238,6 @@ class PromptDatum:
     def messages(self) -> list[dict[str, Any]]:
         return self.record.messages
 
-    @property
-    def extra_info(self) -> dict[str, Any]:
-        return self.record.extra_info
-
 
 class PromptIterator(Iterator[PromptDatum]):
     """Seeded shuffled epochs over a dataset, with a checkpointable position.

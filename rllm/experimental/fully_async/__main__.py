@@ -1,0 +1,63 @@
+"""Command line: `python -m rllm.experimental.fully_async [train|doctor] [--config FILE] [key=value ...]`.
+
+With no arguments it trains the embedded default (config/tiny_cpu.yaml): a tiny model learning 2-digit
+addition on CPU with fully-async GRPO. Exit codes: 0 success, 1 the run failed, 2 bad configuration or usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from rllm.experimental.fully_async.config import DEFAULT_CONFIG, ConfigError, load_config
+
+EXIT_FAILED = 1
+EXIT_BAD_CONFIG = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m rllm.experimental.fully_async",
+        description="Fully-asynchronous PPO on verl 0.7.1. Commands: train (default), doctor.",
+    )
+    parser.add_argument("command", nargs="?", default="train", choices=["train", "doctor"])
+    parser.add_argument("--config", default=None, help=f"YAML config (default: {DEFAULT_CONFIG})")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_training_steps=10")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `key=value` alone would be taken for the command: route it to overrides.
+    if argv and "=" in argv[0]:
+        argv.insert(0, "train")
+    args = build_parser().parse_args(argv)
+    if args.command == "doctor":
+        from rllm.experimental.fully_async.doctor import run_doctor
+
+        return run_doctor()
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    logging.basicConfig(level=str(cfg.run.log_level), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    from rllm.experimental.fully_async.driver import train
+    from rllm.experimental.fully_async.verl_patch import UnpatchedVerlError
+
+    try:
+        train(cfg)
+    except UnpatchedVerlError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    except KeyboardInterrupt:
+        print("interrupted: engines and actors stopped", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""Ray actor shells: they build the asyncio/sync cores from the config and forward calls. No policy here.
+
+- `RolloutExecutorActor` (async actor): owns the engine client, data iterator, workflow, ledger and the
+  `RolloutExecutor` loop; also answers validation requests through the same engines.
+- `FullyAsyncTrainerActor`: owns the policy backend (patched verl actor), ParamSync and the `FullyAsyncTrainer`.
+Configs cross the process boundary as plain containers and are rebuilt with OmegaConf inside.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import ray
+from omegaconf import DictConfig, OmegaConf
+
+logger = logging.getLogger(__name__)
+
+RAY_CALL_TIMEOUT_S = 120.0  # short control calls between actors (report, set_version)
+
+
+class _QueueAdapter:
+    """Async `put_batch` over the MessageQueue actor handle, for the executor's event loop."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    async def put_batch(self, groups: list, timeout_s: float) -> Any:
+        return await self.handle.put_batch.remote(groups, timeout_s)
+
+
+@ray.remote(num_cpus=0)
+class RolloutExecutorActor:
+    def __init__(
+        self, cfg: dict, engine_urls: list[str], queue: Any, state: dict | None = None, queued: list | None = None
+    ) -> None:
+        from transformers import AutoTokenizer
+
+        from rllm.experimental.fully_async.algorithms.filters import build_group_filter
+        from rllm.experimental.fully_async.client import EngineClient
+        from rllm.experimental.fully_async.data import PromptDataset, PromptIterator
+        from rllm.experimental.fully_async.ledger import SampleLedger
+        from rllm.experimental.fully_async.rollout_executor import ExecutorSettings, RolloutExecutor
+        from rllm.experimental.fully_async.workflows import build_workflow, load_reward_fn
+
+        logging.basicConfig(level=os.environ.get("RLLM_LOG_LEVEL", "WARNING"))
+        self.cfg: DictConfig = OmegaConf.create(cfg)
+        c = self.cfg
+        self.tokenizer = AutoTokenizer.from_pretrained(c.actor_rollout_ref.model.path)
+        self.reward_fn = load_reward_fn(c)
+        self.client = EngineClient(engine_urls, request_timeout_s=float(c.engines.request_timeout_s))
+        self.ledger = SampleLedger()
+        overlong = overlong_policy(c)
+        max_prompt_length = int(c.data.max_prompt_length)
+        train = PromptDataset(_files(c.data.train_files), self.tokenizer, max_prompt_length, overlong)
+        if state is None:  # a resumed ledger has them already
+            for rejected in train.rejected:
+                # Left out before any rollout, yet still a prompt the user gave: the ledger accounts for it.
+                uid = f"prompt/{rejected.index}"
+                self.ledger.issue([uid])
+                self.ledger.mark_filtered([uid], rejected.reason)
+        self.val: list = []
+        if c.data.val_files:
+            val = PromptDataset(_files(c.data.val_files), self.tokenizer, max_prompt_length, overlong)
+            self.val = list(PromptIterator(val, seed=0, num_epochs=1, shuffle=False))[: int(c.task.val_size)]
+        prompts = PromptIterator(
+            train,
+            seed=int(c.data.seed if c.data.seed is not None else c.run.seed),
+            num_epochs=int(c.trainer.total_epochs),
+            shuffle=bool(c.data.shuffle),
+        )
+        at = c.async_training
+        settings = ExecutorSettings(
+            samples_per_prompt=int(c.actor_rollout_ref.rollout.n),
+            max_staleness=int(at.max_staleness),
+            batch_groups=int(at.required_samples) * int(at.trigger_parameter_sync_step),
+            max_concurrent_rollouts=int(at.max_concurrent_rollouts),
+        )
+        self.executor = RolloutExecutor(
+            settings,
+            prompts,
+            build_workflow(c, self.reward_fn),
+            self.client,
+            self.tokenizer,
+            _QueueAdapter(queue),
+            group_filter=build_group_filter(c),
+            ledger=self.ledger,
+        )
+        self.queue = queue
+        if state is not None:
+            self.executor.load_state_dict(state, queued)
+
+    async def run(self) -> dict:
+        stats = await self.executor.run()
+        await self.queue.close.remote()  # rollouts ended: the trainer drains what is left, then stops
+        return dict(vars(stats))
+
+    async def checkpoint_state(self) -> tuple[dict, list]:
+        return await self.executor.checkpoint_state(lambda: self.queue.snapshot.remote())
+
+    def set_version(self, version: int) -> None:
+        self.executor.set_version(version)
+
+    def set_paused(self, paused: bool) -> None:
+        self.executor.set_paused(paused)
+
+    def report_consumed(
+        self, trained_uids: list[str], trained_groups: int, stale_uids: list[str], stale_groups: int
+    ) -> None:
+        self.executor.report_consumed(trained_uids, trained_groups, stale_uids, stale_groups)
+
+    def stop(self) -> None:
+        self.executor.stop()
+
+    def ledger_counts(self) -> dict:
+        return self.ledger.counts()
+
+    def state_dict(self) -> dict:
+        return self.executor.state_dict()
+
+    def stats(self) -> dict:
+        return dict(vars(self.executor.stats)) | {"version": self.executor.version}
+
+    async def validate(self) -> dict:
+        from rllm.experimental.fully_async.validation import evaluate
+
+        if not self.val:
+            return {}
+        result = await evaluate(
+            self.client,
+            self.tokenizer,
+            self.val,
+            self.reward_fn,
+            max_new_tokens=int(self.cfg.data.max_response_length),
+            reward_timeout_s=float(self.cfg.workflow.reward_timeout_s),
+        )
+        return {
+            "val/accuracy": result.accuracy,
+            "val/num_prompts": float(result.num_prompts),
+            "val/num_failed": float(result.num_failed),
+            "val/version": float(max(result.versions, default=-1)),
+        }
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+class _SyncHandle:
+    """Blocking calls on an actor handle with a timeout, for the trainer's synchronous loop."""
+
+    def __init__(self, handle: Any, timeout_s: float) -> None:
+        self.handle = handle
+        self.timeout_s = timeout_s
+
+    def __getattr__(self, name: str):
+        method = getattr(self.handle, name)
+
+        def call(*args: Any) -> Any:
+            try:
+                return ray.get(method.remote(*args), timeout=self.timeout_s)
+            except ray.exceptions.GetTimeoutError as exc:
+                raise TimeoutError(f"no answer from {name}() within {self.timeout_s:g}s") from exc
+
+        return call
+
+
+@ray.remote(num_cpus=1)
+class FullyAsyncTrainerActor:
+    def __init__(self, cfg: dict, engine_urls: list[str], queue: Any, executor: Any) -> None:
+        from transformers import AutoTokenizer
+
+        from rllm.experimental.fully_async.algorithms.advantages import AdvantageConfig
+        from rllm.experimental.fully_async.algorithms.corrections import build_correction
+        from rllm.experimental.fully_async.backends.fsdp import FSDPPolicyBackend
+        from rllm.experimental.fully_async.fully_async_trainer import FullyAsyncTrainer, TrainerSettings
+        from rllm.experimental.fully_async.param_sync import DiskTransport, ParamSync
+        from rllm.experimental.fully_async.verl_patch import require_patched_verl
+
+        logging.basicConfig(level=os.environ.get("RLLM_LOG_LEVEL", "WARNING"))
+        require_patched_verl()
+        c = OmegaConf.create(cfg)
+        self.cfg = c
+        model_path = c.actor_rollout_ref.model.path
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        backend = FSDPPolicyBackend(model_path, c.actor_rollout_ref.actor, seed=int(c.run.seed))
+        at = c.async_training
+        timeout_s = float(c.param_sync.timeout_s)
+        self.param_sync = ParamSync(
+            engine_urls,
+            DiskTransport(Path(c.param_sync.weights_dir)),
+            pause_timeout_s=timeout_s,
+            update_timeout_s=timeout_s,
+            continue_timeout_s=timeout_s,
+        )
+        settings = TrainerSettings(
+            required_samples=int(at.required_samples),
+            max_staleness=int(at.max_staleness),
+            trigger_parameter_sync_step=int(at.trigger_parameter_sync_step),
+            use_rollout_log_probs=bool(at.use_rollout_log_probs),
+            compute_prox_log_prob=bool(at.compute_prox_log_prob),
+            temperature=float(c.actor_rollout_ref.rollout.temperature),
+            pad_token_id=int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0),
+            queue_get_timeout_s=float(at.queue_get_timeout_s),
+        )
+        self.trainer = FullyAsyncTrainer(
+            settings,
+            backend,
+            _QueueGetter(queue, float(at.queue_get_timeout_s)),
+            _SyncHandle(executor, RAY_CALL_TIMEOUT_S),
+            self.param_sync,
+            advantages=AdvantageConfig.from_config(c),
+            correction=build_correction(c),
+        )
+
+    def train_step(self) -> dict | None:
+        return self.trainer.train_step()
+
+    def sync_weights(self, bump: bool = True) -> dict:
+        return self.trainer.sync_weights(bump=bump)
+
+    def state_dict(self) -> dict:
+        return self.trainer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.trainer.load_state_dict(state)
+
+    def version(self) -> int:
+        return self.trainer.version
+
+
+class _QueueGetter:
+    def __init__(self, handle: Any, timeout_s: float) -> None:
+        self.handle = handle
+        self.timeout_s = timeout_s
+
+    def get_batch(self, n: int, timeout_s: float) -> list:
+        # The actor's own wait is bounded by timeout_s; the Ray get adds slack for transfer.
+        return ray.get(self.handle.get_batch.remote(n, timeout_s), timeout=timeout_s + 60)
+
+
+def _files(value: Any) -> list[str]:
+    """verl accepts one path or a list of paths for data.train_files / data.val_files."""
+    if isinstance(value, str):
+        return [value]
+    return [str(v) for v in value]
+
+
+def overlong_policy(cfg: DictConfig) -> str:
+    """verl's keys for prompts longer than data.max_prompt_length, as PromptDataset's `overlong` argument."""
+    if cfg.data.filter_overlong_prompts:
+        return "filter"
+    return {"left": "truncate_left", "right": "truncate_right"}.get(str(cfg.data.truncation), "error")

@@ -1,0 +1,324 @@
+"""One training run from a validated config: prepare -> start Ray, engines, actors -> step loop -> clean stop.
+
+The driver owns process lifetimes (Ray, engine subprocesses, actors) and reporting (the progress line,
+`RUN_DIR/metrics.jsonl`, verl `Tracking` backends, the final summary). The training logic lives in the actors.
+Everything started here is stopped in `finally`, so a failed or interrupted run leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+logger = logging.getLogger(__name__)
+
+QUIET_LIBRARIES_ENV = {
+    "TRANSFORMERS_VERBOSITY": "error",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TQDM_DISABLE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+@dataclass
+class RunSummary:
+    steps: int
+    initial_val_accuracy: float | None
+    final_val_accuracy: float | None
+    wall_s: float
+    ledger: dict[str, Any]
+    run_dir: str
+
+
+def prepare_task(cfg: DictConfig) -> None:
+    """Built-in tasks make their own data and warmed-up model; point the config at them."""
+    if cfg.task.name != "addition":
+        return
+    from rllm.experimental.fully_async.tasks.addition import prepare_addition_assets
+
+    started = time.monotonic()
+    assets = prepare_addition_assets(
+        Path(os.path.expanduser(cfg.task.cache_dir)), seed=int(cfg.task.seed), warmup_steps=int(cfg.task.warmup_steps)
+    )
+    cfg.data.train_files = str(assets.train_parquet)
+    cfg.data.val_files = str(assets.val_parquet)
+    cfg.actor_rollout_ref.model.path = str(assets.model_dir)
+    reward_path = cfg.reward.custom_reward_function
+    if not reward_path.path:
+        from rllm.experimental.fully_async.tasks import addition
+
+        reward_path.path = addition.__name__
+        reward_path.name = "compute_score"
+    print(f"task addition ready in {time.monotonic() - started:.1f}s (model {assets.model_dir})", flush=True)
+
+
+def engine_launcher(cfg: DictConfig, log_dir: Path) -> Any:
+    """An EngineLauncher for the configured backend (a context manager whose `.urls` are the engines)."""
+    from rllm.experimental.fully_async.engines.launcher import EmbeddedEngineCommand, EngineLauncher
+
+    e = cfg.engines
+    model_path = str(cfg.actor_rollout_ref.model.path)
+    if e.backend == "embedded":
+        command: Any = EmbeddedEngineCommand(
+            model_path=model_path,
+            max_running_requests=int(e.max_running_requests),
+            dtype=str(e.dtype),
+            seed=int(cfg.run.seed),
+            num_threads=int(e.torch_threads),
+            log_level=str(cfg.run.log_level),
+        )
+    else:
+        from rllm.experimental.fully_async.engines.sglang import SGLangEngineCommand
+
+        command = SGLangEngineCommand(
+            model_path=model_path,
+            dtype=str(e.dtype),
+            max_running_requests=int(e.max_running_requests),
+            seed=int(cfg.run.seed),
+            extra_args=tuple(f"--{k.replace('_', '-')}={v}" for k, v in e.extra_args.items()),
+        )
+    return EngineLauncher(command, int(e.num_engines), startup_timeout_s=float(e.startup_timeout_s), log_dir=log_dir)
+
+
+def init_ray(num_cpus: int | None = None) -> None:
+    """Loopback-only Ray with a small footprint (ENVIRONMENT.md)."""
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if not ray.is_initialized():
+        ray.init(
+            num_cpus=num_cpus or max(4, os.cpu_count() or 1),
+            include_dashboard=False,
+            object_store_memory=1_000_000_000,
+            configure_logging=False,
+            log_to_driver=True,
+            # Library progress bars and notices in the actors would interleave with the progress line.
+            runtime_env={"env_vars": QUIET_LIBRARIES_ENV},
+        )
+
+
+class MetricsSink:
+    """metrics.jsonl plus verl's Tracking for any logger other than console."""
+
+    def __init__(self, cfg: DictConfig, run_dir: Path) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self.file = self.path.open("a", encoding="utf-8")
+        backends = [b for b in cfg.trainer.logger if b != "console"]
+        self.tracking = None
+        if backends:
+            from verl.utils.tracking import Tracking
+
+            self.tracking = Tracking(
+                project_name=cfg.trainer.project_name,
+                experiment_name=cfg.trainer.experiment_name,
+                default_backend=backends,
+                config=OmegaConf.to_container(cfg, resolve=True),
+            )
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.file.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+        self.file.flush()
+        if self.tracking is not None:
+            self.tracking.log(data=metrics, step=step)
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def progress_line(step: int, total: int | None, metrics: dict[str, float]) -> str:
+    parts = [f"step {step:>4}/{total if total is not None else '?'}"]
+    if "reward/mean" in metrics:
+        parts.append(f"reward {metrics['reward/mean']:.3f}")
+    if "val/accuracy" in metrics:
+        parts.append(f"val {metrics['val/accuracy']:.1%}")
+    if "staleness/mean" in metrics:
+        parts.append(f"stale {metrics['staleness/mean']:.2f}/{metrics['staleness/max']:.0f}")
+    if "queue/size" in metrics:
+        parts.append(f"queue {metrics['queue/size']:.0f}")
+    if "trainer/idle_frac" in metrics:
+        parts.append(f"idle {metrics['trainer/idle_frac']:.0%}")
+    if "timing/step_s" in metrics:
+        parts.append(f"{metrics['timing/step_s']:.2f}s")
+    if "partial/resumed_samples" in metrics:
+        parts.append(f"resumed {metrics['partial/resumed_samples']:.0f}")
+    return "  ".join(parts)
+
+
+def train(cfg: DictConfig) -> RunSummary:
+    """Run the configured training to `trainer.total_training_steps` (or until the data is exhausted)."""
+    import ray
+
+    from rllm.experimental.fully_async.actors import FullyAsyncTrainerActor, RolloutExecutorActor
+    from rllm.experimental.fully_async.checkpoint import (
+        CheckpointManager,
+        config_hash,
+        find_resume_checkpoint,
+        load_checkpoint,
+    )
+    from rllm.experimental.fully_async.message_queue import MessageQueue
+    from rllm.experimental.fully_async.verl_patch import require_patched_verl
+
+    require_patched_verl()
+    started = time.monotonic()
+    prepare_task(cfg)
+    run_dir = Path(cfg.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, run_dir / "config.yaml")
+    total = cfg.trainer.total_training_steps  # None: until the data (trainer.total_epochs) is exhausted
+    container = OmegaConf.to_container(cfg, resolve=True)
+    os.environ.setdefault("RLLM_LOG_LEVEL", str(cfg.run.log_level))
+    checkpoints = CheckpointManager(run_dir / "checkpoints", keep_last=2)
+    resume_path = find_resume_checkpoint(checkpoints.root, str(cfg.trainer.resume_mode), cfg.trainer.resume_from_path)
+    resumed = load_checkpoint(resume_path) if resume_path is not None else None
+    sink = MetricsSink(cfg, run_dir)
+    ledger: dict[str, Any] = {}
+    initial_acc = final_acc = None
+    step = resumed.step if resumed is not None else 0
+    at = cfg.async_training
+
+    with ExitStack() as stack:
+        stack.callback(sink.close)
+        engines = stack.enter_context(engine_launcher(cfg, run_dir / "engines"))
+        init_ray()
+        stack.callback(ray.shutdown)
+        queued = resumed.queue if resumed is not None else []
+        queue = MessageQueue.remote(max_groups=max(int(at.queue_max_groups), len(queued)))
+        if queued:
+            ray.get(queue.put_batch.remote(queued, 60.0), timeout=120)
+        executor = RolloutExecutorActor.remote(
+            container, engines.urls, queue, resumed.rollout if resumed else None, queued
+        )
+        trainer = FullyAsyncTrainerActor.remote(container, engines.urls, queue, executor)
+        stack.callback(_stop_actors, queue, executor, trainer)
+        _install_signal_handlers()
+        sync_timeout = float(cfg.param_sync.timeout_s) * 4
+        if resumed is not None:
+            ray.get(trainer.load_state_dict.remote(resumed.trainer), timeout=300)
+            # Fresh engines hold the initial weights: give them the checkpoint's, under its version.
+            ray.get(trainer.sync_weights.remote(False), timeout=sync_timeout)
+            print(f"resumed from {resume_path} at step {step} (version {resumed.meta.get('version')})", flush=True)
+
+        def checkpoint(at_step: int) -> None:
+            rollout_state, groups = ray.get(executor.checkpoint_state.remote(), timeout=120)
+            trainer_state = ray.get(trainer.state_dict.remote(), timeout=300)
+            meta = {"version": int(trainer_state["version"]), "config_hash": config_hash(container)}
+            path = checkpoints.save(at_step, trainer=trainer_state, rollout=rollout_state, queue=groups, meta=meta)
+            logger.info("checkpoint %s", path)
+
+        try:
+            if cfg.trainer.val_before_train and resumed is None:
+                val = ray.get(executor.validate.remote(), timeout=float(cfg.engines.request_timeout_s))
+                initial_acc = val.get("val/accuracy")
+                sink.log(0, val)
+                print(f"initial validation accuracy {initial_acc:.1%} (version 0)", flush=True)
+            run_ref = executor.run.remote()
+            test_freq, save_freq = int(cfg.trainer.test_freq), int(cfg.trainer.save_freq)
+            step_timeout = float(at.queue_get_timeout_s) + 120
+            while total is None or step < total:
+                metrics = _step(trainer, run_ref, timeout_s=step_timeout)
+                if metrics is None:
+                    print(f"prompt data exhausted after {step} steps", flush=True)
+                    break
+                step += 1
+                queue_stats = ray.get(queue.stats.remote(), timeout=60)
+                metrics.update({f"queue/{k}": float(v) for k, v in queue_stats.items() if _is_number(v)})
+                if test_freq > 0 and step % test_freq == 0 and step != total:
+                    metrics.update(ray.get(executor.validate.remote(), timeout=float(cfg.engines.request_timeout_s)))
+                ledger = ray.get(executor.ledger_counts.remote(), timeout=60)
+                metrics.update({f"ledger/{k}": float(v) for k, v in ledger.items() if _is_number(v)})
+                sink.log(step, metrics)
+                print(progress_line(step, total, metrics), flush=True)
+                if save_freq > 0 and step % save_freq == 0:
+                    checkpoint(step)
+            # The last step's weights reach the engines before the final measurement.
+            if step % int(at.trigger_parameter_sync_step):
+                ray.get(trainer.sync_weights.remote(), timeout=sync_timeout)
+            if not (save_freq > 0 and step % save_freq == 0):  # not just saved
+                checkpoint(step)
+        except KeyboardInterrupt:
+            # Ctrl-C / SIGTERM: keep what was learned if the actors still answer, then unwind (stop everything).
+            print(f"interrupted at step {step}: saving a checkpoint, then stopping", file=sys.stderr, flush=True)
+            try:
+                checkpoint(step)
+            except Exception as exc:  # best effort: the previous checkpoint stays usable
+                print(f"checkpoint on interrupt failed: {exc}", file=sys.stderr, flush=True)
+            raise
+        ray.get(executor.stop.remote(), timeout=60)
+        _wait_run(run_ref)
+        val = ray.get(executor.validate.remote(), timeout=float(cfg.engines.request_timeout_s))
+        final_acc = val.get("val/accuracy")
+        ledger = ray.get(executor.ledger_counts.remote(), timeout=60)
+        sink.log(step, val | {f"ledger/{k}": float(v) for k, v in ledger.items() if _is_number(v)})
+
+    summary = RunSummary(step, initial_acc, final_acc, time.monotonic() - started, ledger, str(run_dir))
+    print_summary(summary)
+    return summary
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _step(trainer: Any, run_ref: Any, timeout_s: float) -> dict[str, float] | None:
+    """One train_step, failing fast if the executor died meanwhile (its error is the real cause)."""
+    import ray
+
+    step_ref = trainer.train_step.remote()
+    ready, _ = ray.wait([step_ref, run_ref], num_returns=1, timeout=timeout_s)
+    if not ready:
+        raise TimeoutError(f"train_step gave no result within {timeout_s:g}s")
+    if ready[0] == run_ref and step_ref not in ready:
+        ray.get(run_ref)  # raises the executor's error
+        ready, _ = ray.wait([step_ref], timeout=timeout_s)  # data exhausted: the step may still finish
+        if not ready:
+            raise TimeoutError(f"train_step gave no result within {timeout_s:g}s after rollouts ended")
+    return ray.get(step_ref)
+
+
+def _wait_run(run_ref: Any) -> None:
+    import ray
+
+    ray.get(run_ref, timeout=120)
+
+
+def _stop_actors(*handles: Any) -> None:
+    import ray
+
+    for handle in handles:
+        try:
+            ray.kill(handle)
+        except Exception:  # already gone
+            logger.debug("actor already gone", exc_info=True)
+
+
+def _install_signal_handlers() -> None:
+    """SIGTERM behaves like Ctrl-C: unwind through `finally`, stopping engines and Ray."""
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def print_summary(summary: RunSummary) -> None:
+    print("=" * 72)
+    print(f"run finished: {summary.steps} steps in {summary.wall_s:.0f}s  (run dir {summary.run_dir})")
+    if summary.initial_val_accuracy is not None and summary.final_val_accuracy is not None:
+        delta = (summary.final_val_accuracy - summary.initial_val_accuracy) * 100
+        print(
+            f"validation accuracy: {summary.initial_val_accuracy:.1%} before -> "
+            f"{summary.final_val_accuracy:.1%} after ({delta:+.1f} points)"
+        )
+    print("ledger: " + ", ".join(f"{k}={v}" for k, v in summary.ledger.items()))
+    print("=" * 72, flush=True)

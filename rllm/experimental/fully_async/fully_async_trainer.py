@@ -1,0 +1,213 @@
+"""FullyAsyncTrainer: batch -> staleness check -> advantages -> old log-probs -> one verl update -> weight sync.
+
+One call of `train_step()` is exactly one optimizer step (the patched `update_policy` treats the whole batch as
+one mini-batch). Its guarantees:
+- it trains on `required_samples` prompt groups, none older than `max_staleness` versions: older ones are
+  dropped, reported to the executor (ledger: dropped_stale; their capacity is freed) and replaced from the queue;
+- the old log-probs of the PPO ratio come from the batch: the engine's rollout log-probs, or proximal
+  log-probs recomputed by the trainer with the weights it has before the step (decoupled PPO), per config;
+- every `trigger_parameter_sync_step` steps it pushes the weights (ParamSync), bumps the policy version and
+  tells the executor, so capacity for newer rollouts opens;
+- every wait (queue get, Ray calls, sync) has a timeout whose error says what was waited for.
+With max_staleness 0 and trigger 1 this is exactly synchronous on-policy training.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from rllm.experimental.fully_async.protocol import TrajectoryGroup, TrajectoryStatus
+from rllm.experimental.fully_async.staleness import split_by_staleness
+from rllm.experimental.fully_async.trajectory_batch import PAD_VERSION, groups_to_dataproto
+
+logger = logging.getLogger(__name__)
+
+
+class QueueTimeoutError(TimeoutError):
+    """The trainer waited longer than async_training.queue_get_timeout_s for a batch."""
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    required_samples: int
+    max_staleness: int
+    trigger_parameter_sync_step: int
+    use_rollout_log_probs: bool
+    compute_prox_log_prob: bool
+    temperature: float
+    pad_token_id: int
+    queue_get_timeout_s: float
+
+
+class FullyAsyncTrainer:
+    """The training loop's step. Collaborators come in as objects so a test can pass local ones.
+
+    `queue.get_batch(n, timeout_s) -> message_queue.GetResult` (fewer groups only when closed),
+    `executor.report_consumed(trained_uids, trained_groups, stale_uids, stale_groups)`, `executor.set_version(v)`,
+    `backend` (backends.fsdp.FSDPPolicyBackend), `param_sync.sync(write_weights, new_version)`.
+    """
+
+    def __init__(
+        self,
+        settings: TrainerSettings,
+        backend: Any,
+        queue: Any,
+        executor: Any,
+        param_sync: Any | None,
+        advantages: Any,  # algorithms.advantages.AdvantageConfig
+        correction: Any | None = None,
+        version: int = 0,
+        step: int = 0,
+    ) -> None:
+        self.settings = settings
+        self.backend = backend
+        self.queue = queue
+        self.executor = executor
+        self.param_sync = param_sync
+        self.advantages = advantages
+        self.correction = correction
+        self.version = version
+        self.step = step
+
+    # ------------------------------------------------------------------------------------------------------
+
+    def take_batch(self) -> tuple[list[TrajectoryGroup], dict[str, float]]:
+        """Collect `required_samples` fresh groups; drop (and report) stale ones. Returns groups and metrics."""
+        need = self.settings.required_samples
+        fresh: list[TrajectoryGroup] = []
+        stale_groups = 0
+        wait_s = 0.0
+        while len(fresh) < need:
+            requested = need - len(fresh)
+            started = time.monotonic()
+            result = self.queue.get_batch(requested, self.settings.queue_get_timeout_s)
+            wait_s += time.monotonic() - started
+            got = result.groups
+            if not got and result.status == "timeout":
+                raise QueueTimeoutError(
+                    f"trainer waited {self.settings.queue_get_timeout_s:g}s for {requested} of {need} "
+                    f"groups at step {self.step + 1} and got none (rollouts stalled? raise "
+                    "async_training.queue_get_timeout_s or check the engines)"
+                )
+            kept, stale = split_by_staleness(got, self.version, self.settings.max_staleness)
+            fresh.extend(kept)
+            self._report_stale(stale)
+            stale_groups += len(stale)
+            if result.status == "closed" or len(got) < requested:
+                break  # rollouts ended (data exhausted): train what is left in a short last batch, never drop it
+        staleness = [g.staleness(self.version) for g in fresh]
+        metrics = {
+            "timing/wait_batch_s": wait_s,
+            "staleness/mean": float(np.mean(staleness)) if staleness else 0.0,
+            "staleness/max": float(max(staleness, default=0)),
+            "staleness/dropped_groups": float(stale_groups),
+        }
+        return fresh, metrics
+
+    def _report_stale(self, stale: list[TrajectoryGroup]) -> None:
+        if stale:
+            stale_uids = [t.uid for g in stale for t in g.trajectories]
+            self.executor.report_consumed([], 0, stale_uids, len(stale))
+
+    def train_step(self) -> dict[str, float] | None:
+        """One optimizer step on one batch, then a weight sync when due. Returns flat float metrics, or None
+        when the rollouts have ended and nothing is left to train."""
+        step_started = time.monotonic()
+        groups, metrics = self.take_batch()
+        if not groups:
+            return None
+        compute_started = time.monotonic()
+        data = groups_to_dataproto(
+            groups, pad_token_id=self.settings.pad_token_id, temperature=self.settings.temperature
+        )
+        data = self.advantages.compute(data)
+        metrics.update(self._old_log_probs(data))
+        metrics.update(self.backend.update_policy(data))
+        self.step += 1
+
+        trained_uids = [t.uid for g in groups for t in g.trajectories if t.status == TrajectoryStatus.OK]
+        self.executor.report_consumed(trained_uids, len(groups), [], 0)
+        metrics.update(_batch_metrics(groups, data))
+        metrics["timing/update_s"] = time.monotonic() - compute_started
+
+        if self.step % self.settings.trigger_parameter_sync_step == 0:
+            metrics.update(self.sync_weights())
+        metrics["timing/step_s"] = time.monotonic() - step_started
+        metrics["trainer/idle_frac"] = metrics["timing/wait_batch_s"] / max(metrics["timing/step_s"], 1e-9)
+        metrics["trainer/step"] = float(self.step)
+        metrics["trainer/version"] = float(self.version)
+        return metrics
+
+    def sync_weights(self, *, bump: bool = True) -> dict[str, float]:
+        """Push the current weights to every engine as version+1 (or as the current version, after a resume)
+        and tell the executor."""
+        new_version = self.version + 1 if bump else self.version
+        if self.param_sync is None:
+            self.version = new_version
+            self.executor.set_version(self.version)
+            return {}
+        report = self.param_sync.sync(self.backend.save_hf, new_version)
+        self.version = report.version
+        self.executor.set_version(self.version)
+        return {
+            "sync/total_s": report.total_s,
+            "sync/pause_s": report.pause_s,
+            "sync/write_s": report.write_s,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        from rllm.experimental.fully_async.checkpoint import capture_rng_state
+
+        return {
+            "backend": self.backend.state_dict(),
+            "step": self.step,
+            "version": self.version,
+            "rng": capture_rng_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from rllm.experimental.fully_async.checkpoint import restore_rng_state
+
+        self.backend.load_state_dict(state["backend"])
+        self.step = int(state["step"])
+        self.version = int(state["version"])
+        restore_rng_state(state["rng"])
+
+    # ------------------------------------------------------------------------------------------------------
+
+    def _old_log_probs(self, data: Any) -> dict[str, float]:
+        """Fill `old_log_probs` (and `rollout_is_weights` under decoupled PPO) as the config asks."""
+        s = self.settings
+        behaviour = data.batch["rollout_log_probs"]
+        if self.correction is not None:
+            proximal = self.backend.compute_log_prob(data) if self.correction.needs_recompute else None
+            return self.correction.apply(data, proximal_log_probs=proximal, trainer_version=self.version)
+        if s.compute_prox_log_prob or not s.use_rollout_log_probs:
+            data.batch["old_log_probs"] = self.backend.compute_log_prob(data)
+        else:
+            data.batch["old_log_probs"] = behaviour.clone()
+        return {}
+
+
+def _batch_metrics(groups: list[TrajectoryGroup], data: Any) -> dict[str, float]:
+    rewards = [t.reward for g in groups for t in g.trajectories if t.status == TrajectoryStatus.OK]
+    mask = data.batch["response_mask"]
+    versions = data.batch["response_versions"]
+    lengths = mask.sum(-1)
+    resumed = sum(t.num_resumes > 0 for g in groups for t in g.trajectories)
+    mixed = int(sum(int(torch.unique(v[v != PAD_VERSION]).numel() > 1) for v in versions))
+    return {
+        "reward/mean": float(np.mean(rewards)) if rewards else 0.0,
+        "batch/groups": float(len(groups)),
+        "batch/samples": float(len(rewards)),
+        "batch/tokens": float(mask.sum().item()),
+        "response_length/mean": float(lengths.float().mean().item()),
+        "partial/resumed_samples": float(resumed),
+        "partial/mixed_version_samples": float(mixed),
+    }

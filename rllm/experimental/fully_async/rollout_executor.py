@@ -1,0 +1,324 @@
+"""RolloutExecutor: prompts -> workflows -> groups -> MessageQueue, under the staleness budget.
+
+The executor is an asyncio loop (run inside a Ray actor by `RolloutExecutorActor`) with these guarantees:
+- a new prompt group starts only while the staleness manager grants capacity (AReaL's rule, `staleness.py`)
+  and fewer than `max_concurrent_rollouts` samples are running;
+- every prompt sample is issued in the ledger before it starts and ends in exactly one state: failed(reason)
+  or filtered(reason) here, trained or dropped_stale when the trainer reports back (`report_consumed`);
+- finished groups are pushed to the queue in batches (one Ray call carries every group finished since the last
+  call), and a full queue back-pressures the loop instead of dropping anything;
+- failures surface: a workflow exception fails its sample with the reason; losing every engine stops the loop
+  and `run()` raises it.
+The executor owns the prompt iterator, the ledger and the staleness counters, so its `state_dict()` is the
+rollout side of a checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from rllm.experimental.fully_async.ledger import SampleLedger
+from rllm.experimental.fully_async.protocol import Trajectory, TrajectoryGroup, TrajectoryStatus
+from rllm.experimental.fully_async.staleness import StalenessManager
+
+logger = logging.getLogger(__name__)
+
+
+class EnginesExhaustedError(RuntimeError):
+    """No inference engine is left to serve rollouts: the run cannot continue."""
+
+
+@dataclass
+class ExecutorSettings:
+    """What the executor needs from the config, in its own units."""
+
+    samples_per_prompt: int
+    max_staleness: int
+    batch_groups: int  # groups consumed per policy version (required_samples x trigger_parameter_sync_step)
+    max_concurrent_rollouts: int  # samples
+    total_epochs: int | None = None  # None: until stopped
+
+
+@dataclass
+class ExecutorStats:
+    groups_started: int = 0
+    groups_queued: int = 0
+    samples_failed: int = 0
+    samples_resumed: int = 0  # samples whose generation was interrupted by a weight update and resumed
+    put_calls: int = 0
+    put_wait_s: float = 0.0
+    started_at: float = field(default_factory=time.monotonic)
+
+
+class RolloutExecutor:
+    """The asyncio core: no Ray inside, so a test can drive it with a local queue and engine client."""
+
+    def __init__(
+        self,
+        settings: ExecutorSettings,
+        prompts: Any,  # data.PromptIterator: an iterator of PromptDatum with state_dict()
+        workflow: Any,  # workflows.Workflow
+        client: Any,  # client.EngineClient
+        tokenizer: Any,
+        queue: Any,  # async put_batch(groups, timeout_s) -> message_queue.PutResult (Ray handle adapter)
+        group_filter: Any | None = None,  # callable(list[TrajectoryGroup]) -> (kept, [(group, reason)])
+        ledger: SampleLedger | None = None,
+        version: int = 0,
+        put_timeout_s: float = 60.0,
+    ) -> None:
+        self.settings = settings
+        self.prompts = prompts
+        self.workflow = workflow
+        self.client = client
+        self.tokenizer = tokenizer
+        self.queue = queue
+        self.group_filter = group_filter
+        self.ledger = ledger if ledger is not None else SampleLedger()
+        self.version = version
+        self.put_timeout_s = put_timeout_s
+        self.staleness = StalenessManager(batch_groups=settings.batch_groups, max_staleness=settings.max_staleness)
+        self.stats = ExecutorStats()
+        self._running_samples = 0
+        self._outbox: list[TrajectoryGroup] = []
+        self._state_changed = asyncio.Event()  # capacity, concurrency, outbox or stop changed
+        self._stopping = False
+        self._fatal: BaseException | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._paused = False
+        # Held while a put is in flight and while a checkpoint reads the queue, so a group is never both
+        # "queued" in the snapshot and "in the outbox" (or neither).
+        self._flush_lock = asyncio.Lock()
+        # Prompts whose samples were in flight when the checkpoint we resumed from was taken: run them first.
+        self._reissue: list[tuple[Any, list[int]]] = []
+
+    # ---- control, called from the trainer side ------------------------------------------------------------
+
+    def set_version(self, version: int) -> None:
+        """A weight sync finished: newer rollouts may start (the capacity grows by batch_groups per version)."""
+        self.version = version
+        self._state_changed.set()
+
+    def set_paused(self, paused: bool) -> None:
+        """Stop starting new groups (e.g. during validation or a checkpoint); running ones continue."""
+        self._paused = paused
+        self._state_changed.set()
+
+    def report_consumed(
+        self, trained_uids: list[str], trained_groups: int, stale_uids: list[str], stale_groups: int
+    ) -> None:
+        """The trainer trained or dropped these samples; dropped stale groups free their capacity again."""
+        if trained_uids:
+            self.ledger.mark_trained(trained_uids)
+        if trained_groups:
+            self.staleness.on_consumed(trained_groups)
+        if stale_uids:
+            self.ledger.mark_dropped_stale(stale_uids)
+        if stale_groups:
+            self.staleness.on_discarded(stale_groups)
+        self._state_changed.set()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._state_changed.set()
+
+    # ---- main loop -----------------------------------------------------------------------------------------
+
+    async def run(self) -> ExecutorStats:
+        """Start groups while the budget allows; returns when the data is exhausted or `stop()` is called."""
+        flusher = asyncio.create_task(self._flush_loop())
+        try:
+            while not self._stopping and self._fatal is None:
+                if not self._can_start():
+                    self._state_changed.clear()
+                    if self._can_start() or self._stopping or self._fatal is not None:
+                        continue
+                    await self._state_changed.wait()
+                    continue
+                if self._reissue:
+                    datum, indexes = self._reissue.pop(0)
+                    self._start_group(datum, indexes, issue=False)  # already issued before the restart
+                    continue
+                datum = next(self.prompts, None)
+                if datum is None:
+                    logger.info("prompt data exhausted after %d groups", self.stats.groups_started)
+                    break
+                self._start_group(datum, list(range(self.settings.samples_per_prompt)))
+            if self._tasks and not self._stopping:
+                await asyncio.gather(*self._tasks, return_exceptions=True)  # results handled in _run_group
+        finally:
+            self._stopping = True
+            for task in self._tasks:
+                task.cancel()
+            if self._tasks:
+                await asyncio.gather(*self._tasks, return_exceptions=True)
+            self._state_changed.set()
+            await asyncio.gather(flusher, return_exceptions=True)
+        if self._fatal is not None:
+            raise self._fatal
+        return self.stats
+
+    def _can_start(self) -> bool:
+        if self._paused or self._stopping:
+            return False
+        n = self.settings.samples_per_prompt
+        if self._running_samples + n > self.settings.max_concurrent_rollouts:
+            return False
+        return self.staleness.capacity(self.version) > 0
+
+    def _start_group(self, datum: Any, indexes: list[int], *, issue: bool = True) -> None:
+        if issue:
+            self.ledger.issue([f"{datum.prompt_uid}/{i}" for i in indexes])
+        self.staleness.on_start()
+        self._running_samples += len(indexes)
+        self.stats.groups_started += 1
+        task = asyncio.create_task(self._run_group(datum, indexes))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run_group(self, datum: Any, indexes: list[int]) -> None:
+        n = len(indexes)
+        accepted = False
+        try:
+            results = await asyncio.gather(
+                *(self.workflow.run(self.client, self.tokenizer, datum, i) for i in indexes),
+                return_exceptions=True,
+            )
+            trajectories = [self._as_trajectory(datum, i, result) for i, result in zip(indexes, results, strict=True)]
+            group = TrajectoryGroup(
+                prompt_uid=datum.prompt_uid,
+                trajectories=trajectories,
+                data_source=getattr(datum, "data_source", ""),
+            )
+            accepted = self._accept(group)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug in the executor itself: stop loudly rather than lose samples
+            logger.exception("group %s crashed", datum.prompt_uid)
+            self._fatal = exc
+        finally:
+            self._running_samples -= n
+            self.staleness.on_finish(accepted=accepted)
+            self._state_changed.set()
+
+    def _as_trajectory(self, datum: Any, index: int, result: Any) -> Trajectory:
+        uid = f"{datum.prompt_uid}/{index}"
+        if isinstance(result, Trajectory):
+            self.stats.samples_resumed += int(result.num_resumes > 0)
+            return result
+        if isinstance(result, asyncio.CancelledError):
+            raise result
+        if isinstance(result, BaseException) and _is_engines_exhausted(result):
+            self._fatal = EnginesExhaustedError(f"no inference engine left: {result}")
+        reason = f"workflow_error: {type(result).__name__}: {result}"
+        logger.warning("sample %s failed: %s", uid, reason)
+        return Trajectory(
+            uid=uid, prompt_uid=datum.prompt_uid, sequences=[], status=TrajectoryStatus.FAILED, failure_reason=reason
+        )
+
+    def _accept(self, group: TrajectoryGroup) -> bool:
+        """Ledger the failures, apply the group filter, queue what is left. Returns whether a group was queued."""
+        ok = []
+        for trajectory in group.trajectories:
+            if trajectory.status == TrajectoryStatus.OK:
+                ok.append(trajectory)
+            else:
+                self.stats.samples_failed += 1
+                self.ledger.mark_failed([trajectory.uid], _reason_key(trajectory.failure_reason))
+        group.trajectories = ok
+        if not ok:
+            return False
+        if self.group_filter is not None:
+            kept, dropped = self.group_filter([group])
+            for dropped_group, reason in dropped:
+                self.ledger.mark_filtered([t.uid for t in dropped_group.trajectories], reason)
+            if not kept:
+                return False
+            group = kept[0]  # may hold fewer trajectories than the input (trajectory-level length drops)
+        self._outbox.append(group)
+        self._state_changed.set()
+        return True
+
+    async def _flush_loop(self) -> None:
+        """Push everything finished since the last push in one call; a full queue blocks here, not the data."""
+        while True:
+            if not self._outbox:
+                if self._stopping and not self._tasks:
+                    return
+                self._state_changed.clear()
+                if not self._outbox:
+                    await self._state_changed.wait()
+                continue
+            async with self._flush_lock:
+                batch, self._outbox = self._outbox, []
+                started = time.monotonic()
+                result = await self.queue.put_batch(batch, self.put_timeout_s)
+                self.stats.put_wait_s += time.monotonic() - started
+                self.stats.put_calls += 1
+                self.stats.groups_queued += result.accepted
+                if result.accepted < len(batch):
+                    # Back-pressure: keep the rest (in order, ahead of newer groups) and try again; never drop.
+                    self._outbox[:0] = batch[result.accepted :]
+            if result.closed:
+                logger.info("queue closed: %d finished groups stay in flight", len(self._outbox))
+                self._stopping = True
+                self._state_changed.set()
+                return
+
+    # ---- checkpoint ----------------------------------------------------------------------------------------
+
+    async def checkpoint_state(self, snapshot_queue: Any) -> tuple[dict[str, Any], list[TrajectoryGroup]]:
+        """This executor's state and every finished, untrained group (queued or waiting in the outbox).
+
+        `snapshot_queue()` returns the queue's groups without removing them. Flushing is held meanwhile, so the
+        ledger's in-flight samples are exactly: those in the returned groups, and those still generating
+        (which `load_state_dict` re-issues).
+        """
+        async with self._flush_lock:
+            queued = list(await snapshot_queue())
+            return self.state_dict(), queued + list(self._outbox)
+
+    def load_state_dict(self, state: dict[str, Any], queued: list[TrajectoryGroup] | None = None) -> None:
+        """Restore a checkpoint. Samples in flight that are not in `queued` are generated again, first."""
+        self.version = int(state["version"])
+        self.ledger.load_state_dict(state["ledger"])
+        self.prompts.load_state_dict(state["prompts"])
+        self.staleness.load_state_dict(state["staleness"])
+        queued_uids = {t.uid for g in queued or [] for t in g.trajectories}
+        by_prompt: dict[str, list[int]] = {}
+        for uid in self.ledger.in_flight_uids():
+            if uid in queued_uids:
+                continue
+            prompt_uid, _, index = uid.rpartition("/")
+            by_prompt.setdefault(prompt_uid, []).append(int(index))
+        records = {record.index: record for record in self.prompts.dataset}
+        from rllm.experimental.fully_async.data import PromptDatum
+
+        for prompt_uid, indexes in sorted(by_prompt.items()):
+            epoch, _, record_index = prompt_uid.partition("/")
+            datum = PromptDatum(prompt_uid=prompt_uid, epoch=int(epoch[1:]), record=records[int(record_index)])
+            self._reissue.append((datum, sorted(indexes)))
+        if self._reissue:
+            logger.info("re-issuing %d prompts that were in flight at the checkpoint", len(self._reissue))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "ledger": self.ledger.state_dict(),
+            "prompts": self.prompts.state_dict(),
+            "staleness": self.staleness.state_dict(),
+        }
+
+
+def _reason_key(reason: str | None) -> str:
+    """The ledger's reason: the part before the colon ('reward_error: ZeroDivisionError ...' -> 'reward_error')."""
+    return (reason or "unknown").split(":", 1)[0]
+
+
+def _is_engines_exhausted(exc: BaseException) -> bool:
+    from rllm.experimental.fully_async.client import NoHealthyEngineError
+
+    return isinstance(exc, NoHealthyEngineError)

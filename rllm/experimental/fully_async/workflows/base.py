@@ -1,0 +1,121 @@
+"""The rollout workflow contract and the reward call every workflow shares.
+
+A workflow is one `async` method (AReaL's contract): given an engine client, the tokenizer and one prompt datum,
+it runs one sample to the end and returns a `Trajectory`. It never raises for a bad sample: a reward function
+that raises, hangs or returns a non-number gives a FAILED trajectory with the reason, so the ledger counts it
+and the run goes on. Only cancellation and engine exhaustion (no engine left) propagate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import logging
+import math
+import os
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from rllm.experimental.fully_async.protocol import Trajectory
+
+logger = logging.getLogger(__name__)
+
+RewardFn = Callable[..., Any]  # verl's signature: (data_source, solution_str, ground_truth, extra_info) -> float
+
+
+class GenerationClient(Protocol):
+    """What a workflow needs from `client.EngineClient` (a Protocol so tests can pass any engine client)."""
+
+    async def generate(
+        self, input_ids: list[int], sampling_params: dict[str, Any], *, rid: str | None = None
+    ) -> Any: ...
+
+
+class Workflow(Protocol):
+    """One rollout sample. Returning a FAILED trajectory (never raising) rejects the sample with a reason."""
+
+    async def run(self, client: GenerationClient, tokenizer: Any, datum: Any, sample_index: int) -> Trajectory: ...
+
+
+@dataclass(frozen=True)
+class RewardOutcome:
+    """A reward, or why there is none."""
+
+    reward: float | None
+    failure: str | None = None
+    extra: dict[str, Any] | None = None
+
+
+async def score_safely(
+    reward_fn: RewardFn,
+    timeout_s: float,
+    *,
+    data_source: str,
+    solution_str: str,
+    ground_truth: Any,
+    extra_info: dict[str, Any] | None,
+) -> RewardOutcome:
+    """Call a reward function with a timeout; turn exceptions, hangs and non-numbers into a failure reason.
+
+    Synchronous reward functions run in a worker thread so a slow one does not stall the event loop that drives
+    every other rollout. A hung thread cannot be killed in Python; it is abandoned and the sample fails.
+    verl reward functions may return a float or a dict with a "score" key (the rest is kept as extra metrics).
+    """
+    try:
+        if inspect.iscoroutinefunction(reward_fn):
+            call: Awaitable[Any] = reward_fn(data_source, solution_str, ground_truth, extra_info)
+        else:
+            call = asyncio.to_thread(reward_fn, data_source, solution_str, ground_truth, extra_info)
+        raw = await asyncio.wait_for(call, timeout=timeout_s)
+    except asyncio.TimeoutError:
+        return RewardOutcome(None, f"reward_timeout: no result within {timeout_s:g}s")
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # a user function: any exception is a failed sample, not a failed run
+        return RewardOutcome(None, f"reward_error: {type(exc).__name__}: {exc}")
+    extra = None
+    if isinstance(raw, dict):
+        extra = {k: v for k, v in raw.items() if k != "score"}
+        raw = raw.get("score")
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+        return RewardOutcome(None, f"reward_not_a_number: got {type(raw).__name__} {raw!r:.60}")
+    if not math.isfinite(raw):
+        return RewardOutcome(None, f"reward_not_finite: got {raw}")
+    return RewardOutcome(float(raw), None, extra)
+
+
+def load_reward_fn(cfg: Any) -> RewardFn:
+    """The configured reward: verl's custom_reward_function (path + name), else verl's default_compute_score.
+
+    Both of verl's locations are honoured: `reward.custom_reward_function` (0.7.1) and the legacy top-level
+    `custom_reward_function`. `path` is a Python file (as in verl) or an importable module name.
+    """
+    from verl.trainer.ppo.reward import get_custom_reward_fn
+    from verl.utils.reward_score import default_compute_score
+
+    legacy = cfg.get("custom_reward_function") or {}
+    if legacy.get("path") and not cfg.reward.custom_reward_function.get("path"):
+        cfg.reward.custom_reward_function.path = legacy.path
+        cfg.reward.custom_reward_function.name = legacy.get("name") or "compute_score"
+    path = cfg.reward.custom_reward_function.get("path")
+    if path and not path.endswith(".py") and not os.path.exists(path):
+        # A dotted module name (e.g. a built-in task's). verl's loader executes a file without registering it
+        # in sys.modules, which breaks modules that define dataclasses; importing by name has no such problem.
+        name = cfg.reward.custom_reward_function.get("name") or "compute_score"
+        try:
+            return getattr(importlib.import_module(path), name)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(
+                f"reward.custom_reward_function: could not load '{name}' from module {path}: {exc}"
+            ) from exc
+    try:
+        custom = get_custom_reward_fn(cfg)
+    except Exception as exc:
+        path = cfg.reward.custom_reward_function.path
+        name = cfg.reward.custom_reward_function.name
+        raise ValueError(
+            f"reward.custom_reward_function: could not load '{name}' from {path}: {type(exc).__name__}: {exc}"
+        ) from exc
+    return custom if custom is not None else default_compute_score

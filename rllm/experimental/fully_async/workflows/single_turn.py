@@ -1,0 +1,57 @@
+"""Single-turn RLVR: one model call per sample, a verifiable reward on the decoded answer."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from rllm.experimental.fully_async.protocol import Sequence, Trajectory, TrajectoryStatus
+from rllm.experimental.fully_async.workflows.base import GenerationClient, RewardFn, score_safely
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SingleTurnWorkflow:
+    """Generate one response to the datum's prompt and score it with the reward function.
+
+    `sampling_params` are SGLang's (max_new_tokens, temperature, top_p, top_k, ...). The response is decoded
+    without special tokens for the reward, but trained as the exact token ids the engine produced.
+    """
+
+    reward_fn: RewardFn
+    sampling_params: dict[str, Any]
+    reward_timeout_s: float = 30.0
+    name: str = field(default="single_turn", init=False)
+
+    async def run(self, client: GenerationClient, tokenizer: Any, datum: Any, sample_index: int) -> Trajectory:
+        uid = f"{datum.prompt_uid}/{sample_index}"
+        result = await client.generate(list(datum.prompt_ids), dict(self.sampling_params), rid=uid)
+        sequence = Sequence(
+            prompt_ids=list(datum.prompt_ids),
+            response_ids=list(result.output_ids),
+            response_logprobs=list(result.logprobs),
+            response_versions=list(result.versions),
+            finish_reason=result.finish_reason,
+            num_resumes=result.num_resumes,
+        )
+        solution = tokenizer.decode(result.output_ids, skip_special_tokens=True)
+        outcome = await score_safely(
+            self.reward_fn,
+            self.reward_timeout_s,
+            data_source=datum.data_source,
+            solution_str=solution,
+            ground_truth=datum.ground_truth,
+            extra_info=datum.extra_info,
+        )
+        trajectory = Trajectory(uid=uid, prompt_uid=datum.prompt_uid, sequences=[sequence])
+        if outcome.failure is not None:
+            trajectory.status = TrajectoryStatus.FAILED
+            trajectory.failure_reason = outcome.failure
+            logger.warning("sample %s failed: %s", uid, outcome.failure)
+        else:
+            trajectory.reward = outcome.reward  # type: ignore[assignment]
+            if outcome.extra:
+                trajectory.metadata["reward_extra"] = outcome.extra
+        return trajectory

@@ -1,0 +1,143 @@
+"""Configuration: composition on verl's defaults, one-line errors naming the key, exit code 2 from the CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rllm.experimental.fully_async.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_default_config_composes_verl_defaults_with_the_tiny_cpu_file():
+    cfg = load_config()
+    assert cfg.task.name == "addition"
+    assert cfg.actor_rollout_ref.rollout.n == 8
+    assert cfg.actor_rollout_ref.actor.optim.lr == pytest.approx(2e-4)
+    # untouched verl defaults are still there, with verl's values
+    assert cfg.actor_rollout_ref.actor.clip_ratio_c == 3.0
+    assert cfg.algorithm.rollout_correction.rollout_is_threshold == 2.0
+    # derived values are filled in
+    assert cfg.async_training.queue_max_groups >= cfg.async_training.required_samples
+    assert cfg.param_sync.weights_dir.endswith("weights")
+
+
+def test_overrides_win_over_the_file():
+    cfg = load_config(None, ["trainer.total_training_steps=7", "async_training.max_staleness=3"])
+    assert cfg.trainer.total_training_steps == 7
+    assert cfg.async_training.max_staleness == 3
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("actor_rollout_ref.actor.optim.lrr=1e-3", "actor_rollout_ref.actor.optim.lrr"),
+        ("async_training.max_stalenes=2", "did you mean 'async_training.max_staleness'"),
+        ("nonsense.key=1", "nonsense"),
+        ("actor_rollout_ref.actor.optim.lr=fast", "actor_rollout_ref.actor.optim.lr"),
+        ("engines.num_engines=two", "engines.num_engines"),
+        ("actor_rollout_ref.rollout.n=true", "actor_rollout_ref.rollout.n"),
+        ("async_training.max_staleness=-1", "async_training.max_staleness"),
+        ("engines.backend=vllm", "engines.backend"),
+        ("algorithm.adv_estimator=magic", "algorithm.adv_estimator"),
+        ("actor_rollout_ref.rollout.n=1", "actor_rollout_ref.rollout.n"),
+        ("trainer.n_gpus_per_node=3", "async_training.required_samples"),
+        ("actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.use_kl_loss"),
+        ("actor_rollout_ref.actor.ppo_epochs=2", "actor_rollout_ref.actor.ppo_epochs"),
+        ("async_training.queue_max_groups=3", "async_training.queue_max_groups"),
+        ("actor_rollout_ref.rollout.top_p=1.5", "actor_rollout_ref.rollout.top_p"),
+        ("justakey", "key=value"),
+    ],
+)
+def test_bad_settings_give_one_line_naming_the_key(override, named):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    message = str(info.value)
+    assert named in message
+    assert "\n" not in message
+
+
+def test_rllm_staleness_threshold_is_mapped_when_max_staleness_is_unset():
+    cfg = load_config(None, ["async_training.max_staleness=null", "async_training.staleness_threshold=0.5"])
+    assert isinstance(cfg.async_training.max_staleness, int)
+    assert cfg.async_training.max_staleness >= 0
+
+
+def test_yaml_defaults_compose_sibling_files(tmp_path):
+    (tmp_path / "base.yaml").write_text("trainer:\n  total_training_steps: 11\nengines:\n  num_engines: 3\n")
+    (tmp_path / "child.yaml").write_text(
+        "defaults:\n  - ppo_trainer\n  - base\n  - _self_\nengines:\n  num_engines: 1\n"
+    )
+    cfg = load_config(tmp_path / "child.yaml")
+    assert cfg.trainer.total_training_steps == 11
+    assert cfg.engines.num_engines == 1
+
+
+def test_unreadable_or_missing_files_are_named(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer: [unclosed\n")
+    with pytest.raises(ConfigError, match="could not be read"):
+        load_config(bad)
+
+
+def test_cli_exits_2_with_one_line_and_no_traceback():
+    proc = subprocess.run(
+        [sys.executable, "-m", "rllm.experimental.fully_async", "async_training.max_staleness=-2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert "async_training.max_staleness" in lines[0]
+    assert "Traceback" not in proc.stderr
+
+
+_KEYS = [
+    "async_training.max_staleness",
+    "async_training.trigger_parameter_sync_step",
+    "async_training.required_samples",
+    "engines.num_engines",
+    "engines.request_timeout_s",
+    "param_sync.timeout_s",
+    "actor_rollout_ref.rollout.n",
+    "actor_rollout_ref.rollout.temperature",
+    "actor_rollout_ref.actor.optim.lr",
+    "data.max_response_length",
+    "data.train_batch_size",
+]
+_BAD_VALUES = st.one_of(
+    st.integers(max_value=-1),
+    st.just("not-a-number"),
+    st.just("[1, 2]"),
+    st.just("{a: 1}"),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(key=st.sampled_from(_KEYS), value=_BAD_VALUES)
+def test_fuzzed_bad_values_always_raise_config_error_naming_the_key(key, value):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [f"{key}={value}"])
+    assert key.split(".")[-1] in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    section=st.sampled_from(["async_training", "engines", "trainer", "actor_rollout_ref.actor"]),
+    name=st.from_regex(r"[a-z]{3,12}_zz", fullmatch=True),
+)
+def test_fuzzed_unknown_keys_always_raise_config_error(section, name):
+    with pytest.raises(ConfigError, match=f"unknown key '{section}.{name}'"):
+        load_config(None, [f"{section}.{name}=1"])
