@@ -1,0 +1,198 @@
+"""FullyAsyncTrainer: on-policy equivalence, stale-group handling, short last batch, weight-sync cadence.
+
+The trainer runs with the real patched verl backend and the real queue bookkeeping (GroupBuffer); only the
+executor is a recorder of what the trainer reports (its Protocol is two methods).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from rllm.experimental.fully_async.algorithms.advantages import AdvantageConfig
+from rllm.experimental.fully_async.backends.fsdp import FSDPPolicyBackend
+from rllm.experimental.fully_async.config import verl_base_config
+from rllm.experimental.fully_async.fully_async_trainer import FullyAsyncTrainer, QueueTimeoutError, TrainerSettings
+from rllm.experimental.fully_async.message_queue import GetResult, GroupBuffer
+from rllm.experimental.fully_async.protocol import Sequence, Trajectory, TrajectoryGroup
+from rllm.experimental.fully_async.trajectory_batch import groups_to_dataproto
+
+GROUPS = 4
+SAMPLES = 4
+
+
+class LocalQueue:
+    """The MessageQueue's get contract over its real bookkeeping class, without Ray."""
+
+    def __init__(self, groups: list[TrajectoryGroup], closed: bool = False) -> None:
+        self.buffer = GroupBuffer(max_groups=1000)
+        self.buffer.push(groups)
+        if closed:
+            self.buffer.close()
+
+    def get_batch(self, n: int, timeout_s: float) -> GetResult:
+        if len(self.buffer) >= n:
+            return GetResult(self.buffer.pop(n), "ok")
+        if self.buffer.closed:
+            return GetResult(self.buffer.pop(len(self.buffer)), "ok") if len(self.buffer) else GetResult([], "closed")
+        return GetResult([], "timeout")
+
+
+class RecordingExecutor:
+    def __init__(self) -> None:
+        self.trained: list[str] = []
+        self.stale: list[str] = []
+        self.versions: list[int] = []
+
+    def report_consumed(self, trained_uids, trained_groups, stale_uids, stale_groups) -> None:
+        self.trained += trained_uids
+        self.stale += stale_uids
+
+    def set_version(self, version: int) -> None:
+        self.versions.append(version)
+
+
+def _actor_cfg(lr: float = 1e-3):
+    cfg = verl_base_config().actor_rollout_ref.actor
+    cfg.optim.lr = lr
+    cfg.optim.weight_decay = 0.0
+    cfg.use_torch_compile = False
+    cfg.fsdp_config.use_torch_compile = False
+    cfg.ppo_micro_batch_size_per_gpu = GROUPS * SAMPLES
+    cfg.ppo_mini_batch_size = GROUPS * SAMPLES
+    cfg.use_remove_padding = False
+    return cfg
+
+
+def _groups(backend: FSDPPolicyBackend | None, version: int, seed: int, prefix: str = "p") -> list[TrajectoryGroup]:
+    """Random prompts/responses; rollout log-probs from `backend` (on-policy) or constant (stale data)."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = []
+    for g in range(GROUPS):
+        prompt = torch.randint(2, 32, (3 + g % 2,), generator=gen).tolist()
+        trajectories = []
+        for i in range(SAMPLES):
+            response = torch.randint(2, 32, (2 + (i % 3),), generator=gen).tolist()
+            seq = Sequence(prompt, response, [-1.0] * len(response), [version] * len(response))
+            trajectories.append(Trajectory(f"{prefix}{g}/{i}", f"{prefix}{g}", [seq], reward=float((g + i) % 2)))
+        groups.append(TrajectoryGroup(f"{prefix}{g}", trajectories))
+    if backend is not None:
+        data = groups_to_dataproto(groups, pad_token_id=0, temperature=1.0)
+        log_probs = backend.compute_log_prob(data)
+        row = 0
+        for group in groups:
+            for trajectory in group.trajectories:
+                n = len(trajectory.sequences[0].response_ids)
+                trajectory.sequences[0].response_logprobs = log_probs[row, :n].tolist()
+                row += 1
+    return groups
+
+
+def _settings(**overrides) -> TrainerSettings:
+    values = dict(
+        required_samples=GROUPS,
+        max_staleness=0,
+        trigger_parameter_sync_step=1,
+        use_rollout_log_probs=True,
+        compute_prox_log_prob=False,
+        temperature=1.0,
+        pad_token_id=0,
+        queue_get_timeout_s=1.0,
+    )
+    values.update(overrides)
+    return TrainerSettings(**values)
+
+
+def _advantages() -> AdvantageConfig:
+    return AdvantageConfig.from_config(OmegaConf.create({"algorithm": {"adv_estimator": "grpo"}}))
+
+
+def test_staleness_zero_trigger_one_equals_a_synchronous_verl_step(tiny_model_dir):
+    fully_async = FSDPPolicyBackend(tiny_model_dir, _actor_cfg())
+    groups = _groups(fully_async, version=0, seed=1)
+    executor = RecordingExecutor()
+    trainer = FullyAsyncTrainer(
+        _settings(), fully_async, LocalQueue(groups), executor, param_sync=None, advantages=_advantages()
+    )
+    trainer.train_step()
+
+    # Reference: verl's own synchronous on-policy step (flag off, one mini-batch = the batch, one micro-batch):
+    # its on-policy shortcut takes old log-probs from the same forward pass.
+    from verl.workers.actor.dp_actor import DataParallelPPOActor
+
+    synchronous = FSDPPolicyBackend(tiny_model_dir, _actor_cfg())
+    config = copy.deepcopy(synchronous.config)
+    object.__setattr__(config, "fully_async", False)
+    actor = DataParallelPPOActor(config, synchronous.model, synchronous.optimizer)
+    actor.param_dtype = torch.float32
+    data = _advantages().compute(groups_to_dataproto(copy.deepcopy(groups), pad_token_id=0, temperature=1.0))
+    data.batch["old_log_probs"] = torch.zeros_like(data.batch["rollout_log_probs"])  # replaced by verl on-policy
+    del data.batch["rollout_log_probs"]
+    actor.update_policy(data)
+
+    for (name, a), b in zip(fully_async.model.named_parameters(), synchronous.model.parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5), name
+    start = FSDPPolicyBackend(tiny_model_dir, _actor_cfg())
+    moved = any(
+        not torch.equal(a, b) for a, b in zip(start.model.parameters(), fully_async.model.parameters(), strict=True)
+    )
+    assert moved  # the comparison is not vacuous: the step changed the weights
+    assert executor.versions == [1]
+    assert sorted(executor.trained) == sorted(t.uid for g in groups for t in g.trajectories)
+
+
+def test_stale_groups_are_dropped_reported_and_replaced(tiny_model_dir):
+    backend = FSDPPolicyBackend(tiny_model_dir, _actor_cfg())
+    stale = _groups(None, version=1, seed=2, prefix="old")  # 2 versions behind trainer version 3
+    fresh = _groups(None, version=2, seed=3, prefix="new")  # 1 behind: allowed with max_staleness 1
+    executor = RecordingExecutor()
+    trainer = FullyAsyncTrainer(
+        _settings(max_staleness=1),
+        backend,
+        LocalQueue(stale[:2] + fresh[:2] + stale[2:] + fresh[2:]),
+        executor,
+        param_sync=None,
+        advantages=_advantages(),
+        version=3,
+    )
+    metrics = trainer.train_step()
+    assert metrics["staleness/dropped_groups"] == GROUPS
+    assert metrics["staleness/max"] == 1
+    assert sorted(executor.stale) == sorted(t.uid for g in stale for t in g.trajectories)
+    assert sorted(executor.trained) == sorted(t.uid for g in fresh for t in g.trajectories)
+
+
+def test_a_closed_queue_gives_a_short_last_batch_then_none(tiny_model_dir):
+    backend = FSDPPolicyBackend(tiny_model_dir, _actor_cfg())
+    groups = _groups(backend, version=0, seed=4)[:3]  # fewer than required_samples
+    executor = RecordingExecutor()
+    trainer = FullyAsyncTrainer(
+        _settings(), backend, LocalQueue(groups, closed=True), executor, param_sync=None, advantages=_advantages()
+    )
+    metrics = trainer.train_step()
+    assert metrics["batch/groups"] == 3
+    assert trainer.train_step() is None
+    assert len(executor.trained) == 3 * SAMPLES
+
+
+def test_weights_sync_every_k_steps_and_a_stalled_queue_times_out_with_a_message(tiny_model_dir):
+    backend = FSDPPolicyBackend(tiny_model_dir, _actor_cfg())
+    groups = _groups(backend, version=0, seed=5) + _groups(backend, version=0, seed=6, prefix="q")
+    executor = RecordingExecutor()
+    trainer = FullyAsyncTrainer(
+        _settings(trigger_parameter_sync_step=2, max_staleness=1),
+        backend,
+        LocalQueue(groups),
+        executor,
+        param_sync=None,
+        advantages=_advantages(),
+    )
+    trainer.train_step()
+    assert executor.versions == []
+    trainer.train_step()
+    assert executor.versions == [1]
+    with pytest.raises(QueueTimeoutError, match="queue_get_timeout_s"):
+        trainer.train_step()
