@@ -61,3 +61,36 @@ def build_tiny_qwen2(path: Path, seed: int = 0) -> Path:
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny random Qwen2 model folder shared by the whole session (read-only: copy before changing)."""
     return build_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"))
+
+
+@pytest.fixture(scope="session")
+def addition_cache(tmp_path_factory) -> Path:
+    """A task cache holding the addition task with a short (60-step) warm-up, built once per session.
+
+    Tests that run the CLI pass `task.cache_dir=<this> task.warmup_steps=60` and reuse it.
+    """
+    from rllm.experimental.fully_async.tasks.addition import prepare_addition_assets
+
+    cache = tmp_path_factory.mktemp("addition_cache")
+    prepare_addition_assets(cache, seed=0, warmup_steps=QUICK_WARMUP_STEPS)
+    return cache
+
+
+QUICK_WARMUP_STEPS = 60
+
+
+def leftover_processes(driver_pid: int, model_marker: str) -> list[str]:
+    """Processes a finished run left behind: engines serving `model_marker`, Ray daemons of the driver's session.
+
+    Ray names its session folder after the driver's pid (`/tmp/ray/session_<time>_<pid>/`).
+    """
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        engine = "embedded_server" in cmdline and model_marker in cmdline
+        ray_daemon = "/tmp/ray/session_" in cmdline and f"_{driver_pid}/" in cmdline
+        if engine or ray_daemon:
+            found.append(cmdline[:200])
+    return found

@@ -13,8 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import psutil
 import pytest
+from conftest import leftover_processes
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 8
@@ -22,7 +22,7 @@ MAX_STALENESS = 1
 
 
 @pytest.fixture(scope="module")
-def short_run(tmp_path_factory):
+def short_run(tmp_path_factory, addition_cache):
     root = tmp_path_factory.mktemp("e2e")
     run_dir = root / "run"
     env = dict(os.environ, RLLM_LOG_LEVEL="WARNING")
@@ -31,8 +31,8 @@ def short_run(tmp_path_factory):
         "-m",
         "rllm.experimental.fully_async",
         f"run.dir={run_dir}",
-        f"task.cache_dir={root / 'cache'}",
-        "task.warmup_steps=60",  # a weaker model than the default: quicker, and still a real task
+        f"task.cache_dir={addition_cache}",
+        "task.warmup_steps=60",  # the session's quick warm-up (conftest): a weaker model, still a real task
         "task.val_size=32",
         f"trainer.total_training_steps={STEPS}",
         "trainer.test_freq=4",
@@ -94,14 +94,6 @@ def test_partial_rollouts_were_resumed_and_stitched(short_run):
     assert sum(r["partial/mixed_version_samples"] for r in steps) > 0
 
 
-def test_no_engine_or_ray_process_is_left(short_run):
-    proc, _, _, run_dir = short_run
-    leftovers = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        cmdline = " ".join(p.info["cmdline"] or [])
-        # Engines name the run's model; Ray's daemons name a session folder ending in the driver's pid.
-        if "embedded_server" in cmdline and str(run_dir.parent) in cmdline:
-            leftovers.append(cmdline)
-        if f"_{proc.pid}/" in cmdline and "/tmp/ray/session_" in cmdline:
-            leftovers.append(cmdline)
-    assert not leftovers, leftovers
+def test_no_engine_or_ray_process_is_left(short_run, addition_cache):
+    proc, _, _, _ = short_run
+    assert not leftover_processes(proc.pid, str(addition_cache))

@@ -45,17 +45,21 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_CONFIG
     logging.basicConfig(level=str(cfg.run.log_level), format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
-    from rllm.experimental.fully_async.driver import train
+    from rllm.experimental.fully_async.data import DataError
+    from rllm.experimental.fully_async.driver import RunFailedError, train
     from rllm.experimental.fully_async.verl_patch import UnpatchedVerlError
 
     try:
         train(cfg)
-    except UnpatchedVerlError as exc:
+    except (UnpatchedVerlError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     except KeyboardInterrupt:
         print("interrupted: engines and actors stopped", file=sys.stderr)
         return 130
+    except RunFailedError as exc:
+        print(f"run failed at {exc}", file=sys.stderr)
+        return EXIT_FAILED
     return 0
 
 

@@ -40,7 +40,7 @@ class RolloutExecutorActor:
 
         from rllm.experimental.fully_async.algorithms.filters import build_group_filter
         from rllm.experimental.fully_async.client import EngineClient
-        from rllm.experimental.fully_async.data import PromptDataset, PromptIterator
+        from rllm.experimental.fully_async.data import PromptIterator
         from rllm.experimental.fully_async.ledger import SampleLedger
         from rllm.experimental.fully_async.rollout_executor import ExecutorSettings, RolloutExecutor
         from rllm.experimental.fully_async.workflows import build_workflow, load_reward_fn
@@ -52,9 +52,7 @@ class RolloutExecutorActor:
         self.reward_fn = load_reward_fn(c)
         self.client = EngineClient(engine_urls, request_timeout_s=float(c.engines.request_timeout_s))
         self.ledger = SampleLedger()
-        overlong = overlong_policy(c)
-        max_prompt_length = int(c.data.max_prompt_length)
-        train = PromptDataset(_files(c.data.train_files), self.tokenizer, max_prompt_length, overlong)
+        train, val = load_prompt_datasets(c, self.tokenizer)
         if state is None:  # a resumed ledger has them already
             for rejected in train.rejected:
                 # Left out before any rollout, yet still a prompt the user gave: the ledger accounts for it.
@@ -62,8 +60,7 @@ class RolloutExecutorActor:
                 self.ledger.issue([uid])
                 self.ledger.mark_filtered([uid], rejected.reason)
         self.val: list = []
-        if c.data.val_files:
-            val = PromptDataset(_files(c.data.val_files), self.tokenizer, max_prompt_length, overlong)
+        if val is not None:
             self.val = list(PromptIterator(val, seed=0, num_epochs=1, shuffle=False))[: int(c.task.val_size)]
         prompts = PromptIterator(
             train,
@@ -203,6 +200,7 @@ class FullyAsyncTrainerActor:
             temperature=float(c.actor_rollout_ref.rollout.temperature),
             pad_token_id=int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0),
             queue_get_timeout_s=float(at.queue_get_timeout_s),
+            continue_without_dead_engines=str(c.engines.on_engine_failure) == "continue",
         )
         self.trainer = FullyAsyncTrainer(
             settings,
@@ -245,6 +243,16 @@ def _files(value: Any) -> list[str]:
     if isinstance(value, str):
         return [value]
     return [str(v) for v in value]
+
+
+def load_prompt_datasets(cfg: DictConfig, tokenizer: Any) -> tuple[Any, Any]:
+    """The train and (optional) validation PromptDatasets the config names; DataError names file, row, field."""
+    from rllm.experimental.fully_async.data import PromptDataset
+
+    overlong, max_len = overlong_policy(cfg), int(cfg.data.max_prompt_length)
+    train = PromptDataset(_files(cfg.data.train_files), tokenizer, max_len, overlong)
+    val = PromptDataset(_files(cfg.data.val_files), tokenizer, max_len, overlong) if cfg.data.val_files else None
+    return train, val
 
 
 def overlong_policy(cfg: DictConfig) -> str:

@@ -81,6 +81,9 @@ class EnginesConfig:
     request_timeout_s: float = 300.0  # one /generate call, including time held while paused for a sync
     dtype: str = "float32"  # embedded engine weights dtype on CPU: float32 | bfloat16
     torch_threads: int = 1  # torch intra-op threads per embedded engine process
+    # An engine process that dies: `continue` routes its requests to the others and drops it from weight syncs
+    # (the run stops when none is left); `stop` ends the run at the next weight sync with a checkpoint.
+    on_engine_failure: str = "continue"
     extra_args: dict[str, Any] = field(default_factory=dict)  # passed through to sglang.launch_server
 
 
@@ -376,6 +379,7 @@ def resolve_derived(cfg: DictConfig) -> None:
 _CHOICES: dict[str, tuple[str, ...]] = {
     "engines.backend": ("embedded", "sglang"),
     "engines.dtype": ("float32", "bfloat16"),
+    "engines.on_engine_failure": ("continue", "stop"),
     "param_sync.transport": ("disk", "nccl"),
     "actor_rollout_ref.rollout.name": ("embedded", "sglang"),
     "actor_rollout_ref.actor.loss_agg_mode": (

@@ -62,6 +62,21 @@ def prepare_task(cfg: DictConfig) -> None:
     print(f"task addition ready in {time.monotonic() - started:.1f}s (model {assets.model_dir})", flush=True)
 
 
+def check_data(cfg: DictConfig) -> None:
+    """Read and validate the prompt data before any process starts, so a bad file or row is a one-line error
+    (data.DataError) rather than an actor that dies during start-up."""
+    from transformers import AutoTokenizer
+
+    from rllm.experimental.fully_async.actors import load_prompt_datasets
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.path)
+    train, _ = load_prompt_datasets(cfg, tokenizer)
+    if len(train) == 0:
+        from rllm.experimental.fully_async.data import DataError
+
+        raise DataError(f"{cfg.data.train_files}: no prompt left after filtering (data.max_prompt_length?)")
+
+
 def engine_launcher(cfg: DictConfig, log_dir: Path) -> Any:
     """An EngineLauncher for the configured backend (a context manager whose `.urls` are the engines)."""
     from rllm.experimental.fully_async.engines.launcher import EmbeddedEngineCommand, EngineLauncher
@@ -172,6 +187,7 @@ def train(cfg: DictConfig) -> RunSummary:
     require_patched_verl()
     started = time.monotonic()
     prepare_task(cfg)
+    check_data(cfg)
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(cfg, run_dir / "config.yaml")
@@ -254,6 +270,15 @@ def train(cfg: DictConfig) -> RunSummary:
             except Exception as exc:  # best effort: the previous checkpoint stays usable
                 print(f"checkpoint on interrupt failed: {exc}", file=sys.stderr, flush=True)
             raise
+        except Exception as exc:
+            cause = root_cause(exc)
+            logger.error("run failed at step %d", step, exc_info=exc)
+            try:
+                checkpoint(step)
+                saved = f"checkpoint at step {step} saved in {checkpoints.root}"
+            except Exception as ckpt_exc:  # the previous checkpoint stays usable
+                saved = f"no new checkpoint ({type(root_cause(ckpt_exc)).__name__}: {root_cause(ckpt_exc)})"
+            raise RunFailedError(f"step {step + 1}: {type(cause).__name__}: {cause} [{saved}]") from exc
         ray.get(executor.stop.remote(), timeout=60)
         _wait_run(run_ref)
         val = ray.get(executor.validate.remote(), timeout=float(cfg.engines.request_timeout_s))
@@ -264,6 +289,17 @@ def train(cfg: DictConfig) -> RunSummary:
     summary = RunSummary(step, initial_acc, final_acc, time.monotonic() - started, ledger, str(run_dir))
     print_summary(summary)
     return summary
+
+
+class RunFailedError(RuntimeError):
+    """The run stopped on an error; the message names the step, the cause and what was checkpointed."""
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """The user's exception inside Ray's wrapper (RayTaskError keeps it as `.cause`)."""
+    while getattr(exc, "cause", None) is not None and exc.cause is not exc:
+        exc = exc.cause
+    return exc
 
 
 def _is_number(value: Any) -> bool:

@@ -43,6 +43,7 @@ class TrainerSettings:
     temperature: float
     pad_token_id: int
     queue_get_timeout_s: float
+    continue_without_dead_engines: bool = True  # engines.on_engine_failure == "continue"
 
 
 class FullyAsyncTrainer:
@@ -152,7 +153,22 @@ class FullyAsyncTrainer:
             self.version = new_version
             self.executor.set_version(self.version)
             return {}
-        report = self.param_sync.sync(self.backend.save_hf, new_version)
+        from rllm.experimental.fully_async.param_sync import SyncError
+
+        try:
+            report = self.param_sync.sync(self.backend.save_hf, new_version)
+        except SyncError as exc:
+            # Engines whose process is gone are dropped when the config allows it and some engine took the
+            # update; any other failure (an engine that answered with an error, a timeout) stops the run.
+            lost = set(exc.failures)
+            if not (self.settings.continue_without_dead_engines and exc.updated and lost <= set(exc.unreachable)):
+                raise
+            for url in sorted(lost):
+                self.param_sync.remove_engine(url)
+            self.version = new_version
+            self.executor.set_version(self.version)
+            logger.warning("step %d: continuing without dead engine(s) %s", self.step, ", ".join(sorted(lost)))
+            return {"sync/engines_lost": float(len(lost))}
         self.version = report.version
         self.executor.set_version(self.version)
         return {

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from rllm.experimental.fully_async.client import EngineClient
+from rllm.experimental.fully_async.client import EngineClient, EngineConnectionError
 
 logger = logging.getLogger(__name__)
 
@@ -84,13 +84,17 @@ class SyncReport:
 class SyncError(RuntimeError):
     """A sync failed on some engines; live engines were resumed. `failures` maps engine URL -> reason."""
 
-    def __init__(self, version: int, failures: dict[str, str], updated: list[str]) -> None:
+    def __init__(
+        self, version: int, failures: dict[str, str], updated: list[str], unreachable: list[str] | None = None
+    ) -> None:
         lines = "; ".join(f"{url}: {reason}" for url, reason in failures.items())
         super().__init__(
             f"weight sync to version {version} failed on {len(failures)} engine(s): {lines}. "
             f"Updated: {updated or 'none'}; every reachable engine was resumed."
         )
         self.version, self.failures, self.updated = version, failures, updated
+        # Engines that refused connections (process gone), as opposed to ones that answered with an error.
+        self.unreachable = unreachable or []
 
 
 _VERSION_DIR = re.compile(r"^v(\d+)$")
@@ -155,6 +159,7 @@ class DiskTransport:
 @dataclass
 class _Outcome:
     failures: dict[str, str] = field(default_factory=dict)
+    unreachable: set[str] = field(default_factory=set)
     updated: list[str] = field(default_factory=list)
     paused_at: float = 0.0
     resumed_at: float = 0.0
@@ -206,6 +211,17 @@ class ParamSync:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    def remove_engine(self, url: str) -> None:
+        """Stop syncing to an engine that is gone (its process died); later syncs address the others."""
+        url = url.rstrip("/")
+        if url not in self.engine_urls:
+            return
+        if len(self.engine_urls) == 1:
+            raise ValueError(f"cannot remove {url}: it is the last engine")
+        self.engine_urls = [u for u in self.engine_urls if u != url]
+        self.engine_versions.pop(url, None)
+        logger.warning("engine %s removed from weight syncs; %d engine(s) left", url, len(self.engine_urls))
+
     def close(self) -> None:
         """Close the HTTP session and stop the private event loop (idempotent)."""
         if self._closed:
@@ -243,7 +259,7 @@ class ParamSync:
         outcome = self._run(self._push(staged), timeout_s=guard_s, what=f"syncing weights version {new_version}")
         self.transport.release(staged, self.engine_versions)
         if outcome.failures:
-            raise SyncError(new_version, outcome.failures, outcome.updated)
+            raise SyncError(new_version, outcome.failures, outcome.updated, sorted(outcome.unreachable))
         report = SyncReport(
             version=new_version,
             write_s=write_s,
@@ -306,6 +322,8 @@ class ParamSync:
                 raise res
             if isinstance(res, BaseException):
                 out.failures.setdefault(url, f"{type(res).__name__}: {res}")
+                if isinstance(res, EngineConnectionError):
+                    out.unreachable.add(url)
             else:
                 ok.append(url)
         return ok

@@ -302,6 +302,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--num-threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--parent-check-s", type=float, default=2.0, help="exit when the parent dies; checked this often (0: never)"
+    )
     return parser.parse_args(argv)
 
 
@@ -326,6 +329,7 @@ async def serve(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    watchdog = asyncio.create_task(_stop_when_orphaned(stop, args.parent_check_s))
     logger.info(
         "embedded engine ready on http://%s:%d (model %s, %s, %d params, eos %s)",
         args.host,
@@ -339,9 +343,26 @@ async def serve(args: argparse.Namespace) -> None:
         await stop.wait()
     finally:
         logger.info("shutting down")
+        watchdog.cancel()
         await scheduler.stop()
         with contextlib.suppress(Exception):
             await app_runner.cleanup()
+
+
+async def _stop_when_orphaned(stop: asyncio.Event, period_s: float) -> None:
+    """Shut down if the process that started this engine dies (e.g. a SIGKILLed driver).
+
+    Engines run in their own session so a Ctrl-C aimed at the driver does not kill them mid-sync; the price is
+    that nothing else would stop them when the driver is killed outright. Re-parenting is the signal.
+    """
+    if period_s <= 0:
+        return
+    parent = os.getppid()
+    while not stop.is_set():
+        await asyncio.sleep(period_s)
+        if os.getppid() != parent:
+            logger.warning("parent process %d is gone: shutting down", parent)
+            stop.set()
 
 
 def main(argv: list[str] | None = None) -> None:

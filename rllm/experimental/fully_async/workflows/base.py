@@ -9,14 +9,19 @@ and the run goes on. Only cancellation and engine exhaustion (no engine left) pr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import inspect
 import logging
 import math
+import numbers
 import os
+import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+import numpy as np
 
 from rllm.experimental.fully_async.protocol import Trajectory
 
@@ -67,7 +72,7 @@ async def score_safely(
         if inspect.iscoroutinefunction(reward_fn):
             call: Awaitable[Any] = reward_fn(data_source, solution_str, ground_truth, extra_info)
         else:
-            call = asyncio.to_thread(reward_fn, data_source, solution_str, ground_truth, extra_info)
+            call = _in_own_thread(reward_fn, data_source, solution_str, ground_truth, extra_info)
         raw = await asyncio.wait_for(call, timeout=timeout_s)
     except asyncio.TimeoutError:
         return RewardOutcome(None, f"reward_timeout: no result within {timeout_s:g}s")
@@ -79,11 +84,43 @@ async def score_safely(
     if isinstance(raw, dict):
         extra = {k: v for k, v in raw.items() if k != "score"}
         raw = raw.get("score")
-    if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+    # numbers.Real admits numpy scalars (np.float32, np.int64), which verl's reward managers accept too.
+    if isinstance(raw, (bool, np.bool_)) or not isinstance(raw, numbers.Real):
         return RewardOutcome(None, f"reward_not_a_number: got {type(raw).__name__} {raw!r:.60}")
+    raw = float(raw)
     if not math.isfinite(raw):
         return RewardOutcome(None, f"reward_not_finite: got {raw}")
     return RewardOutcome(float(raw), None, extra)
+
+
+def _in_own_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+    """Run `fn(*args)` in a daemon thread of its own and return a future of its result.
+
+    Not asyncio.to_thread: its pool has min(32, cpus + 4) workers, and a reward that hangs keeps its worker
+    forever, so a handful of hung calls would make every later reward wait for a worker and time out.
+    A daemon thread holds only itself and does not block interpreter exit.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():  # timed out and cancelled meanwhile
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def target() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as exc:  # handed to the awaiting coroutine, which classifies it
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop may be closed by the time a hung call returns
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=target, name="reward-fn", daemon=True).start()
+    return future
 
 
 def load_reward_fn(cfg: Any) -> RewardFn:

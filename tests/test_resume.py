@@ -1,0 +1,145 @@
+"""Checkpoint, resume and shutdown, provoked for real: SIGKILL the whole run, resume it; Ctrl-C and SIGTERM.
+
+The runs train the addition task on a small prompt file (one epoch = a few steps) so a test can finish the
+epoch and check, sample by sample in the final checkpoint's ledger, that every prompt was trained exactly once
+(the ledger refuses a second end state) and none was skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import psutil
+import pytest
+from conftest import QUICK_WARMUP_STEPS, leftover_processes
+
+from rllm.experimental.fully_async.checkpoint import CheckpointManager
+from rllm.experimental.fully_async.ledger import SampleLedger, SampleState
+from rllm.experimental.fully_async.tasks.addition import prepare_addition_assets
+
+NUM_PROMPTS = 40
+SAMPLES = 4
+GROUPS_PER_STEP = 8
+
+
+@pytest.fixture(scope="module")
+def small_task(addition_cache, tmp_path_factory):
+    assets = prepare_addition_assets(addition_cache, seed=0, warmup_steps=QUICK_WARMUP_STEPS)
+    root = tmp_path_factory.mktemp("resume_data")
+    train = root / "train.parquet"
+    val = root / "val.parquet"
+    pd.read_parquet(assets.train_parquet).head(NUM_PROMPTS).to_parquet(train, index=False)
+    pd.read_parquet(assets.val_parquet).head(16).to_parquet(val, index=False)
+    return assets.model_dir, train, val
+
+
+def _command(model_dir: Path, train: Path, val: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "rllm.experimental.fully_async",
+        f"run.dir={run_dir}",
+        "task.name=null",
+        f"actor_rollout_ref.model.path={model_dir}",
+        f"data.train_files={train}",
+        f"data.val_files={val}",
+        "reward.custom_reward_function.path=rllm.experimental.fully_async.tasks.addition",
+        "reward.custom_reward_function.name=compute_score",
+        f"async_training.required_samples={GROUPS_PER_STEP}",
+        f"actor_rollout_ref.rollout.n={SAMPLES}",
+        "async_training.max_staleness=1",
+        "engines.num_engines=2",
+        "trainer.test_freq=0",
+        "trainer.val_before_train=false",
+        *extra,
+    ]
+
+
+def _start(command: list[str], cwd: Path) -> subprocess.Popen:
+    env = dict(os.environ, RLLM_LOG_LEVEL="WARNING", PYTHONUNBUFFERED="1")
+    return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for_line(proc: subprocess.Popen, needle: str, timeout_s: float) -> list[str]:
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if needle in line:
+            return lines
+    proc.kill()
+    pytest.fail(f"never saw {needle!r}:\n{''.join(lines)[-3000:]}")
+
+
+def _sigkill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the driver and everything it started (engines in their own sessions, Ray's daemons)."""
+    tree = [proc.pid, *(child.pid for child in psutil.Process(proc.pid).children(recursive=True))]
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+def test_sigkill_then_resume_trains_every_prompt_of_the_epoch_exactly_once(small_task, tmp_path):
+    model_dir, train, val = small_task
+    run_dir = tmp_path / "run"
+    command = _command(
+        model_dir,
+        train,
+        val,
+        run_dir,
+        "trainer.total_training_steps=null",
+        "trainer.total_epochs=1",
+        "trainer.save_freq=1",
+    )
+    first = _start(command, tmp_path)
+    _wait_for_line(first, "step    3/", timeout_s=400)
+    _sigkill_tree(first)
+    killed_at = CheckpointManager(run_dir / "checkpoints").latest()
+    assert killed_at is not None
+
+    second = _start(command, tmp_path)
+    output, _ = second.communicate(timeout=600)
+    assert second.returncode == 0, output[-3000:]
+    assert f"resumed from {killed_at}" in output
+    assert "prompt data exhausted" in output
+
+    final = CheckpointManager(run_dir / "checkpoints").load(CheckpointManager(run_dir / "checkpoints").latest())
+    ledger = SampleLedger()
+    ledger.load_state_dict(final.rollout["ledger"])
+    expected = {f"e0/{index}/{sample}" for index in range(NUM_PROMPTS) for sample in range(SAMPLES)}
+    states = {uid: ledger.state(uid) for uid in expected}
+    assert set(states.values()) == {SampleState.TRAINED}, {u: s for u, s in states.items() if s != SampleState.TRAINED}
+    counts = ledger.counts()
+    assert counts["issued"] == counts["trained"] == len(expected)  # nothing else was issued, nothing is in flight
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_interrupt_checkpoints_and_stops_everything_within_30s(small_task, tmp_path, sig):
+    model_dir, train, val = small_task
+    run_dir = tmp_path / "run"
+    proc = _start(
+        _command(model_dir, train, val, run_dir, "trainer.total_training_steps=1000", "trainer.total_epochs=100"),
+        tmp_path,
+    )
+    _wait_for_line(proc, "step    2/", timeout_s=400)
+    sent = time.monotonic()
+    proc.send_signal(sig)
+    output, _ = proc.communicate(timeout=60)
+    elapsed = time.monotonic() - sent
+    assert elapsed < 30, f"took {elapsed:.1f}s to stop"
+    assert proc.returncode == 130, output[-3000:]
+    assert "Traceback" not in output.split("interrupted at step")[-1]
+    latest = CheckpointManager(run_dir / "checkpoints").latest()
+    assert latest is not None and int(latest.name.split("_")[-1]) >= 2
+    assert not leftover_processes(proc.pid, str(model_dir))
