@@ -123,19 +123,22 @@ class FullyAsyncTrainer:
         groups, metrics = self.take_batch()
         if not groups:
             return None
-        compute_started = time.monotonic()
+        clock = _Stopwatch()
         data = groups_to_dataproto(
             groups, pad_token_id=self.settings.pad_token_id, temperature=self.settings.temperature
         )
+        metrics["timing/assemble_s"] = clock.lap()
         data = self.advantages.compute(data)
         metrics.update(self._old_log_probs(data))
+        metrics["timing/advantages_s"] = clock.lap()
         metrics.update(self.backend.update_policy(data))
+        metrics["timing/update_s"] = clock.lap()
         self.step += 1
 
         trained_uids = [t.uid for g in groups for t in g.trajectories if t.status == TrajectoryStatus.OK]
         self.executor.report_consumed(trained_uids, len(groups), [], 0)
+        metrics["timing/report_s"] = clock.lap()
         metrics.update(_batch_metrics(groups, data))
-        metrics["timing/update_s"] = time.monotonic() - compute_started
 
         if self.step % self.settings.trigger_parameter_sync_step == 0:
             metrics.update(self.sync_weights())
@@ -209,6 +212,16 @@ class FullyAsyncTrainer:
         else:
             data.batch["old_log_probs"] = behaviour.clone()
         return {}
+
+
+class _Stopwatch:
+    def __init__(self) -> None:
+        self.last = time.monotonic()
+
+    def lap(self) -> float:
+        now = time.monotonic()
+        elapsed, self.last = now - self.last, now
+        return elapsed
 
 
 def _batch_metrics(groups: list[TrajectoryGroup], data: Any) -> dict[str, float]:
