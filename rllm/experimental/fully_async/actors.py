@@ -202,6 +202,11 @@ class FullyAsyncTrainerActor:
             queue_get_timeout_s=float(at.queue_get_timeout_s),
             continue_without_dead_engines=str(c.engines.on_engine_failure) == "continue",
         )
+        critic = None
+        if c.algorithm.adv_estimator == "gae":
+            from rllm.experimental.fully_async.backends.critic import FSDPCriticBackend
+
+            critic = FSDPCriticBackend(model_path, c.critic, seed=int(c.run.seed))
         self.trainer = FullyAsyncTrainer(
             settings,
             backend,
@@ -210,6 +215,7 @@ class FullyAsyncTrainerActor:
             self.param_sync,
             advantages=AdvantageConfig.from_config(c),
             correction=build_correction(c),
+            critic=critic,
         )
 
     def train_step(self) -> dict | None:

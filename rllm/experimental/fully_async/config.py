@@ -155,6 +155,11 @@ FULLY_ASYNC_VERL_DEFAULTS: dict[str, Any] = {
         "singleton_group_advantage": "zero",  # zero | verl (verl gives a group of one its raw reward)
     },
     "trainer": {"logger": ["console"], "val_before_train": True, "device": "cpu", "n_gpus_per_node": 1},
+    # Used only with algorithm.adv_estimator=gae. verl's micro-batch resolves to null, which the critic refuses.
+    "critic": {
+        "ppo_micro_batch_size_per_gpu": 64,
+        "model": {"enable_gradient_checkpointing": False, "use_remove_padding": False},
+    },
 }
 
 
@@ -455,6 +460,18 @@ def _validate_algorithm(cfg: DictConfig) -> None:
         raise ConfigError(
             f"'algorithm.adv_estimator' must be one of {', '.join(sorted(SUPPORTED_ESTIMATORS))}; got {estimator!r}"
         )
+    if estimator == "gae":
+        from rllm.experimental.fully_async.backends.critic import validate_critic_section
+
+        try:
+            validate_critic_section(cfg.critic)
+        except ValueError as exc:
+            raise ConfigError(_first_line(exc)) from exc
+        if int(cfg.trainer.n_gpus_per_node) * int(cfg.trainer.nnodes) != 1:
+            raise ConfigError(
+                "'trainer.n_gpus_per_node' x 'trainer.nnodes' must be 1 with algorithm.adv_estimator=gae "
+                "(verl's critic is unpatched: its loss is not proven correct across ranks)"
+            )
     # The algorithm sections validate themselves when built; their errors name the key.
     for build in (AdvantageConfig.from_config, build_correction, build_group_filter):
         try:

@@ -63,6 +63,7 @@ class FullyAsyncTrainer:
         param_sync: Any | None,
         advantages: Any,  # algorithms.advantages.AdvantageConfig
         correction: Any | None = None,
+        critic: Any | None = None,  # backends.critic.FSDPCriticBackend, for adv_estimator=gae
         version: int = 0,
         step: int = 0,
     ) -> None:
@@ -73,6 +74,7 @@ class FullyAsyncTrainer:
         self.param_sync = param_sync
         self.advantages = advantages
         self.correction = correction
+        self.critic = critic
         self.version = version
         self.step = step
 
@@ -128,9 +130,14 @@ class FullyAsyncTrainer:
             groups, pad_token_id=self.settings.pad_token_id, temperature=self.settings.temperature
         )
         metrics["timing/assemble_s"] = clock.lap()
+        if self.critic is not None:
+            # Values from the critic's weights before its own step: they anchor the value clip.
+            data.batch["values"] = self.critic.compute_values(data)
         data = self.advantages.compute(data)
         metrics.update(self._old_log_probs(data))
         metrics["timing/advantages_s"] = clock.lap()
+        if self.critic is not None:
+            metrics.update(self.critic.update_critic(data))  # needs `returns` from the GAE estimator
         metrics.update(self.backend.update_policy(data))
         metrics["timing/update_s"] = clock.lap()
         self.step += 1
@@ -188,12 +195,17 @@ class FullyAsyncTrainer:
             "step": self.step,
             "version": self.version,
             "rng": capture_rng_state(),
+            **({"critic": self.critic.state_dict()} if self.critic is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from rllm.experimental.fully_async.checkpoint import restore_rng_state
 
         self.backend.load_state_dict(state["backend"])
+        if self.critic is not None:
+            if "critic" not in state:
+                raise ValueError("the checkpoint has no critic state (it was not a GAE run): start a new run.dir")
+            self.critic.load_state_dict(state["critic"])
         self.step = int(state["step"])
         self.version = int(state["version"])
         restore_rng_state(state["rng"])
