@@ -14,61 +14,13 @@ constraints="$repo_root/install/constraints-gpu.txt"
 venv="${VENV:-$repo_root/.venv}"
 tag="install_megatron_sglang"
 
-dry_run=0
+# shellcheck source=install/_lib.sh
+source "$repo_root/install/_lib.sh"
+parse_installer_args "$@"
 pass_args=()
-for arg in "$@"; do
-  case "$arg" in
-  --dry-run)
-    dry_run=1
-    pass_args+=(--dry-run)
-    ;;
-  -h | --help)
-    sed -n '2,9p' "${BASH_SOURCE[0]}"
-    exit 0
-    ;;
-  *)
-    echo "[$tag] error: unknown argument $arg (use --dry-run or --help)" >&2
-    exit 2
-    ;;
-  esac
-done
-
-step_no=0
-# step DESCRIPTION -- COMMAND...: print the step, then run it unless --dry-run.
-step() {
-  local description="$1"
-  shift 2
-  step_no=$((step_no + 1))
-  echo "[$tag] step $step_no: $description"
-  local arg shown=""
-  for arg in "$@"; do
-    # plain words as they are, anything else single-quoted, so the line can be pasted into a shell
-    if [[ "$arg" =~ ^[A-Za-z0-9_./=:,@+%-]+$ ]]; then
-      shown+=" $arg"
-    else
-      shown+=" '${arg//\'/\'\\\'\'}'"
-    fi
-  done
-  echo "  \$$shown"
-  if [[ "$dry_run" == 0 ]]; then
-    "$@"
-  fi
-}
-
-# pin NAME: "NAME==VERSION" from the lock, so the versions live in one file.
-pin() {
-  local line
-  line="$(grep -m1 -i "^$1==" "$constraints")" || {
-    echo "[$tag] error: $1 has no pin in $constraints" >&2
-    exit 1
-  }
-  echo "$line"
-}
-
-[[ -f "$constraints" ]] || {
-  echo "[$tag] error: $constraints is missing" >&2
-  exit 1
-}
+if [[ "$dry_run" == 1 ]]; then
+  pass_args+=(--dry-run)
+fi
 vpy="$venv/bin/python"
 pip=("$vpy" -m pip install --disable-pip-version-check -c "$constraints")
 te_version="$(pin transformer-engine)"

@@ -6,12 +6,12 @@ import asyncio
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from conftest import build_tiny_qwen2
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from engine_helpers import LOGPROB_TOL, max_abs_diff, reference_logprobs, sharpen
+from transformers import AutoModelForCausalLM
 
 from rllm.experimental.fully_async.client import (
     EngineClient,
@@ -23,32 +23,7 @@ from rllm.experimental.fully_async.engines import EmbeddedEngineCommand, EngineL
 
 pytestmark = pytest.mark.timeout(180)
 
-LOGPROB_TOL = 1e-4
 LONG = {"temperature": 1.0, "max_new_tokens": 200, "ignore_eos": True}
-
-
-def sharpen(src: Path, dst: Path, seed: int) -> Path:
-    """Copy an HF model with its matrices redrawn from N(0, 0.3), so two models' log-probs clearly differ."""
-    model = AutoModelForCausalLM.from_pretrained(src)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() >= 2:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
-    model.save_pretrained(dst)
-    return dst
-
-
-def reference_logprobs(model: PreTrainedModel, prompt: list[int], output: list[int]) -> list[float]:
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + output])).logits[0].float()
-    logprobs = torch.log_softmax(logits, dim=-1)
-    return [logprobs[len(prompt) - 1 + i, tok].item() for i, tok in enumerate(output)]
-
-
-def max_abs_diff(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b)
-    return max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
 
 
 async def wait_for_running(client: EngineClient, url: str, n: int, timeout_s: float = 30.0) -> None:

@@ -19,6 +19,7 @@ import httpx
 import pytest
 import torch
 from conftest import build_tiny_qwen2
+from engine_helpers import LOGPROB_TOL, max_abs_diff, reference_logprobs, sharpen
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from rllm.experimental.fully_async.engines import (
@@ -33,29 +34,6 @@ from rllm.experimental.fully_async.engines.sampling import SamplingParams
 pytestmark = pytest.mark.timeout(180)
 
 EOS = 1
-LOGPROB_TOL = 1e-4
-
-
-def sharpen(src: Path, dst: Path, seed: int) -> Path:
-    """Copy an HF model with its matrices redrawn from N(0, 0.3): varied, non-degenerate greedy outputs."""
-    model = AutoModelForCausalLM.from_pretrained(src)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() >= 2:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
-    model.save_pretrained(dst)
-    return dst
-
-
-def reference_logprobs(
-    model: PreTrainedModel, prompt: list[int], output: list[int], temperature: float = 1.0
-) -> list[float]:
-    """log_softmax(logits / T) of each output token under `model`, from one forward pass over prompt + output."""
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + output])).logits[0].float()
-    logprobs = torch.log_softmax(logits / temperature, dim=-1)
-    return [logprobs[len(prompt) - 1 + i, tok].item() for i, tok in enumerate(output)]
 
 
 def greedy_tokens(model: PreTrainedModel, prompt: list[int], n: int) -> list[int]:
@@ -65,11 +43,6 @@ def greedy_tokens(model: PreTrainedModel, prompt: list[int], n: int) -> list[int
         for _ in range(n):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
     return ids[len(prompt) :]
-
-
-def max_abs_diff(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b)
-    return max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str, interval_s: float = 0.02) -> None:

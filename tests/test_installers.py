@@ -114,7 +114,10 @@ def test_installers_reject_unknown_arguments():
 def test_scripts_pass_shellcheck():
     scripts = [*sorted(INSTALL.glob("*.sh")), REPO_ROOT / ".ci" / "run"]
     assert len(scripts) >= 5
-    result = subprocess.run([str(SHELLCHECK), *map(str, scripts)], capture_output=True, text=True, timeout=120)
+    # -x follows `source install/_lib.sh` (paths relative to the repository root)
+    result = subprocess.run(
+        [str(SHELLCHECK), "-x", *map(str, scripts)], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT
+    )
     assert result.returncode == 0, result.stdout
 
 

@@ -375,10 +375,10 @@ def resolve_derived(cfg: DictConfig) -> None:
         at.max_concurrent_rollouts = 2 * at.required_samples * n
     if at.queue_max_groups is None:
         at.queue_max_groups = (at.max_staleness + 2) * at.required_samples
-    optim = cfg.actor_rollout_ref.actor.optim
-    if optim.total_training_steps in (None, -1) and cfg.trainer.total_training_steps is not None:
-        # As verl's workers do at start-up: the LR schedule (cosine) spans the run's optimizer steps.
-        optim.total_training_steps = int(cfg.trainer.total_training_steps)
+    for optim in (cfg.actor_rollout_ref.actor.optim, cfg.critic.optim):
+        if optim.total_training_steps in (None, -1) and cfg.trainer.total_training_steps is not None:
+            # As verl's workers do at start-up: the LR schedule (cosine) spans the run's optimizer steps.
+            optim.total_training_steps = int(cfg.trainer.total_training_steps)
     if cfg.run.dir is None:
         cfg.run.dir = str(Path("runs") / str(cfg.trainer.experiment_name))
     if cfg.param_sync.weights_dir is None:

@@ -42,3 +42,31 @@ def build_verl_actor_config(actor_cfg: Mapping[str, Any], actor_target: str, sec
     if not getattr(config, FULLY_ASYNC_FLAG, False):
         raise TypeError(f"{type(config).__name__} has no '{FULLY_ASYNC_FLAG}' field: is verl patched?")
     return config
+
+
+def build_lr_scheduler(optimizer: Any, optim: Any, key: str) -> Any:
+    """verl's schedule (fsdp_workers._build_model_optimizer): constant or cosine, each after a linear warmup.
+
+    `optim` is an actor's or critic's optim config; `key` names its section in errors.
+    """
+    from verl.utils.torch_functional import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
+
+    total_steps = int(optim.get("total_training_steps", -1) or -1)
+    warmup_steps = optim.get("lr_warmup_steps", -1)
+    warmup_steps = -1 if warmup_steps is None else int(warmup_steps)
+    if warmup_steps < 0:
+        warmup_steps = int(float(optim.get("lr_warmup_steps_ratio", 0.0)) * max(total_steps, 0))
+    kind = optim.get("lr_scheduler_type", "constant")
+    if kind == "constant":
+        return get_constant_schedule_with_warmup(optimizer=optimizer, num_warmup_steps=warmup_steps)
+    if kind == "cosine":
+        if total_steps <= 0:
+            raise ValueError(f"{key}.lr_scheduler_type=cosine needs {key}.total_training_steps > 0")
+        return get_cosine_schedule_with_warmup(
+            optimizer=optimizer,
+            num_warmup_steps=warmup_steps,
+            num_training_steps=total_steps,
+            min_lr_ratio=float(optim.get("min_lr_ratio", 0.0) or 0.0),
+            num_cycles=float(optim.get("num_cycles", 0.5)),
+        )
+    raise ValueError(f"{key}.lr_scheduler_type must be constant or cosine, got {kind!r}")

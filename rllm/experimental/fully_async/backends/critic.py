@@ -60,11 +60,11 @@ from torch import nn
 from verl import DataProto
 from verl.utils.device import get_device_name
 from verl.utils.metric import reduce_metrics
-from verl.utils.torch_functional import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 from verl.workers.config import FSDPCriticConfig
 from verl.workers.config.optimizer import build_optimizer
 from verl.workers.critic.dp_critic import DataParallelPPOCritic
 
+from rllm.experimental.fully_async.backends import build_lr_scheduler
 from rllm.experimental.fully_async.backends.fsdp import ensure_process_group
 
 logger = logging.getLogger(__name__)
@@ -179,25 +179,6 @@ def build_critic_config(critic_cfg: Mapping[str, Any], model_path: str | os.Path
     return config
 
 
-def _build_lr_scheduler(optimizer: torch.optim.Optimizer, config: FSDPCriticConfig) -> Any:
-    """verl's critic schedule (fsdp_workers._build_critic_model_optimizer): constant or cosine after a warmup."""
-    optim = config.optim
-    total_steps = int(optim.get("total_training_steps", -1) or -1)
-    warmup_steps = optim.get("lr_warmup_steps", -1)
-    warmup_steps = -1 if warmup_steps is None else int(warmup_steps)
-    if warmup_steps < 0:
-        warmup_steps = int(float(optim.get("lr_warmup_steps_ratio", 0.0)) * max(total_steps, 0))
-    if optim.get("lr_scheduler_type", "constant") == "cosine":
-        return get_cosine_schedule_with_warmup(
-            optimizer=optimizer,
-            num_warmup_steps=warmup_steps,
-            num_training_steps=total_steps,
-            min_lr_ratio=float(optim.get("min_lr_ratio", 0.0) or 0.0),
-            num_cycles=float(optim.get("num_cycles", 0.5)),
-        )
-    return get_constant_schedule_with_warmup(optimizer=optimizer, num_warmup_steps=warmup_steps)
-
-
 def _load_value_model(model_path: Path, seed: int, attn_implementation: str) -> nn.Module:
     """The policy folder as a token classifier with one output, as verl's fsdp_workers build the critic."""
     from transformers import AutoConfig, AutoModelForTokenClassification
@@ -289,7 +270,7 @@ class FSDPCriticBackend:
         self.model = model
 
         self.optimizer = build_optimizer(self.model.parameters(), self.config.optim)
-        self.lr_scheduler = _build_lr_scheduler(self.optimizer, self.config)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, self.config.optim, "critic.optim")
         self.critic = DataParallelPPOCritic(self.config, self.model, self.optimizer)
         self.optimizer_steps = 0  # steps actually taken; a batch without response tokens takes none
         logger.info(

@@ -39,12 +39,11 @@ from torch import nn
 from verl import DataProto
 from verl.utils.device import get_device_name
 from verl.utils.metric import reduce_metrics
-from verl.utils.torch_functional import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 from verl.workers.actor.dp_actor import DataParallelPPOActor
 from verl.workers.config import FSDPActorConfig
 from verl.workers.config.optimizer import build_optimizer
 
-from rllm.experimental.fully_async.backends import FULLY_ASYNC_FLAG, build_verl_actor_config
+from rllm.experimental.fully_async.backends import FULLY_ASYNC_FLAG, build_lr_scheduler, build_verl_actor_config
 
 logger = logging.getLogger(__name__)
 
@@ -131,30 +130,6 @@ def _shard_fsdp2(model: nn.Module, config: FSDPActorConfig, device_type: str) ->
     return model
 
 
-def _build_lr_scheduler(optimizer: torch.optim.Optimizer, config: FSDPActorConfig) -> Any:
-    """verl's schedule (fsdp_workers._build_model_optimizer): constant or cosine, each after a linear warmup."""
-    optim = config.optim
-    total_steps = int(optim.get("total_training_steps", -1) or -1)
-    warmup_steps = optim.get("lr_warmup_steps", -1)
-    warmup_steps = -1 if warmup_steps is None else int(warmup_steps)
-    if warmup_steps < 0:
-        warmup_steps = int(float(optim.get("lr_warmup_steps_ratio", 0.0)) * max(total_steps, 0))
-    kind = optim.get("lr_scheduler_type", "constant")
-    if kind == "constant":
-        return get_constant_schedule_with_warmup(optimizer=optimizer, num_warmup_steps=warmup_steps)
-    if kind == "cosine":
-        if total_steps <= 0:
-            raise ValueError("lr_scheduler_type=cosine needs actor.optim.total_training_steps > 0")
-        return get_cosine_schedule_with_warmup(
-            optimizer=optimizer,
-            num_warmup_steps=warmup_steps,
-            num_training_steps=total_steps,
-            min_lr_ratio=float(optim.get("min_lr_ratio", 0.0) or 0.0),
-            num_cycles=float(optim.get("num_cycles", 0.5)),
-        )
-    raise ValueError(f"actor.optim.lr_scheduler_type must be constant or cosine, got {kind!r}")
-
-
 def _require_keys(data: DataProto, keys: tuple[str, ...], caller: str) -> None:
     present = set(data.batch.keys())
     missing = [k for k in keys if k not in present]
@@ -202,7 +177,7 @@ class FSDPPolicyBackend:
         self.model = model
 
         self.optimizer = build_optimizer(self.model.parameters(), self.config.optim)
-        self.lr_scheduler = _build_lr_scheduler(self.optimizer, self.config)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, self.config.optim, "actor_rollout_ref.actor.optim")
         self.actor = DataParallelPPOActor(self.config, self.model, self.optimizer)
         if self.device.type == "cpu":
             self.actor.param_dtype = torch.float32  # see the module docstring: CPU computes in fp32
