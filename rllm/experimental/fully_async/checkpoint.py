@@ -48,31 +48,59 @@ the message says how to choose (move the damaged directory away, or resume_mode=
 
 One writer per root: a save removes every `.tmp-` directory it finds, so two processes must not save into the
 same root at once (only the trainer's driver saves).
+
+How each part is encoded and checked, and the RNG capture a trainer part carries, live in `checkpoint_codec`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import io
 import json
 import logging
 import os
-import random
 import re
 import secrets
 import shutil
 import time
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 import torch
 
-from rllm.experimental.fully_async.protocol import Sequence, Trajectory, TrajectoryGroup, TrajectoryStatus
+# capture_rng_state, restore_rng_state and config_hash are re-exported: the driver and the trainer import them here.
+from rllm.experimental.fully_async.checkpoint_codec import (
+    HashingWriter,
+    capture_rng_state,
+    check_torch_safe,
+    config_hash,
+    file_sha256,
+    group_from_json,
+    group_to_json,
+    json_bytes,
+    manifest_entry,
+    restore_rng_state,
+)
+from rllm.experimental.fully_async.protocol import TrajectoryGroup
+
+__all__ = [
+    "COMPLETE_MARKER",
+    "FORMAT_VERSION",
+    "META_FILE",
+    "PART_FILES",
+    "QUEUE_FILE",
+    "RESUME_MODES",
+    "ROLLOUT_FILE",
+    "TRAINER_FILE",
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointManager",
+    "capture_rng_state",
+    "config_hash",
+    "find_resume_checkpoint",
+    "load_checkpoint",
+    "restore_rng_state",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +117,6 @@ _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _REPLACED_DIR = re.compile(r"^\.replaced-step_(\d{8,})-[0-9a-f]+$")
 _TMP_PREFIX = ".tmp-"
 _TRASH_PREFIX = ".trash-"
-_RESERVED_META = ("format_version", "step", "saved_at")
-_HASH_CHUNK = 8 << 20
 
 
 class CheckpointError(RuntimeError):
@@ -153,10 +179,10 @@ class CheckpointManager:
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an integer >= 0, got {step!r}")
-        _check_torch_safe(trainer, "trainer")
-        rollout_bytes = _json_bytes(rollout, "rollout")
-        queue_bytes = _json_bytes([_group_to_json(group) for group in queue], "queue")
-        meta_bytes = _json_bytes(_meta_doc(step, meta), "meta")
+        check_torch_safe(trainer, "trainer")
+        rollout_bytes = json_bytes(rollout, "rollout")
+        queue_bytes = json_bytes([group_to_json(group) for group in queue], "queue")
+        meta_bytes = json_bytes(_meta_doc(step, meta), "meta")
 
         self.root.mkdir(parents=True, exist_ok=True)
         self._remove_debris()
@@ -313,113 +339,7 @@ def find_resume_checkpoint(
     return path
 
 
-def config_hash(config: Mapping[str, Any]) -> str:
-    """A short stable hash of a (nested) config mapping for meta['config_hash']; key order does not matter."""
-    text = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-# ---- RNG ---------------------------------------------------------------------------------------------------------
-
-
-def capture_rng_state() -> dict[str, Any]:
-    """The python, numpy and torch (CPU and, if present, CUDA) global RNG states, in types that weights_only loads."""
-    version, internal, gauss_next = random.getstate()
-    np_state = np.random.get_state(legacy=False)
-    state: dict[str, Any] = {
-        "python": {"version": version, "state": list(internal), "gauss_next": gauss_next},
-        "numpy": {
-            "bit_generator": np_state["bit_generator"],
-            "key": [int(k) for k in np_state["state"]["key"]],
-            "pos": int(np_state["state"]["pos"]),
-            "has_gauss": int(np_state["has_gauss"]),
-            "gauss": float(np_state["gauss"]),
-        },
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["torch_cuda"] = list(torch.cuda.get_rng_state_all())
-    return state
-
-
-def restore_rng_state(state: Mapping[str, Any]) -> None:
-    """Put back what `capture_rng_state` returned, so the following random draws repeat."""
-    py = state["python"]
-    random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
-    npy = state["numpy"]
-    np.random.set_state(
-        {
-            "bit_generator": npy["bit_generator"],
-            "state": {"key": np.asarray(npy["key"], dtype=np.uint32), "pos": npy["pos"]},
-            "has_gauss": npy["has_gauss"],
-            "gauss": npy["gauss"],
-        }
-    )
-    torch.set_rng_state(state["torch"])
-    cuda_states = state.get("torch_cuda")
-    if cuda_states and torch.cuda.is_available():
-        if len(cuda_states) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(cuda_states)
-        else:
-            logger.warning(
-                "CUDA RNG states for %d devices but %d visible: not restored",
-                len(cuda_states),
-                torch.cuda.device_count(),
-            )
-
-
-# ---- encoding ----------------------------------------------------------------------------------------------------
-
-# What torch.load(weights_only=True) reads back (checked against torch 2.13); exact types, because a subclass
-# (a numpy float, a str Enum) is pickled as its own class, which weights_only refuses.
-_TORCH_SAFE_LEAVES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
-
-
-def _check_torch_safe(value: Any, where: str) -> None:
-    """Raise TypeError, naming the place, for a value torch.load(weights_only=True) would refuse to read back."""
-    kind = type(value)
-    if kind in _TORCH_SAFE_LEAVES:
-        return
-    if isinstance(value, torch.Tensor):
-        if kind not in (torch.Tensor, torch.nn.Parameter):
-            raise TypeError(f"{where} is a {kind.__name__}; save plain tensors (e.g. a full, unsharded state dict)")
-        return
-    if kind in (dict, OrderedDict):
-        for key, item in value.items():
-            if type(key) not in _TORCH_SAFE_LEAVES:
-                raise TypeError(f"{where} has a key of type {type(key).__name__}; use str or int keys")
-            _check_torch_safe(item, f"{where}[{key!r}]")
-        return
-    if kind in (list, tuple, set):
-        for index, item in enumerate(value):
-            _check_torch_safe(item, f"{where}[{index}]")
-        return
-    raise TypeError(
-        f"{where} is a {kind.__module__}.{kind.__qualname__}, which torch.load(weights_only=True) cannot read back; "
-        "convert it to tensors or plain Python values"
-    )
-
-
-def _check_json(value: Any, where: str) -> None:
-    """Raise TypeError, naming the place, for a value that would not come back from JSON unchanged."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise TypeError(f"{where} has the non-string key {key!r}; JSON would turn it into a string")
-            _check_json(item, f"{where}[{key!r}]")
-        return
-    if isinstance(value, list):
-        for index, item in enumerate(value):
-            _check_json(item, f"{where}[{index}]")
-        return
-    raise TypeError(f"{where} is a {type(value).__qualname__}, which JSON cannot store unchanged; use lists/dicts/str")
-
-
-def _json_bytes(value: Any, where: str) -> bytes:
-    _check_json(value, where)
-    return json.dumps(value, separators=(",", ":")).encode()
+# ---- parts -------------------------------------------------------------------------------------------------------
 
 
 def _meta_doc(step: int, meta: Mapping[str, Any]) -> dict[str, Any]:
@@ -431,81 +351,25 @@ def _meta_doc(step: int, meta: Mapping[str, Any]) -> dict[str, Any]:
     return {"format_version": FORMAT_VERSION, "step": step, "saved_at": time.time(), **meta}
 
 
-def _group_to_json(group: TrajectoryGroup) -> dict[str, Any]:
-    if not isinstance(group, TrajectoryGroup):
-        raise TypeError(f"the queue part must hold TrajectoryGroup objects, got a {type(group).__qualname__}")
-    doc = dataclasses.asdict(group)
-    for trajectory in doc["trajectories"]:
-        trajectory["status"] = TrajectoryStatus(trajectory["status"]).value
-    return doc
-
-
 def _queue_from_json(doc: Any, file: Path) -> list[TrajectoryGroup]:
     if not isinstance(doc, list):
         raise CheckpointError(f"{file} must hold a list of groups")
     try:
-        return [_group_from_json(item, f"queue[{index}]") for index, item in enumerate(doc)]
+        return [group_from_json(item, f"queue[{index}]") for index, item in enumerate(doc)]
     except (TypeError, ValueError, KeyError) as exc:
         raise CheckpointError(f"{file}: {_one_line(exc)}") from exc
-
-
-def _group_from_json(doc: Any, where: str) -> TrajectoryGroup:
-    fields = _known_fields(TrajectoryGroup, doc, where)
-    fields["trajectories"] = [
-        _trajectory_from_json(item, f"{where}.trajectories[{index}]")
-        for index, item in enumerate(fields.get("trajectories", []))
-    ]
-    return TrajectoryGroup(**fields)
-
-
-def _trajectory_from_json(doc: Any, where: str) -> Trajectory:
-    fields = _known_fields(Trajectory, doc, where)
-    fields["sequences"] = [
-        Sequence(**_known_fields(Sequence, item, f"{where}.sequences[{index}]"))
-        for index, item in enumerate(fields.get("sequences", []))
-    ]
-    if "status" in fields:
-        fields["status"] = TrajectoryStatus(fields["status"])
-    return Trajectory(**fields)
-
-
-def _known_fields(cls: type, doc: Any, where: str) -> dict[str, Any]:
-    """The JSON object as constructor kwargs: a field the class no longer has is an error, a missing one a default."""
-    if not isinstance(doc, dict):
-        raise TypeError(f"{where} must be an object, got {type(doc).__name__}")
-    unknown = sorted(set(doc) - {f.name for f in dataclasses.fields(cls)})
-    if unknown:
-        raise ValueError(f"{where} has fields {cls.__name__} does not know: {unknown}")
-    return dict(doc)
 
 
 # ---- file I/O ----------------------------------------------------------------------------------------------------
 
 
-class _HashingWriter:
-    """A write-only file wrapper that hashes and counts what torch.save writes, so the file is not read back."""
-
-    def __init__(self, file: io.BufferedWriter) -> None:
-        self.file = file
-        self.sha256 = hashlib.sha256()
-        self.size = 0
-
-    def write(self, data: bytes) -> int:
-        self.sha256.update(data)
-        self.size += len(data)
-        return self.file.write(data)
-
-    def flush(self) -> None:
-        self.file.flush()
-
-
 def _write_torch(path: Path, value: dict[str, Any]) -> dict[str, Any]:
     with open(path, "wb") as file:
-        writer = _HashingWriter(file)
+        writer = HashingWriter(file)
         torch.save(value, writer)
         file.flush()
         os.fsync(file.fileno())
-    return {"bytes": writer.size, "sha256": writer.sha256.hexdigest()}
+    return writer.entry()
 
 
 def _write_bytes(path: Path, data: bytes) -> dict[str, Any]:
@@ -513,7 +377,7 @@ def _write_bytes(path: Path, data: bytes) -> dict[str, Any]:
         file.write(data)
         file.flush()
         os.fsync(file.fileno())
-    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    return manifest_entry(data)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -543,13 +407,10 @@ def _verify(path: Path, expected: Mapping[str, Any]) -> None:
         size = path.stat().st_size
         if size != expected.get("bytes"):
             raise CheckpointError(f"{path} is damaged: {size} bytes, the manifest says {expected.get('bytes')}")
-        digest = hashlib.sha256()
-        with open(path, "rb") as file:
-            while chunk := file.read(_HASH_CHUNK):
-                digest.update(chunk)
+        digest = file_sha256(path)
     except OSError as exc:
         raise CheckpointError(f"{path} cannot be read: {_one_line(exc)}") from exc
-    if digest.hexdigest() != expected.get("sha256"):
+    if digest != expected.get("sha256"):
         raise CheckpointError(f"{path} is damaged: its sha256 does not match the manifest")
 
 

@@ -1,0 +1,114 @@
+"""The off-policy correction a run asks for: `CorrectionConfig`, its checks, and how config keys map onto it.
+
+The keys are ``algorithm.off_policy_correction.*``; when that section is absent, verl's own
+``algorithm.rollout_correction`` keys are mapped (`correction_config_from`). What each mode computes, with the
+formulas, is in `corrections`, which applies the correction to tensors. This module is pure Python (no torch), so
+a config can be checked without loading the tensor code.
+
+When to use which (``algorithm.off_policy_correction.mode``):
+
+- decoupled (default for fully-async, max_staleness >= 1): the trust region stays around the recent policy while w
+  corrects for whatever the behaviour policy was, however stale. truncate keeps every token (biased towards the
+  behaviour policy where w > C, lower variance); mask drops tokens whose version gap is too large (the weights it
+  keeps are exact, the dropped tail is its bias, and fewer tokens train: watch ``masked_token_fraction``). Token
+  level is the default; sequence level weights whole responses and has much higher variance, use it with mask.
+  Use prox "recompute" unless the extra forward pass is a bottleneck; validate "loglinear" with its error metrics
+  before relying on it at high staleness.
+- tis: synchronous or near-synchronous runs (staleness 0) whose rollout engine differs numerically from the trainer
+  (bf16 SGLang vs fp32 FSDP, other kernels). C = 2 (verl's default).
+- bypass: the cheapest; no forward pass before the step, the PPO clip is centred on pi_behav. Fine at staleness
+  <= 1 with matching numerics; at higher staleness the clip range is spent on the version gap and most tokens get
+  clipped to zero gradient. With unpatched verl 0.7.1 and one mini-batch it needs actor.use_rollout_log_probs=True
+  (otherwise old_log_prob is replaced by the update's own log-probs).
+- none: plain PPO against the trainer's recomputed log-probs, no behaviour correction: a synchronous baseline.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from rllm.experimental.fully_async.algorithms.filters import dataclass_from_config
+
+CorrectionMode = Literal["none", "bypass", "tis", "decoupled"]
+ProxMethod = Literal["recompute", "loglinear"]
+WeightLevel = Literal["token", "sequence"]
+CapMode = Literal["truncate", "mask"]
+
+
+@dataclass(frozen=True)
+class CorrectionConfig:
+    """Proposed config keys: ``algorithm.off_policy_correction.*`` (same names). See `correction_config_from` for how
+    verl's own ``algorithm.rollout_correction`` keys map onto this when that section is absent.
+
+    mode: "decoupled" | "tis" | "bypass" | "none" (see the module docstring for when to use which).
+    prox_log_probs: "recompute" | "loglinear", decoupled only. "loglinear" needs log pi_theta, which only exists
+        inside the actor's update: the patched actor applies it; the trainer-side batch function refuses it.
+    level: "token" | "sequence", the granularity of w.
+    cap_mode: "truncate" | "mask", how w is limited (decoupled only; tis always truncates).
+    cap: C > 1. verl's default 2.0; AReaL uses 2.0 to 5.0. Larger C = less bias, more variance.
+    """
+
+    mode: CorrectionMode = "decoupled"
+    prox_log_probs: ProxMethod = "recompute"
+    level: WeightLevel = "token"
+    cap_mode: CapMode = "truncate"
+    cap: float = 2.0
+
+    def __post_init__(self) -> None:
+        key = "algorithm.off_policy_correction"
+        allowed = {
+            "mode": ("none", "bypass", "tis", "decoupled"),
+            "prox_log_probs": ("recompute", "loglinear"),
+            "level": ("token", "sequence"),
+            "cap_mode": ("truncate", "mask"),
+        }
+        for name, values in allowed.items():
+            if getattr(self, name) not in values:
+                raise ValueError(f"{key}.{name} must be one of {list(values)}, got {getattr(self, name)!r}")
+        if not (math.isfinite(self.cap) and self.cap > 1.0):
+            raise ValueError(f"{key}.cap must be a finite number > 1, got {self.cap}")
+        if self.mode != "decoupled" and self.prox_log_probs != "recompute":
+            raise ValueError(f"{key}.prox_log_probs={self.prox_log_probs!r} only applies to mode=decoupled")
+        if self.mode == "tis" and self.cap_mode != "truncate":
+            raise ValueError(f"{key}.cap_mode must be 'truncate' with mode=tis (use mode=decoupled to mask)")
+
+
+def correction_config_from(cfg: Any) -> CorrectionConfig | None:
+    """The correction a run asks for, or None (then the trainer keeps verl's plain old-log-prob handling).
+
+    ``algorithm.off_policy_correction`` wins when present. Otherwise verl's ``algorithm.rollout_correction`` maps:
+    ``bypass_mode: true`` -> mode=bypass; ``rollout_is: token|sequence`` with ``rollout_is_threshold`` -> mode=tis
+    at that level and cap. verl's ``rollout_rs`` (rejection) has no exact counterpart and is refused with the key
+    to use instead.
+    """
+    config = dataclass_from_config(cfg, "algorithm.off_policy_correction", CorrectionConfig)
+    if config is not None:
+        return config
+    verl_section = dataclass_from_config(cfg, "algorithm.rollout_correction", _VerlRolloutCorrection)
+    if verl_section is None:
+        return None
+    if verl_section.rollout_rs is not None:
+        raise ValueError(
+            "algorithm.rollout_correction.rollout_rs is not supported here: use "
+            "algorithm.off_policy_correction.cap_mode=mask (rejects tokens with w outside [1/cap, cap])"
+        )
+    if verl_section.bypass_mode:
+        return CorrectionConfig(mode="bypass")
+    if verl_section.rollout_is is not None:
+        return CorrectionConfig(mode="tis", level=verl_section.rollout_is, cap=float(verl_section.rollout_is_threshold))
+    return None
+
+
+@dataclass(frozen=True)
+class _VerlRolloutCorrection:
+    """verl 0.7.1's ``algorithm.rollout_correction`` keys (RolloutCorrectionConfig), as far as they are mapped."""
+
+    rollout_is: str | None = None
+    rollout_is_threshold: float = 2.0
+    rollout_rs: str | None = None
+    rollout_rs_threshold: Any = None
+    bypass_mode: bool = False
+    loss_type: str = "ppo_clip"
+    rollout_is_batch_normalize: bool = False
