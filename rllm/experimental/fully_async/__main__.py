@@ -16,30 +16,42 @@ EXIT_FAILED = 1
 EXIT_BAD_CONFIG = 2
 
 
+COMMANDS = ("train", "doctor")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m rllm.experimental.fully_async",
+        usage="%(prog)s [train|doctor] [--config FILE] [key=value ...]",
         description="Fully-asynchronous PPO on verl 0.7.1. Commands: train (default), doctor.",
     )
-    parser.add_argument("command", nargs="?", default="train", choices=["train", "doctor"])
     parser.add_argument("--config", default=None, help=f"YAML config (default: {DEFAULT_CONFIG})")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_training_steps=10")
     return parser
+
+
+def parse_command_line(argv: list[str]) -> tuple[str, str | None, list[str]]:
+    """(command, config file, overrides) from argv, in any order: `train --config X a=1`, `--config X a=1`, ..."""
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    command = "train"
+    if rest and rest[0] in COMMANDS:
+        command = rest.pop(0)
+    for item in rest:
+        if item.startswith("-") or "=" not in item:
+            parser.error(f"unexpected argument {item!r}: overrides are key=value (e.g. trainer.total_training_steps=5)")
+    return command, args.config, rest
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # `key=value` alone would be taken for the command: route it to overrides.
-    if argv and "=" in argv[0]:
-        argv.insert(0, "train")
-    args = build_parser().parse_args(argv)
-    if args.command == "doctor":
+    command, config_file, overrides = parse_command_line(argv)
+    if command == "doctor":
         from rllm.experimental.fully_async.doctor import run_doctor
 
         return run_doctor()
 
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(config_file, overrides)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG

