@@ -80,9 +80,9 @@ def prepare_task(cfg: DictConfig) -> None:
     print(f"task addition ready in {time.monotonic() - started:.1f}s (model {assets.model_dir})", flush=True)
 
 
-def check_data(cfg: DictConfig) -> None:
+def check_data(cfg: DictConfig) -> int:
     """Read and validate the prompt data before any process starts, so a bad file or row is a one-line error
-    (data.DataError) rather than an actor that dies during start-up."""
+    (data.DataError) rather than an actor that dies during start-up. Returns the number of training prompts."""
     from transformers import AutoTokenizer
 
     from rllm.experimental.fully_async.actors import load_prompt_datasets
@@ -93,6 +93,7 @@ def check_data(cfg: DictConfig) -> None:
         from rllm.experimental.fully_async.data import DataError
 
         raise DataError(f"{cfg.data.train_files}: no prompt left after filtering (data.max_prompt_length?)")
+    return len(train)
 
 
 def engine_launcher(cfg: DictConfig, log_dir: Path) -> Any:
@@ -205,7 +206,13 @@ def train(cfg: DictConfig) -> RunSummary:
     require_patched_verl()
     started = time.monotonic()
     prepare_task(cfg)
-    check_data(cfg)
+    num_prompts = check_data(cfg)
+    if cfg.trainer.total_training_steps is None:
+        # Until the data runs out: the LR schedule's horizon is what verl derives, batches per epoch x epochs.
+        steps = -(-num_prompts * int(cfg.trainer.total_epochs) // int(cfg.async_training.required_samples))
+        for optim in (cfg.actor_rollout_ref.actor.optim, cfg.critic.optim):
+            if optim.total_training_steps in (None, -1):
+                optim.total_training_steps = steps
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(cfg, run_dir / "config.yaml")
