@@ -42,6 +42,10 @@ def short_run(tmp_path_factory, addition_cache):
         "async_training.trigger_parameter_sync_step=1",
         "actor_rollout_ref.rollout.n=4",
         "engines.num_engines=2",
+        # Long generations (48 tokens, never stopping at EOS) keep requests decoding when a weight sync pauses the
+        # engines, so partial rollouts happen whatever the machine's speed; 4-token answers can all finish first.
+        "actor_rollout_ref.rollout.ignore_eos=true",
+        "data.max_response_length=48",
     ]
     proc = subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -65,7 +69,7 @@ def test_run_exits_zero_and_trains_every_step(short_run):
     proc, output, rows, _ = short_run
     assert proc.returncode == 0, output[-3000:]
     assert [int(r["trainer/step"]) for r in _step_rows(rows)] == list(range(1, STEPS + 1))
-    assert "validation accuracy:" in output
+    assert "validation accuracy:" in output  # measured before and after, whatever the (mostly zero) rewards
 
 
 def test_ledger_adds_up_at_every_step(short_run):
