@@ -164,7 +164,7 @@ def first_prompts(dataset: PromptDataset, n: int) -> PromptIterator:
 
 
 class InjectedRewardError(RuntimeError):
-    pass
+    """Raised on purpose by the test's reward function."""
 
 
 class FaultyReward:
