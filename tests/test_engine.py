@@ -8,7 +8,6 @@ model echoes its last token, which would make token-equality checks vacuous.
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import sys
 import time
@@ -514,12 +513,8 @@ def test_sglang_command_line_has_the_flags_fully_async_needs():
         cmd.env(2)
 
 
-@pytest.mark.skipif(
-    not os.environ.get("RLLM_REAL_MODEL_DIR"),
-    reason="set RLLM_REAL_MODEL_DIR to an HF causal-LM folder (e.g. SmolLM2-135M saved as safetensors)",
-)
-def test_engine_serves_a_real_pretrained_model_like_transformers(tmp_path):
-    model_dir = Path(os.environ["RLLM_REAL_MODEL_DIR"])
+def test_engine_serves_a_real_pretrained_model_like_transformers(tmp_path, real_model_dir):
+    model_dir = real_model_dir
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     prompts = [[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365], [1, 504, 3458, 282, 4649, 314], [2683, 359]]
     prompts = [[t % model.config.vocab_size for t in p] for p in prompts]
