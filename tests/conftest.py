@@ -108,3 +108,28 @@ def real_model_dir(tmp_path_factory) -> Path:
         return prepare_smollm2_model(tmp_path_factory.mktemp("smollm2"))
     except SmolLM2NotInstalledError as exc:
         pytest.skip(f"no real model: {exc}")
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Reference passes in engine tests are tiny; one thread avoids thrashing against the engines on 2 cores."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def models(tiny_model_dir, tmp_path_factory):
+    """Two different sharpened tiny Qwen2 folders (A serves at start, B is the update) and their HF models."""
+    from engine_helpers import sharpen
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("engine_models")
+    path_a = sharpen(tiny_model_dir, root / "a", seed=10)
+    path_b = sharpen(build_tiny_qwen2(root / "b_base", seed=1), root / "b", seed=11)
+    model_a = AutoModelForCausalLM.from_pretrained(path_a).eval()
+    model_b = AutoModelForCausalLM.from_pretrained(path_b).eval()
+    return {"a": (path_a, model_a), "b": (path_b, model_b)}

@@ -8,10 +8,7 @@ import signal
 import time
 
 import pytest
-import torch
-from conftest import build_tiny_qwen2
-from engine_helpers import LOGPROB_TOL, max_abs_diff, reference_logprobs, sharpen
-from transformers import AutoModelForCausalLM
+from engine_helpers import LOGPROB_TOL, max_abs_diff, reference_logprobs
 
 from rllm.experimental.fully_async.client import (
     EngineClient,
@@ -21,7 +18,7 @@ from rllm.experimental.fully_async.client import (
 )
 from rllm.experimental.fully_async.engines import EmbeddedEngineCommand, EngineLauncher
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_torch_thread")]
 
 LONG = {"temperature": 1.0, "max_new_tokens": 200, "ignore_eos": True}
 
@@ -33,26 +30,6 @@ async def wait_for_running(client: EngineClient, url: str, n: int, timeout_s: fl
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout_s}s waiting for {n} running requests on {url}")
         await asyncio.sleep(0.02)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Reference passes here are tiny; one thread avoids thrashing against the engines on a 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def models(tiny_model_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("client_models")
-    path_a = sharpen(tiny_model_dir, root / "a", seed=10)
-    path_b = sharpen(build_tiny_qwen2(root / "b_base", seed=1), root / "b", seed=11)
-    return {
-        "a": (path_a, AutoModelForCausalLM.from_pretrained(path_a).eval()),
-        "b": (path_b, AutoModelForCausalLM.from_pretrained(path_b).eval()),
-    }
 
 
 @pytest.fixture(scope="module")

@@ -42,10 +42,13 @@ def short_run(tmp_path_factory, addition_cache):
         "async_training.trigger_parameter_sync_step=1",
         "actor_rollout_ref.rollout.n=4",
         "engines.num_engines=2",
-        # Long generations (48 tokens, never stopping at EOS) keep requests decoding when a weight sync pauses the
-        # engines, so partial rollouts happen whatever the machine's speed; 4-token answers can all finish first.
+        # Partial rollouts need requests decoding when a weight sync pauses the engines. With 4-token answers the
+        # executor fills its staleness budget and idles between syncs on a quiet machine. Long generations (48
+        # tokens, never stopping at EOS) with at most 8 running per engine make one batch take several decode
+        # waves, far longer than a training step, so every sync catches requests mid-decode.
         "actor_rollout_ref.rollout.ignore_eos=true",
         "data.max_response_length=48",
+        "engines.max_running_requests=8",
     ]
     proc = subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

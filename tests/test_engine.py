@@ -17,8 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import build_tiny_qwen2
-from engine_helpers import LOGPROB_TOL, max_abs_diff, reference_logprobs, sharpen
+from engine_helpers import LOGPROB_TOL, max_abs_diff, reference_logprobs
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from rllm.experimental.fully_async.engines import (
@@ -30,7 +29,7 @@ from rllm.experimental.fully_async.engines import (
 from rllm.experimental.fully_async.engines.model_runner import ModelRunner, load_model
 from rllm.experimental.fully_async.engines.sampling import SamplingParams
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_torch_thread")]
 
 EOS = 1
 
@@ -51,26 +50,6 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str, inter
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
         time.sleep(interval_s)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Reference passes here are tiny; one thread avoids thrashing against the engines on a 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def models(tiny_model_dir, tmp_path_factory):
-    """Two different sharpened tiny Qwen2 folders (A serves at start, B is the update) and their HF models."""
-    root = tmp_path_factory.mktemp("engine_models")
-    path_a = sharpen(tiny_model_dir, root / "a", seed=10)
-    path_b = sharpen(build_tiny_qwen2(root / "b_base", seed=1), root / "b", seed=11)
-    model_a = AutoModelForCausalLM.from_pretrained(path_a).eval()
-    model_b = AutoModelForCausalLM.from_pretrained(path_b).eval()
-    return {"a": (path_a, model_a), "b": (path_b, model_b)}
 
 
 @pytest.fixture(scope="module")

@@ -8,16 +8,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import build_tiny_qwen2
-from engine_helpers import LOGPROB_TOL, max_abs_diff, reference_logprobs, sharpen
-from transformers import AutoModelForCausalLM
+from engine_helpers import LOGPROB_TOL, max_abs_diff, reference_logprobs
 
 from rllm.experimental.fully_async.client import EngineClient, GenerationResult
 from rllm.experimental.fully_async.engines import EmbeddedEngineCommand, EngineLauncher, free_port
 from rllm.experimental.fully_async.param_sync import DiskTransport, ParamSync, SyncError, SyncReport
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_torch_thread")]
 
 
 def writer(model_dir: Path) -> Callable[[str], None]:
@@ -27,26 +24,6 @@ def writer(model_dir: Path) -> Callable[[str], None]:
         shutil.copytree(model_dir, path, dirs_exist_ok=True)
 
     return write
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Reference passes here are tiny; one thread avoids thrashing against the engines on a 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def models(tiny_model_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("sync_models")
-    path_a = sharpen(tiny_model_dir, root / "a", seed=10)
-    path_b = sharpen(build_tiny_qwen2(root / "b_base", seed=1), root / "b", seed=11)
-    return {
-        "a": (path_a, AutoModelForCausalLM.from_pretrained(path_a).eval()),
-        "b": (path_b, AutoModelForCausalLM.from_pretrained(path_b).eval()),
-    }
 
 
 @pytest.fixture(scope="module")

@@ -170,23 +170,30 @@ class MetricsSink:
         self.file.close()
 
 
+# (metric, how it reads on the progress line), in display order; absent metrics are left out.
+_PROGRESS_FIELDS: tuple[tuple[str, str], ...] = (
+    ("reward/mean", "reward {:.3f}"),
+    ("val/accuracy", "val {:.1%}"),
+    ("staleness/mean", "stale {:.2f}"),
+    ("staleness/max", "max {:.0f}"),
+    ("queue/size", "queue {:.0f}"),
+    ("trainer/idle_frac", "idle {:.0%}"),
+    ("timing/step_s", "{:.2f}s"),
+    ("partial/resumed_samples", "resumed {:.0f}"),
+)
+
+
 def progress_line(step: int, total: int | None, metrics: dict[str, float]) -> str:
     parts = [f"step {step:>4}/{total if total is not None else '?'}"]
-    if "reward/mean" in metrics:
-        parts.append(f"reward {metrics['reward/mean']:.3f}")
-    if "val/accuracy" in metrics:
-        parts.append(f"val {metrics['val/accuracy']:.1%}")
-    if "staleness/mean" in metrics:
-        parts.append(f"stale {metrics['staleness/mean']:.2f}/{metrics['staleness/max']:.0f}")
-    if "queue/size" in metrics:
-        parts.append(f"queue {metrics['queue/size']:.0f}")
-    if "trainer/idle_frac" in metrics:
-        parts.append(f"idle {metrics['trainer/idle_frac']:.0%}")
-    if "timing/step_s" in metrics:
-        parts.append(f"{metrics['timing/step_s']:.2f}s")
-    if "partial/resumed_samples" in metrics:
-        parts.append(f"resumed {metrics['partial/resumed_samples']:.0f}")
+    parts += [fmt.format(metrics[key]) for key, fmt in _PROGRESS_FIELDS if key in metrics]
     return "  ".join(parts)
+
+
+def prefixed(prefix: str, values: dict[str, Any]) -> dict[str, float]:
+    """Numeric entries of `values` as metrics named prefix/key (Ray stats and ledger counts hold other types too)."""
+    return {
+        f"{prefix}/{k}": float(v) for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
 
 
 def train(cfg: DictConfig) -> RunSummary:
@@ -273,11 +280,11 @@ def train(cfg: DictConfig) -> RunSummary:
                     break
                 step += 1
                 queue_stats = ray.get(queue.stats.remote(), timeout=60)
-                metrics.update({f"queue/{k}": float(v) for k, v in queue_stats.items() if _is_number(v)})
+                metrics.update(prefixed("queue", queue_stats))
                 if test_freq > 0 and step % test_freq == 0 and step != total:
                     metrics.update(ray.get(executor.validate.remote(), timeout=float(cfg.engines.request_timeout_s)))
                 ledger = ray.get(executor.ledger_counts.remote(), timeout=60)
-                metrics.update({f"ledger/{k}": float(v) for k, v in ledger.items() if _is_number(v)})
+                metrics.update(prefixed("ledger", ledger))
                 sink.log(step, metrics)
                 print(progress_line(step, total, metrics), flush=True)
                 if save_freq > 0 and step % save_freq == 0:
@@ -309,7 +316,7 @@ def train(cfg: DictConfig) -> RunSummary:
         val = ray.get(executor.validate.remote(), timeout=float(cfg.engines.request_timeout_s))
         final_acc = val.get("val/accuracy")
         ledger = ray.get(executor.ledger_counts.remote(), timeout=60)
-        sink.log(step, val | {f"ledger/{k}": float(v) for k, v in ledger.items() if _is_number(v)})
+        sink.log(step, val | prefixed("ledger", ledger))
 
     summary = RunSummary(step, initial_acc, final_acc, time.monotonic() - started, ledger, str(run_dir))
     print_summary(summary)
@@ -325,10 +332,6 @@ def root_cause(exc: BaseException) -> BaseException:
     while getattr(exc, "cause", None) is not None and exc.cause is not exc:
         exc = exc.cause
     return exc
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _step(trainer: Any, run_ref: Any, timeout_s: float) -> dict[str, float] | None:
