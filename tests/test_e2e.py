@@ -48,7 +48,7 @@ def short_run(tmp_path_factory, addition_cache):
         # waves, far longer than a training step, so every sync catches requests mid-decode.
         "actor_rollout_ref.rollout.ignore_eos=true",
         "data.max_response_length=48",
-        "engines.max_running_requests=8",
+        "engines.max_running_requests=4",
     ]
     proc = subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
