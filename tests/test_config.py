@@ -67,6 +67,13 @@ def test_bad_settings_give_one_line_naming_the_key(override, named):
     assert "\n" not in message
 
 
+def test_loglinear_proximal_runs_as_its_own_loss_and_refuses_another_loss_mode():
+    loglinear = "algorithm.off_policy_correction={mode: decoupled, prox_log_probs: loglinear}"
+    assert load_config(None, [loglinear]).algorithm.off_policy_correction.prox_log_probs == "loglinear"
+    with pytest.raises(ConfigError, match=r"'actor_rollout_ref\.actor\.policy_loss\.loss_mode' must be 'vanilla'"):
+        load_config(None, [loglinear, "actor_rollout_ref.actor.policy_loss.loss_mode=gspo"])
+
+
 def test_rllm_staleness_threshold_is_mapped_when_max_staleness_is_unset():
     cfg = load_config(None, ["async_training.max_staleness=null", "async_training.staleness_threshold=0.5"])
     assert isinstance(cfg.async_training.max_staleness, int)

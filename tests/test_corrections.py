@@ -380,10 +380,25 @@ def test_batch_function_writes_the_verl_keys_and_drops_stale_weights():
     assert torch.equal(data.batch["old_log_probs"], behav)
 
 
-def test_batch_function_refuses_what_belongs_inside_the_update():
+def test_loglinear_leaves_the_behaviour_log_probs_to_the_update():
+    behav = torch.tensor([[-1.0, -2.0, -3.0]])
+    data = DataProto.from_dict(
+        tensors={
+            "rollout_log_probs": behav,
+            "response_mask": torch.tensor([[1.0, 1.0, 0.0]]),
+            "old_log_probs": torch.zeros(1, 3),  # whatever was there: the update computes pi_prox itself
+            "rollout_is_weights": torch.full((1, 3), 7.0),
+            "response_versions": torch.tensor([[1, 2, -1]]),
+        }
+    )
+    stats = apply_off_policy_correction_to_batch(data, CorrectionConfig(prox_log_probs="loglinear"), trainer_version=3)
+    assert torch.equal(data.batch["old_log_probs"], behav)
+    assert "rollout_is_weights" not in data.batch  # a stale weight must not reach the registered loss
+    assert stats.num_tokens == 2 and stats.staleness_mean == 1.5 and stats.weight_mean is None
+
+
+def test_batch_function_needs_the_recomputed_and_rollout_log_probs():
     data = DataProto.from_dict(tensors={"rollout_log_probs": torch.zeros(1, 2), "response_mask": torch.ones(1, 2)})
-    with pytest.raises(ValueError, match="inside the actor update"):
-        apply_off_policy_correction_to_batch(data, CorrectionConfig(prox_log_probs="loglinear"))
     with pytest.raises(ValueError, match="recomputed log-probs"):
         apply_off_policy_correction_to_batch(data, CorrectionConfig())
     with pytest.raises(KeyError, match="rollout_log_probs"):
@@ -426,8 +441,11 @@ def test_own_section_wins_and_verl_keys_map_when_it_is_absent():
         correction_config_from(OmegaConf.create({"algorithm": {"rollout_correction": {"rollout_rs": "token_k1"}}}))
     with pytest.raises(ValueError, match=r"unknown key algorithm\.off_policy_correction\.threshold"):
         correction_config_from(OmegaConf.create({"algorithm": {"off_policy_correction": {"threshold": 2}}}))
-    with pytest.raises(ValueError, match="patched actor"):
-        build_correction(OmegaConf.create({"algorithm": {"off_policy_correction": {"prox_log_probs": "loglinear"}}}))
+    loglinear = build_correction(
+        OmegaConf.create({"algorithm": {"off_policy_correction": {"prox_log_probs": "loglinear", "cap": 3}}})
+    )
+    assert loglinear.policy_loss_mode == "fully_async_decoupled_loglinear/token/truncate/3"
+    assert build_correction(own).policy_loss_mode is None  # recompute: verl's vanilla loss does the work
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,5 @@
-"""FullyAsyncTrainer: on-policy equivalence, stale-group handling, short last batch, weight-sync cadence.
+"""FullyAsyncTrainer: on-policy equivalence, stale-group handling, short last batch, weight-sync cadence, and the
+decoupled loss whose proximal policy comes from the update itself (equal to recomputing it).
 
 The trainer runs with the real patched verl backend and the real queue bookkeeping (GroupBuffer); only the
 executor is a recorder of what the trainer reports (its Protocol is two methods).
@@ -7,13 +8,14 @@ executor is a recorder of what the trainer reports (its Protocol is two methods)
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
 from rllm.experimental.fully_async.algorithms.advantages import AdvantageConfig
-from rllm.experimental.fully_async.backends.fsdp import FSDPPolicyBackend
+from rllm.experimental.fully_async.backends.fsdp import FSDPPolicyBackend, build_actor_config
 from rllm.experimental.fully_async.config import verl_base_config
 from rllm.experimental.fully_async.fully_async_trainer import FullyAsyncTrainer, QueueTimeoutError, TrainerSettings
 from rllm.experimental.fully_async.message_queue import GetResult, GroupBuffer
@@ -196,3 +198,85 @@ def test_weights_sync_every_k_steps_and_a_stalled_queue_times_out_with_a_message
     assert executor.versions == [1]
     with pytest.raises(QueueTimeoutError, match="queue_get_timeout_s"):
         trainer.train_step()
+
+
+def _stale_groups(backend: FSDPPolicyBackend, seed: int) -> list[TrajectoryGroup]:
+    """Groups whose rollout log-probs are the backend's plus noise: behaviour weights spread around 1, some > 2."""
+    groups = _groups(backend, version=0, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 100)
+    for group in groups:
+        for trajectory in group.trajectories:
+            sequence = trajectory.sequences[0]
+            noise = torch.randn(len(sequence.response_logprobs), generator=gen)
+            sequence.response_logprobs = [
+                lp + float(n) for lp, n in zip(sequence.response_logprobs, noise, strict=True)
+            ]
+    return groups
+
+
+def _trained_with(tiny_model_dir, groups, correction_section: dict):
+    """One trainer step with `correction_section` as algorithm.off_policy_correction; returns (backend, metrics)."""
+    from rllm.experimental.fully_async.algorithms.corrections import build_correction
+
+    correction = build_correction(OmegaConf.create({"algorithm": {"off_policy_correction": correction_section}}))
+    actor_cfg = _actor_cfg()
+    if correction.policy_loss_mode is not None:  # as the trainer actor does before it builds the backend
+        actor_cfg.policy_loss.loss_mode = correction.policy_loss_mode
+    backend = FSDPPolicyBackend(tiny_model_dir, actor_cfg)
+    trainer = FullyAsyncTrainer(
+        _settings(),
+        backend,
+        LocalQueue(copy.deepcopy(groups)),
+        RecordingExecutor(),
+        param_sync=None,
+        advantages=_advantages(),
+        correction=correction,
+    )
+    return backend, trainer.train_step()
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_loglinear_proximal_from_the_update_equals_recomputation(tiny_model_dir, level):
+    # With one mini-batch per step the log-linear pi_prox is the update's own detached log-probs, i.e. the policy
+    # before the step: the same step as recomputing it in a separate forward pass, without that pass.
+    groups = _stale_groups(FSDPPolicyBackend(tiny_model_dir, _actor_cfg()), seed=3)
+    section = {"mode": "decoupled", "level": level, "cap_mode": "truncate", "cap": 2.0}
+    recompute, recompute_metrics = _trained_with(tiny_model_dir, groups, section | {"prox_log_probs": "recompute"})
+    loglinear, loglinear_metrics = _trained_with(tiny_model_dir, groups, section | {"prox_log_probs": "loglinear"})
+    bypass, _ = _trained_with(tiny_model_dir, groups, {"mode": "bypass"})
+
+    for (name, a), b in zip(recompute.model.named_parameters(), loglinear.model.parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5), name
+    # Not vacuous: the weights matter (no correction steps elsewhere), and some were capped.
+    assert any(
+        not torch.allclose(a, b, atol=1e-5)
+        for a, b in zip(recompute.model.parameters(), bypass.model.parameters(), strict=True)
+    )
+    assert recompute_metrics["off_policy/capped_token_fraction"] > 0
+    for stat in ("weight_mean", "weight_max", "capped_token_fraction", "capped_seq_fraction"):
+        # computed inside the loss per micro-batch; one micro-batch here, so equal to the batch-level statistics
+        assert loglinear_metrics[f"off_policy/{stat}"] == pytest.approx(recompute_metrics[f"off_policy/{stat}"]), stat
+    assert loglinear_metrics["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-6)  # ratio against pi_prox is 1
+
+
+def test_loglinear_mask_mode_gives_rejected_tokens_no_gradient():
+    from rllm.experimental.fully_async.algorithms.correction_config import CorrectionConfig
+    from rllm.experimental.fully_async.algorithms.decoupled_loss import decoupled_update_time_loss
+
+    config = build_actor_config(_actor_cfg())
+    log_prob = torch.tensor([[-1.0, -1.0, -1.0, -1.0]], requires_grad=True)
+    behav = torch.tensor([[-1.0, -3.0, 1.0, -1.2]])  # w = 1, e^2 (rejected), e^-2 (rejected), e^0.2
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0]])
+    loss, metrics = decoupled_update_time_loss(
+        behav, log_prob, torch.ones(1, 4), mask, config=config, correction=CorrectionConfig(cap_mode="mask", cap=2.0)
+    )
+    loss.backward()
+    gradient = log_prob.grad[0]
+    assert gradient[1] == 0 and gradient[2] == 0
+    assert gradient[0] == pytest.approx(-1 / 4) and gradient[3] == pytest.approx(-math.exp(0.2) / 4)
+    assert metrics["off_policy/masked_token_fraction"] == pytest.approx(0.5)
+
+    empty_loss, empty_metrics = decoupled_update_time_loss(
+        behav, log_prob, torch.ones(1, 4), torch.zeros(1, 4), config=config, correction=CorrectionConfig()
+    )
+    assert torch.isfinite(empty_loss) and not any(k.startswith("off_policy/") for k in empty_metrics)

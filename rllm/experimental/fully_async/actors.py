@@ -181,6 +181,10 @@ class FullyAsyncTrainerActor:
         self.cfg = c
         model_path = c.actor_rollout_ref.model.path
         tokenizer = AutoTokenizer.from_pretrained(model_path)
+        correction = build_correction(c)
+        if correction is not None and correction.policy_loss_mode is not None:
+            # decoupled PPO with the proximal policy from the update itself: its loss replaces verl's vanilla one
+            c.actor_rollout_ref.actor.policy_loss.loss_mode = correction.policy_loss_mode
         backend = FSDPPolicyBackend(model_path, c.actor_rollout_ref.actor, seed=int(c.run.seed))
         at = c.async_training
         timeout_s = float(c.param_sync.timeout_s)
@@ -214,7 +218,7 @@ class FullyAsyncTrainerActor:
             _SyncHandle(executor, RAY_CALL_TIMEOUT_S),
             self.param_sync,
             advantages=AdvantageConfig.from_config(c),
-            correction=build_correction(c),
+            correction=correction,
             critic=critic,
         )
 

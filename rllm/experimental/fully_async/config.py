@@ -380,12 +380,19 @@ def _validate_algorithm(cfg: DictConfig) -> None:
                 "(verl's critic is unpatched: its loss is not proven correct across ranks)"
             )
     # The algorithm sections validate themselves when built; their errors name the key.
+    built = {}
     for build in (AdvantageConfig.from_config, build_correction, build_group_filter):
         try:
-            build(cfg)
+            built[build] = build(cfg)
         except (ValueError, TypeError) as exc:
             raise ConfigError(_first_line(exc)) from exc
     loss_mode = cfg.actor_rollout_ref.actor.policy_loss.loss_mode
+    correction = built[build_correction]
+    if correction is not None and correction.policy_loss_mode is not None and loss_mode != "vanilla":
+        raise ConfigError(
+            "'actor_rollout_ref.actor.policy_loss.loss_mode' must be 'vanilla' with algorithm.off_policy_correction"
+            f".prox_log_probs=loglinear (its decoupled loss replaces it); got {loss_mode!r}"
+        )
     if loss_mode not in POLICY_LOSS_REGISTRY:
         raise ConfigError(
             "'actor_rollout_ref.actor.policy_loss.loss_mode' must be one of "

@@ -12,8 +12,10 @@ When to use which (``algorithm.off_policy_correction.mode``):
   behaviour policy where w > C, lower variance); mask drops tokens whose version gap is too large (the weights it
   keeps are exact, the dropped tail is its bias, and fewer tokens train: watch ``masked_token_fraction``). Token
   level is the default; sequence level weights whole responses and has much higher variance, use it with mask.
-  Use prox "recompute" unless the extra forward pass is a bottleneck; validate "loglinear" with its error metrics
-  before relying on it at high staleness.
+  prox "loglinear" takes pi_prox from the update's own forward pass and saves the "recompute" pass (about a third
+  of a step): with one mini-batch per step the two are the same policy (proven in tests/test_decoupled_loss.py),
+  except that a rejected token (cap_mode=mask) still counts in the token mean's denominator, and tokens of the
+  current version are weighted against the engine's numerics as TIS would (see `decoupled_loss`).
 - tis: synchronous or near-synchronous runs (staleness 0) whose rollout engine differs numerically from the trainer
   (bf16 SGLang vs fp32 FSDP, other kernels). C = 2 (verl's default).
 - bypass: the cheapest; no forward pass before the step, the PPO clip is centred on pi_behav. Fine at staleness
@@ -44,7 +46,8 @@ class CorrectionConfig:
 
     mode: "decoupled" | "tis" | "bypass" | "none" (see the module docstring for when to use which).
     prox_log_probs: "recompute" | "loglinear", decoupled only. "loglinear" needs log pi_theta, which only exists
-        inside the actor's update: the patched actor applies it; the trainer-side batch function refuses it.
+        inside the actor's update: it runs as a verl policy loss (`decoupled_loss`), so the actor's
+        ``policy_loss.loss_mode`` must be left at "vanilla" (the trainer replaces it).
     level: "token" | "sequence", the granularity of w.
     cap_mode: "truncate" | "mask", how w is limited (decoupled only; tis always truncates).
     cap: C > 1. verl's default 2.0; AReaL uses 2.0 to 5.0. Larger C = less bias, more variance.

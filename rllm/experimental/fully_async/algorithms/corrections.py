@@ -45,9 +45,10 @@ areal/trainer/ppo/actor.py):
 where log pi_theta comes from a forward pass at version v_theta. AReaL sets v_prox = v_theta - 1. In this trainer
 the natural source of log pi_theta is the update's own forward pass: for mini-batch k of K in a step that starts at
 version V, v_theta = V + k/K and v_prox = V. With one mini-batch (k = 0) alpha = 1 and the "approximation" is exact:
-pi_prox is then simply the detached log-probs of the update, which is what the patched actor should use. The
-approximation is exact whenever every token has alpha in {0, 1}; in between it interpolates linearly in log space
-and its error is reported (`prox_approx_*` statistics) whenever both it and the recomputed values exist.
+pi_prox is then simply the detached log-probs of the update: `decoupled_loss` runs it that way, as a policy loss
+registered with verl (the batch then carries log pi_behav as ``old_log_probs``). The approximation is exact
+whenever every token has alpha in {0, 1}; in between it interpolates linearly in log space and its error is
+reported (`prox_approx_*` statistics) whenever both it and the recomputed values exist.
 
 Which mode to choose, and the config keys: see `correction_config`.
 """
@@ -151,13 +152,13 @@ def loglinear_proximal_log_probs(
 
 
 @dataclass(frozen=True)
-class _Weights:
+class BehaviourWeights:
     weights: torch.Tensor  # [B, R], zero outside the (possibly reduced) mask
     response_mask: torch.Tensor  # [B, R]
     raw_log_weights: torch.Tensor  # [B, R], token log w_t, or the sequence sum broadcast
 
 
-def _behaviour_weights(
+def behaviour_weights(
     prox_log_probs: torch.Tensor,
     behav_log_probs: torch.Tensor,
     response_mask: torch.Tensor,
@@ -165,7 +166,7 @@ def _behaviour_weights(
     level: WeightLevel,
     cap_mode: CapMode,
     cap: float,
-) -> _Weights:
+) -> BehaviourWeights:
     """w = pi_prox / pi_behav, truncated or masked at C, through verl's rollout_corr_helper. Needs a valid token."""
     log_ratio = prox_log_probs.detach() - behav_log_probs.detach()
     weights, _ = compute_rollout_correction_weights(
@@ -180,7 +181,7 @@ def _behaviour_weights(
         raw = log_ratio * response_mask
     else:
         raw = (log_ratio * response_mask).sum(dim=-1, keepdim=True).expand_as(log_ratio)
-    return _Weights(weights=weights.to(prox_log_probs.dtype), response_mask=mask, raw_log_weights=raw)
+    return BehaviourWeights(weights=weights.to(prox_log_probs.dtype), response_mask=mask, raw_log_weights=raw)
 
 
 def _masked_values(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -240,11 +241,11 @@ def apply_off_policy_correction(
         if num_tokens == 0:  # verl's helpers raise on an empty mask; there is nothing to weight
             weights = torch.zeros_like(rollout_log_probs)
         else:
-            computed = _behaviour_weights(
+            computed = behaviour_weights(
                 old_log_probs, rollout_log_probs, response_mask, level=config.level, cap_mode=cap_mode, cap=config.cap
             )
             weights, new_mask = computed.weights, computed.response_mask
-            weight_fields = _weight_stats(computed, response_mask, cap_mode=cap_mode, cap=config.cap)
+            weight_fields = weight_stats(computed, response_mask, cap_mode=cap_mode, cap=config.cap)
 
     stats = CorrectionStats(
         mode=mode,
@@ -284,8 +285,8 @@ def _old_log_probs(
     return recomputed_log_probs
 
 
-def _weight_stats(
-    computed: _Weights, response_mask: torch.Tensor, *, cap_mode: CapMode, cap: float
+def weight_stats(
+    computed: BehaviourWeights, response_mask: torch.Tensor, *, cap_mode: CapMode, cap: float
 ) -> dict[str, float | None]:
     valid = response_mask.bool()
     kept = computed.response_mask.bool() & valid
@@ -369,18 +370,25 @@ def apply_off_policy_correction_to_batch(
     statistics).
     Writes ``old_log_probs`` (what verl's loss uses as log pi_old), ``rollout_is_weights`` (removed when the mode
     has none, so a stale tensor cannot leak into the loss) and ``response_mask`` (rejections applied).
-    decoupled+loglinear is refused here: it belongs inside the actor update, where log pi_theta is computed.
+    decoupled+loglinear computes pi_prox and w inside the update (`decoupled_loss`): here ``old_log_probs`` becomes
+    log pi_behav and only the staleness statistics are reported.
     """
-    if config.mode == "decoupled" and config.prox_log_probs == "loglinear":
-        raise ValueError(
-            "off_policy_correction.prox_log_probs=loglinear is applied inside the actor update (patched dp_actor), "
-            "not on the batch before it"
-        )
     batch = data.batch
     if "rollout_log_probs" not in batch:
         raise KeyError("off-policy correction needs batch key 'rollout_log_probs' (the engines' log-probs)")
-    recomputed = batch.get("old_log_probs", None)
     versions = batch.get("response_versions", None)
+    if config.mode == "decoupled" and config.prox_log_probs == "loglinear":
+        batch["old_log_probs"] = batch["rollout_log_probs"].clone()
+        if "rollout_is_weights" in batch:
+            del batch["rollout_is_weights"]
+        valid = batch["response_mask"].bool()
+        return CorrectionStats(
+            mode=config.mode,
+            num_tokens=int(valid.sum()),
+            num_sequences=int(valid.any(dim=-1).sum()),
+            **_staleness_stats(versions, trainer_version, batch["response_mask"]),
+        )
+    recomputed = batch.get("old_log_probs", None)
     result = apply_off_policy_correction(
         batch["rollout_log_probs"],
         batch["response_mask"],
@@ -404,6 +412,8 @@ class OffPolicyCorrector:
     """The trainer's handle on the configured correction (what `build_correction` returns)."""
 
     config: CorrectionConfig
+    # verl loss_mode the actor must use, when the correction lives inside the update (decoupled + loglinear)
+    policy_loss_mode: str | None = None
 
     @property
     def needs_recompute(self) -> bool:
@@ -428,15 +438,16 @@ class OffPolicyCorrector:
 def build_correction(cfg: Any) -> OffPolicyCorrector | None:
     """`OffPolicyCorrector` for the run config, or None when no correction is configured.
 
-    decoupled + ``prox_log_probs=loglinear`` is refused here: it needs log pi_theta from inside the actor update,
-    which the trainer-side path does not have.
+    decoupled + ``prox_log_probs=loglinear`` also registers its policy loss in verl's registry (in this process);
+    the corrector's `policy_loss_mode` names it, for the actor config.
     """
     config = correction_config_from(cfg)
     if config is None:
         return None
+    policy_loss_mode = None
     if config.mode == "decoupled" and config.prox_log_probs == "loglinear":
-        raise ValueError(
-            "algorithm.off_policy_correction.prox_log_probs=loglinear needs the patched actor (log pi_theta exists "
-            "only inside the update); use prox_log_probs=recompute"
-        )
-    return OffPolicyCorrector(config)
+        # Imported here: decoupled_loss builds on this module's weight helpers.
+        from rllm.experimental.fully_async.algorithms.decoupled_loss import register_update_time_decoupled_loss
+
+        policy_loss_mode = register_update_time_decoupled_loss(config)
+    return OffPolicyCorrector(config, policy_loss_mode=policy_loss_mode)
