@@ -111,7 +111,14 @@ def rollout_part(step: int) -> dict:
     return {
         "version": step // 2,
         "prompts": {"seed": 7, "shuffle": True, "dataset_size": 100, "epoch": 0, "position": 10 + step},
-        "ledger": {"version": 1, "issue_order": ["p1", "p2", "p3"], "in_flight": ["p3"], "trained": ["p1", "p2"]},
+        "ledger": {
+            "version": 2,
+            "in_flight": ["p3"],
+            "issued": 3,
+            "ended": {"trained": 2},
+            "journal_path": "/runs/demo/ledger.jsonl",
+            "journal_bytes": 72,
+        },
         "staleness": {"accepted": 5, "consumed": 3, "rejected": 0, "discarded": 0, "started": 6},
     }
 

@@ -34,7 +34,7 @@ from rllm.experimental.fully_async.algorithms.advantages import AdvantageConfig
 from rllm.experimental.fully_async.client import EngineClient, GenerationResult
 from rllm.experimental.fully_async.data import DataError, PromptDataset, PromptIterator
 from rllm.experimental.fully_async.engines import EmbeddedEngineCommand, EngineLauncher
-from rllm.experimental.fully_async.ledger import SampleLedger, SampleState
+from rllm.experimental.fully_async.ledger import SampleLedger, SampleState, history_counts, read_journal
 from rllm.experimental.fully_async.message_queue import GroupBuffer, PutResult
 from rllm.experimental.fully_async.protocol import TrajectoryGroup
 from rllm.experimental.fully_async.rollout_executor import EnginesExhaustedError, ExecutorSettings, RolloutExecutor
@@ -124,15 +124,18 @@ def make_executor(
     *,
     samples_per_prompt: int,
     max_concurrent_rollouts: int,
+    journal: Path | None = None,
 ) -> tuple[RolloutExecutor, LocalQueue, SampleLedger]:
-    """An executor whose staleness budget never binds (no trainer here): these tests are about failures."""
+    """An executor whose staleness budget never binds (no trainer here): these tests are about failures.
+
+    `journal`: where the ledger records each sample's issue and end, for tests that check per-sample outcomes."""
     settings = ExecutorSettings(
         samples_per_prompt=samples_per_prompt,
         max_staleness=0,
         batch_groups=10_000,
         max_concurrent_rollouts=max_concurrent_rollouts,
     )
-    queue, ledger = LocalQueue(), SampleLedger()
+    queue, ledger = LocalQueue(), SampleLedger(journal)
     executor = RolloutExecutor(settings, prompts, workflow, client, tokenizer, queue, ledger=ledger)
     return executor, queue, ledger
 
@@ -145,14 +148,19 @@ def train_queued(executor: RolloutExecutor, queue: LocalQueue) -> list[Trajector
 
 
 def assert_ledger_adds_up(ledger: SampleLedger) -> dict[str, int]:
+    """The counts add up and, where the ledger keeps a journal, its replay passes the audit and agrees with them."""
     counts = ledger.counts()
     ended = counts["trained"] + counts["filtered"] + counts["dropped_stale"] + counts["failed"]
     assert counts["issued"] == counts["in_flight"] + ended, counts
+    if ledger.journal_path is not None:
+        assert history_counts(read_journal(ledger.journal_path)) == counts
     return counts
 
 
-def failed_reasons(ledger: SampleLedger, uids: list[str]) -> dict[str, str | None]:
-    return {uid: ledger.reason(uid) for uid in uids if ledger.state(uid) is SampleState.FAILED}
+def failed_reasons(journal: Path, uids: list[str]) -> dict[str, str | None]:
+    """The failed samples among `uids` and their reasons, from the ledger's journal (which also audits it)."""
+    history = read_journal(journal)
+    return {uid: history[uid][1] for uid in uids if history[uid][0] is SampleState.FAILED}
 
 
 def first_prompts(dataset: PromptDataset, n: int) -> PromptIterator:
@@ -200,7 +208,9 @@ class FaultyReward:
         return compute_score(data_source, solution_str, ground_truth, extra_info)
 
 
-def test_failing_rewards_fail_only_their_samples_with_reasons_and_the_rest_is_queued(engine_urls, dataset, tokenizer):
+def test_failing_rewards_fail_only_their_samples_with_reasons_and_the_rest_is_queued(
+    engine_urls, dataset, tokenizer, tmp_path
+):
     modes = {0: "raise", 1: "hang", 2: "nan", 3: "string", 4: "raise_once"}  # rows 5-7 score normally
     reward = FaultyReward(modes)
     workflow = SingleTurnWorkflow(reward, SHORT, reward_timeout_s=2.0)
@@ -209,7 +219,13 @@ def test_failing_rewards_fail_only_their_samples_with_reasons_and_the_rest_is_qu
         async with EngineClient(engine_urls, request_timeout_s=RUN_TIMEOUT_S) as client:
             # Two groups at a time, rows in order: the failing rows run first and the good ones after them.
             executor, queue, ledger = make_executor(
-                first_prompts(dataset, 8), workflow, client, tokenizer, samples_per_prompt=2, max_concurrent_rollouts=4
+                first_prompts(dataset, 8),
+                workflow,
+                client,
+                tokenizer,
+                samples_per_prompt=2,
+                max_concurrent_rollouts=4,
+                journal=tmp_path / "ledger.jsonl",
             )
             try:
                 await asyncio.wait_for(executor.run(), RUN_TIMEOUT_S)
@@ -221,7 +237,7 @@ def test_failing_rewards_fail_only_their_samples_with_reasons_and_the_rest_is_qu
     uids = [f"e0/{row}/{i}" for row in range(8) for i in range(2)]
     assert executor.stats.groups_started == 8, "the executor went on past the failures to the end of the data"
 
-    reasons = failed_reasons(ledger, uids)
+    reasons = failed_reasons(tmp_path / "ledger.jsonl", uids)
     expected = {
         **{f"e0/0/{i}": "reward_error" for i in range(2)},
         **{f"e0/1/{i}": "reward_timeout" for i in range(2)},
@@ -246,7 +262,7 @@ def test_failing_rewards_fail_only_their_samples_with_reasons_and_the_rest_is_qu
     assert executor.stats.samples_failed == 9 and executor.stats.groups_queued == 4
 
 
-def test_hung_reward_threads_do_not_make_later_rewards_time_out(engine_urls, dataset, tokenizer):
+def test_hung_reward_threads_do_not_make_later_rewards_time_out(engine_urls, dataset, tokenizer, tmp_path):
     """Every abandoned hung reward keeps a worker of the pool `asyncio.to_thread` uses (asyncio's default executor,
     min(32, cpus + 4) threads). Once that many have hung, a later reward waits for a free worker past its timeout:
     healthy samples fail as reward_timeout for the rest of the run. Fails until score_safely runs each synchronous
@@ -270,6 +286,7 @@ def test_hung_reward_threads_do_not_make_later_rewards_time_out(engine_urls, dat
                 tokenizer,
                 samples_per_prompt=samples,
                 max_concurrent_rollouts=hang_rows * samples,
+                journal=tmp_path / "ledger.jsonl",
             )
             try:
                 await asyncio.wait_for(executor.run(), RUN_TIMEOUT_S)
@@ -279,7 +296,9 @@ def test_hung_reward_threads_do_not_make_later_rewards_time_out(engine_urls, dat
 
     ledger = asyncio.run(scenario())
     good_uids = [f"e0/{row}/{i}" for row in good_rows for i in range(samples)]
-    assert failed_reasons(ledger, good_uids) == {}, "healthy samples scored after the hangs must not fail"
+    assert failed_reasons(tmp_path / "ledger.jsonl", good_uids) == {}, (
+        "healthy samples scored after the hangs must not fail"
+    )
     assert ledger.counts()["failed/reward_timeout"] == hang_rows * samples
 
 
@@ -337,7 +356,13 @@ def test_a_killed_engine_has_its_requests_resent_and_losing_the_last_engine_stop
                 client = RetryCountingClient(real)
                 prompts = PromptIterator(dataset, seed=0, num_epochs=None)  # endless: only a failure ends the run
                 executor, queue, ledger = make_executor(
-                    prompts, workflow, client, tokenizer, samples_per_prompt=2, max_concurrent_rollouts=8
+                    prompts,
+                    workflow,
+                    client,
+                    tokenizer,
+                    samples_per_prompt=2,
+                    max_concurrent_rollouts=8,
+                    journal=tmp_path / "ledger.jsonl",
                 )
                 run = asyncio.create_task(executor.run())
                 try:
@@ -365,11 +390,12 @@ def test_a_killed_engine_has_its_requests_resent_and_losing_the_last_engine_stop
     assert victim.url in str(error) and survivor.url in str(error), "the error names every engine it lost"
 
     # Nothing lost: each issued sample either sits in a queued group or failed when the last engine died.
-    issued = set(ledger.state_dict()["issue_order"])
+    history = read_journal(tmp_path / "ledger.jsonl")
+    issued = set(history)
     queued = {t.uid for g in queue.buffer.snapshot() for t in g.trajectories}
-    failed = set(ledger.state_dict()["failed"].get("workflow_error", []))
+    failed = {uid for uid, (state, _) in history.items() if state is SampleState.FAILED}
     assert failed, "the samples running when the last engine died failed"
-    assert set(ledger.state_dict()["failed"]) == {"workflow_error"}
+    assert {history[uid][1] for uid in failed} == {"workflow_error"}
     assert queued | failed == issued and not queued & failed
     assert set(ledger.in_flight_uids()) == queued
     assert executor.stats.groups_queued == len(queue.buffer.snapshot()) >= 8

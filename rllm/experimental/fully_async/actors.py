@@ -51,7 +51,10 @@ class RolloutExecutorActor:
         self.tokenizer = AutoTokenizer.from_pretrained(c.actor_rollout_ref.model.path)
         self.reward_fn = load_reward_fn(c)
         self.client = EngineClient(engine_urls, request_timeout_s=float(c.engines.request_timeout_s))
-        self.ledger = SampleLedger()
+        # The journal (every sample's issue and end, for the exactly-once audit) lives in the run dir. A relative
+        # run.dir is resolved against this worker's cwd, which Ray gives the driver's. A fresh run starts it empty
+        # at its first record; a resume cuts it back to the checkpoint (`SampleLedger.load_state_dict`).
+        self.ledger = SampleLedger(journal_path=Path(c.run.dir).absolute() / "ledger.jsonl")
         train, val = load_prompt_datasets(c, self.tokenizer)
         if state is None:  # a resumed ledger has them already
             for rejected in train.rejected:

@@ -9,23 +9,42 @@ when the executor takes it, and then *ends* exactly once:
     failed(reason)   the rollout or the reward failed
 
 or it is still *in flight* (issued, not ended). The counts always add up:
-in_flight + trained + filtered + dropped_stale + failed == issued. Ending a sample twice, ending one that was
-never issued, or issuing one twice raises `LedgerError`: each is a bookkeeping bug upstream, and a ledger that
-tolerated it could no longer prove that nothing was lost. Every call is all-or-nothing: it checks all its uids
-before changing anything.
+in_flight + trained + filtered + dropped_stale + failed == issued.
 
-Pure code (no I/O). The checkpoint holds `state_dict()`; after a restore, `in_flight_uids()` are the samples to
-issue again (their rollouts died with the process), in the order they were first issued.
+What is kept where, and why. A run issues samples without end (the 30-minute CPU soak issued 740k), so memory
+holds only what a long run needs to go on: the in-flight uids in issue order (bounded by the staleness budget),
+the number issued, and one counter per ended state and per `state/reason`. The per-sample history, the proof that
+every sample ended exactly once, goes to an optional append-only *journal* (JSON lines, one line per call, e.g.
+`{"event":"failed","reason":"reward_error","uids":["e0/3/1"]}`), which `read_journal` replays and audits.
+
+Checks. Ending a sample that is not in flight (never issued, or already ended) and issuing one that is in flight
+raise `LedgerError`: each is a bookkeeping bug upstream. Issuing a uid that has already *ended* cannot be seen in
+memory any more (ended uids are forgotten); `read_journal` reports it as issued twice. Every call is
+all-or-nothing: it checks all its uids before writing or changing anything.
+
+Checkpoints. `state_dict()` is small (in-flight uids, counters, the journal's path and byte size) and fsyncs the
+journal first, so the size it records is on disk. `load_state_dict()` truncates the journal to that size: what was
+written after the checkpoint belongs to samples that are in flight again after the resume (or not yet issued) and
+that will be issued or end again. After a restore, `in_flight_uids()` are the samples to run again (their
+rollouts died with the process), in the order they were first issued.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from enum import Enum
-from typing import Any
+from pathlib import Path
+from typing import IO, Any
 
-STATE_DICT_VERSION = 1
+logger = logging.getLogger(__name__)
+
+STATE_DICT_VERSION = 2
+ISSUED = "issued"  # the journal's event for an issue; ends use the SampleState values
+_REWRITE_CHUNK = 1000  # uids per line when a journal is rebuilt from a checkpoint (keeps lines short)
 
 
 class SampleState(str, Enum):
@@ -41,24 +60,40 @@ _NEEDS_REASON = (SampleState.FILTERED, SampleState.FAILED)
 
 
 class LedgerError(ValueError):
-    """An impossible transition: a sample issued twice, ended twice, or ended without being issued."""
+    """An impossible transition (a sample issued twice, ended twice, or ended without being issued), or a
+    checkpointed state or journal that is malformed or inconsistent."""
 
 
 class SampleLedger:
-    """uid -> (state, reason). Insertion order is issue order (dicts keep it), which resume relies on."""
+    """In-flight uids (in issue order) and counters in memory; the full history in an optional journal file.
 
-    def __init__(self) -> None:
-        self._entries: dict[str, tuple[SampleState, str | None]] = {}
+    `journal_path=None` keeps no history (pure tests): the counts stay exact, per-sample end states are not kept.
+    With a path, the journal is started at the first record (or `state_dict()`): a new ledger starts it empty,
+    overwriting a file left in the same place by an earlier run; `load_state_dict` instead keeps the checkpoint's
+    part of the file and appends after it. Each call's record is written with one write and flushed to the OS, so
+    a killed process loses none of it; only `state_dict()` pays for an fsync.
+    """
+
+    def __init__(self, journal_path: str | os.PathLike[str] | None = None) -> None:
+        # Absolute, so a checkpoint can tell whether the journal it recorded is the one this ledger writes.
+        self.journal_path = Path(journal_path).absolute() if journal_path is not None else None
+        self._in_flight: dict[str, None] = {}  # a dict keeps insertion (= issue) order; resume relies on it
+        self._issued = 0
+        self._ended: Counter[str] = Counter()  # keys: each ended state's value, and "<state>/<reason>"
+        self._file: IO[bytes] | None = None
+        self._journal_started = False  # False: the first open truncates (a new ledger has no history yet)
+
+    # ---- transitions ------------------------------------------------------------------------------------------
 
     def issue(self, uids: Iterable[str]) -> None:
-        """Record samples as in flight. A uid already in the ledger (in flight or ended) raises."""
+        """Record samples as in flight. A uid in flight raises; a uid that already ended is caught by the audit."""
         batch = _unique(uids, "issue")
-        known = [uid for uid in batch if uid in self._entries]
+        known = [uid for uid in batch if uid in self._in_flight]
         if known:
-            state = self._entries[known[0]][0].value
-            raise LedgerError(f"cannot issue {known[0]!r}: already in the ledger as {state} ({len(known)} such)")
-        for uid in batch:
-            self._entries[uid] = (SampleState.IN_FLIGHT, None)
+            raise LedgerError(f"cannot issue {known[0]!r}: it is already in flight ({len(known)} such)")
+        self._record(ISSUED, None, batch)
+        self._in_flight.update(dict.fromkeys(batch))
+        self._issued += len(batch)
 
     def mark_trained(self, uids: Iterable[str]) -> None:
         self._end(uids, SampleState.TRAINED, None)
@@ -73,36 +108,36 @@ class SampleLedger:
         self._end(uids, SampleState.FAILED, reason)
 
     def _end(self, uids: Iterable[str], state: SampleState, reason: str | None) -> None:
-        if state in _NEEDS_REASON and (not isinstance(reason, str) or not reason or "/" in reason):
+        if state in _NEEDS_REASON and not _is_reason(reason):
             # The reason becomes a metric name ("filtered/<reason>"): it must be a non-empty word without '/'.
             raise LedgerError(f"{state.value} needs a non-empty reason without '/', got {reason!r}")
         batch = _unique(uids, f"mark {state.value}")
+        missing = [uid for uid in batch if uid not in self._in_flight]
+        if missing:
+            raise LedgerError(
+                f"cannot mark {missing[0]!r} {state.value}: it is not in flight (never issued, or already ended)"
+                f" ({len(missing)} such)"
+            )
+        self._record(state.value, reason, batch)
         for uid in batch:
-            entry = self._entries.get(uid)
-            if entry is None:
-                raise LedgerError(f"cannot mark {uid!r} {state.value}: it was never issued")
-            if entry[0] is not SampleState.IN_FLIGHT:
-                raise LedgerError(f"cannot mark {uid!r} {state.value}: it already ended as {_describe(*entry)}")
-        for uid in batch:
-            self._entries[uid] = (state, reason)
+            del self._in_flight[uid]
+        self._ended[state.value] += len(batch)
+        if reason is not None:
+            self._ended[f"{state.value}/{reason}"] += len(batch)
 
-    def state(self, uid: str) -> SampleState:
-        """The sample's state; KeyError if it was never issued."""
-        return self._entries[uid][0]
-
-    def reason(self, uid: str) -> str | None:
-        """The reason a filtered or failed sample ended with (None for other states)."""
-        return self._entries[uid][1]
+    # ---- queries ----------------------------------------------------------------------------------------------
 
     def __contains__(self, uid: object) -> bool:
-        return uid in self._entries
+        """Whether `uid` is in flight (ended samples are not kept in memory)."""
+        return uid in self._in_flight
 
     def __len__(self) -> int:
-        return len(self._entries)
+        """The number of samples in flight: all the ledger holds per sample in memory."""
+        return len(self._in_flight)
 
     def in_flight_uids(self) -> list[str]:
         """Issued samples that have not ended, in issue order (what a resumed run must issue again)."""
-        return [uid for uid, (state, _) in self._entries.items() if state is SampleState.IN_FLIGHT]
+        return list(self._in_flight)
 
     def counts(self) -> dict[str, int]:
         """issued, in_flight, each ended state, and `filtered/<reason>`, `failed/<reason>` for every reason seen.
@@ -110,70 +145,285 @@ class SampleLedger:
         in_flight + trained + filtered + dropped_stale + failed == issued; the per-reason counts of a state add up
         to that state's count.
         """
-        by_state: Counter[SampleState] = Counter()
-        by_reason: Counter[str] = Counter()
-        for state, reason in self._entries.values():
-            by_state[state] += 1
-            if reason is not None:
-                by_reason[f"{state.value}/{reason}"] += 1
-        result = {"issued": len(self._entries)}
-        result |= {state.value: by_state[state] for state in SampleState}
-        result |= dict(sorted(by_reason.items()))
-        return result
+        return _format_counts(self._issued, len(self._in_flight), self._ended)
+
+    # ---- checkpoint -------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-serialisable: uids grouped by state (and reason), each list in issue order."""
-        in_flight: list[str] = []
-        trained: list[str] = []
-        dropped_stale: list[str] = []
-        filtered: dict[str, list[str]] = {}
-        failed: dict[str, list[str]] = {}
-        order: list[str] = []
-        for uid, (state, reason) in self._entries.items():
-            order.append(uid)
-            if state is SampleState.IN_FLIGHT:
-                in_flight.append(uid)
-            elif state is SampleState.TRAINED:
-                trained.append(uid)
-            elif state is SampleState.DROPPED_STALE:
-                dropped_stale.append(uid)
-            elif state is SampleState.FILTERED:
-                filtered.setdefault(str(reason), []).append(uid)
-            else:
-                failed.setdefault(str(reason), []).append(uid)
+        """JSON-serialisable and small: in-flight uids in issue order, the counters, and where the journal stands.
+
+        The journal is flushed and fsynced first, so the `journal_bytes` recorded here are on disk.
+        """
         return {
             "version": STATE_DICT_VERSION,
-            "issue_order": order,
-            "in_flight": in_flight,
-            "trained": trained,
-            "dropped_stale": dropped_stale,
-            "filtered": filtered,
-            "failed": failed,
+            "in_flight": list(self._in_flight),
+            "issued": self._issued,
+            "ended": dict(sorted(self._ended.items())),
+            "journal_path": str(self.journal_path) if self.journal_path is not None else None,
+            "journal_bytes": self._sync_journal(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Replace the ledger with a checkpointed one; a malformed or inconsistent state raises and changes nothing."""
-        if state.get("version") != STATE_DICT_VERSION:
-            raise LedgerError(f"ledger state version {state.get('version')!r} is not {STATE_DICT_VERSION}")
-        assigned: dict[str, tuple[SampleState, str | None]] = {}
+        """Replace the ledger with a checkpointed one (version 2, or version 1 from before the journal).
 
-        def put(uids: Iterable[str], entry: tuple[SampleState, str | None]) -> None:
+        A malformed or inconsistent state raises `LedgerError` and changes nothing. The journal is then cut back
+        to the checkpoint's size; if it is not the checkpoint's journal (another path, or shorter than recorded),
+        a warning says so and it restarts with the in-flight samples' issues, so later records still audit.
+        """
+        version = state.get("version")
+        if version == STATE_DICT_VERSION:
+            in_flight, issued, ended = _parse_v2(state)
+            history: list[tuple[str, str | None, list[str]]] | None = None
+        elif version == 1:
+            in_flight, issued, ended, history = _parse_v1(state)
+        else:
+            raise LedgerError(f"ledger state version {version!r} is not {STATE_DICT_VERSION} (or 1)")
+        if self.journal_path is not None:
+            if history is not None:
+                # A version-1 state lists every sample's end: the journal is rebuilt from it, the audit covers all.
+                self._rewrite_journal(history)
+            else:
+                self._restore_journal(state.get("journal_path"), state.get("journal_bytes"), in_flight)
+        self._in_flight = dict.fromkeys(in_flight)
+        self._issued = issued
+        self._ended = ended
+
+    def close(self) -> None:
+        """Flush and close the journal (later records reopen it and append)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    # ---- the journal ------------------------------------------------------------------------------------------
+
+    def _handle(self) -> IO[bytes]:
+        assert self.journal_path is not None
+        if self._file is None:
+            self.journal_path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.journal_path.open("ab" if self._journal_started else "wb")
+            self._journal_started = True
+        return self._file
+
+    def _record(self, event: str, reason: str | None, uids: list[str]) -> None:
+        if self.journal_path is None or not uids:
+            return
+        handle = self._handle()
+        handle.write(_journal_line(event, reason, uids))
+        handle.flush()  # to the OS: a SIGKILLed process keeps the record (state_dict fsyncs to the disk)
+
+    def _sync_journal(self) -> int | None:
+        if self.journal_path is None:
+            return None
+        handle = self._handle()
+        handle.flush()
+        os.fsync(handle.fileno())
+        return os.fstat(handle.fileno()).st_size
+
+    def _restore_journal(self, recorded_path: Any, recorded_bytes: Any, in_flight: list[str]) -> None:
+        assert self.journal_path is not None
+        self.close()
+        size = self.journal_path.stat().st_size if self.journal_path.exists() else 0
+        if recorded_path == str(self.journal_path) and isinstance(recorded_bytes, int) and size >= recorded_bytes:
+            with self.journal_path.open("r+b") as f:
+                f.truncate(recorded_bytes)  # later records: samples that will be issued or end again
+            self._journal_started = True
+            return
+        if recorded_path != str(self.journal_path):
+            why = f"the checkpoint's journal was {recorded_path}"
+        else:
+            why = f"it holds {size} bytes, the checkpoint recorded {recorded_bytes}"
+        logger.warning(
+            "ledger journal %s is not the checkpoint's (%s): restarting it from the checkpoint; the samples that "
+            "ended before it are only counted, not listed",
+            self.journal_path,
+            why,
+        )
+        self._rewrite_journal([(ISSUED, None, in_flight)])
+
+    def _rewrite_journal(self, records: list[tuple[str, str | None, list[str]]]) -> None:
+        assert self.journal_path is not None
+        self.close()
+        self._journal_started = False
+        handle = self._handle()
+        for event, reason, uids in records:
+            for start in range(0, len(uids), _REWRITE_CHUNK):
+                handle.write(_journal_line(event, reason, uids[start : start + _REWRITE_CHUNK]))
+        handle.flush()
+
+
+def read_journal(path: str | os.PathLike[str]) -> dict[str, tuple[SampleState, str | None]]:
+    """Replay a ledger journal: each sample's final (state, reason), in issue order.
+
+    The audit: raises `LedgerError` (naming the line) if a sample was issued twice (including after it ended),
+    ended twice, or ended without being issued, or if a line is malformed. A last line without its newline (the
+    process died while writing it) is ignored with a warning.
+    """
+    history: dict[str, tuple[SampleState, str | None]] = {}
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            where = f"{path}:{number}"
+            if not raw.endswith(b"\n"):
+                logger.warning("%s: ignoring a torn last line (the writer died mid-record)", where)
+                break
+            event, reason, uids = _parse_line(raw, where)
+            if event == ISSUED:
+                for uid in uids:
+                    if uid in history:
+                        raise LedgerError(f"{where}: {uid!r} issued twice (it was {_describe(*history[uid])})")
+                    history[uid] = (SampleState.IN_FLIGHT, None)
+                continue
+            state = SampleState(event)
             for uid in uids:
-                if uid in assigned:
-                    raise LedgerError(f"ledger state lists {uid!r} twice")
-                assigned[uid] = entry
+                entry = history.get(uid)
+                if entry is None:
+                    raise LedgerError(f"{where}: {uid!r} ended {state.value} without being issued")
+                if entry[0] is not SampleState.IN_FLIGHT:
+                    raise LedgerError(f"{where}: {uid!r} ended twice ({_describe(*entry)}, then {state.value})")
+                history[uid] = (state, reason)
+    return history
 
-        put(state["in_flight"], (SampleState.IN_FLIGHT, None))
-        put(state["trained"], (SampleState.TRAINED, None))
-        put(state["dropped_stale"], (SampleState.DROPPED_STALE, None))
-        for reason, uids in state["filtered"].items():
-            put(uids, (SampleState.FILTERED, reason))
-        for reason, uids in state["failed"].items():
-            put(uids, (SampleState.FAILED, reason))
-        order = list(state["issue_order"])
-        if len(order) != len(assigned) or set(order) != set(assigned):
-            raise LedgerError("ledger state's issue_order does not list exactly the uids in its states")
-        self._entries = {uid: assigned[uid] for uid in order}
+
+def history_counts(history: Mapping[str, tuple[SampleState, str | None]]) -> dict[str, int]:
+    """`SampleLedger.counts()` computed from a replayed journal (the two agree when the journal is complete)."""
+    ended: Counter[str] = Counter()
+    in_flight = 0
+    for state, reason in history.values():
+        if state is SampleState.IN_FLIGHT:
+            in_flight += 1
+            continue
+        ended[state.value] += 1
+        if reason is not None:
+            ended[f"{state.value}/{reason}"] += 1
+    return _format_counts(len(history), in_flight, ended)
+
+
+# ---- helpers ----------------------------------------------------------------------------------------------------
+
+
+def _format_counts(issued: int, in_flight: int, ended: Mapping[str, int]) -> dict[str, int]:
+    result = {"issued": issued, SampleState.IN_FLIGHT.value: in_flight}
+    result |= {state.value: ended.get(state.value, 0) for state in ENDED_STATES}
+    result |= {key: ended[key] for key in sorted(ended) if "/" in key}
+    return result
+
+
+def _journal_line(event: str, reason: str | None, uids: list[str]) -> bytes:
+    record: dict[str, Any] = {"event": event}
+    if reason is not None:
+        record["reason"] = reason
+    record["uids"] = uids
+    return (json.dumps(record, separators=(",", ":")) + "\n").encode()
+
+
+def _parse_line(raw: bytes, where: str) -> tuple[str, str | None, list[str]]:
+    try:
+        record = json.loads(raw)
+    except ValueError as exc:
+        raise LedgerError(f"{where}: not a JSON line ({exc})") from None
+    if not isinstance(record, dict):
+        raise LedgerError(f"{where}: not a JSON object")
+    event, reason, uids = record.get("event"), record.get("reason"), record.get("uids")
+    if event != ISSUED and event not in {s.value for s in ENDED_STATES}:
+        raise LedgerError(f"{where}: unknown event {event!r}")
+    if not isinstance(uids, list) or not all(isinstance(uid, str) for uid in uids):
+        raise LedgerError(f"{where}: 'uids' must be a list of strings")
+    needs_reason = event in {s.value for s in _NEEDS_REASON}
+    if needs_reason != (reason is not None) or (needs_reason and not _is_reason(reason)):
+        raise LedgerError(f"{where}: event {event!r} with reason {reason!r}")
+    if len(set(uids)) != len(uids):
+        raise LedgerError(f"{where}: a uid appears twice in one record")
+    return event, reason, uids
+
+
+def _parse_v2(state: Mapping[str, Any]) -> tuple[list[str], int, Counter[str]]:
+    in_flight = _uid_list(state.get("in_flight"), "in_flight")
+    issued = state.get("issued")
+    if not _is_count(issued):
+        raise LedgerError(f"ledger state's 'issued' must be a non-negative integer, got {issued!r}")
+    raw_ended = state.get("ended")
+    if not isinstance(raw_ended, Mapping):
+        raise LedgerError("ledger state's 'ended' must be a mapping of counters")
+    ended: Counter[str] = Counter()
+    for key, n in raw_ended.items():
+        if not (isinstance(key, str) and _is_ended_key(key) and _is_count(n)):
+            raise LedgerError(f"ledger state's 'ended' has an invalid entry {key!r}: {n!r}")
+        ended[key] = n
+    for state_name in (s.value for s in _NEEDS_REASON):
+        per_reason = sum(n for key, n in ended.items() if key.startswith(f"{state_name}/"))
+        if per_reason != ended[state_name]:
+            raise LedgerError(f"ledger state's {state_name} reasons add up to {per_reason}, not {ended[state_name]}")
+    total = len(in_flight) + sum(ended[s.value] for s in ENDED_STATES)
+    if total != issued:
+        raise LedgerError(f"ledger state does not add up: in_flight + ended = {total}, issued = {issued}")
+    journal_bytes = state.get("journal_bytes")
+    if journal_bytes is not None and not _is_count(journal_bytes):
+        raise LedgerError(f"ledger state's 'journal_bytes' must be a non-negative integer, got {journal_bytes!r}")
+    return in_flight, issued, ended
+
+
+def _parse_v1(
+    state: Mapping[str, Any],
+) -> tuple[list[str], int, Counter[str], list[tuple[str, str | None, list[str]]]]:
+    """A version-1 state (every uid by state, and `issue_order`) as in-flight uids, counters and a history."""
+    assigned: dict[str, tuple[SampleState, str | None]] = {}
+
+    def put(uids: Any, entry: tuple[SampleState, str | None], field: str) -> None:
+        for uid in _uid_list(uids, field):
+            if uid in assigned:
+                raise LedgerError(f"ledger state lists {uid!r} twice")
+            assigned[uid] = entry
+
+    put(state.get("in_flight", []), (SampleState.IN_FLIGHT, None), "in_flight")
+    for simple in (SampleState.TRAINED, SampleState.DROPPED_STALE):
+        put(state.get(simple.value, []), (simple, None), simple.value)
+    for with_reason in _NEEDS_REASON:
+        groups = state.get(with_reason.value, {})
+        if not isinstance(groups, Mapping):
+            raise LedgerError(f"ledger state's {with_reason.value!r} must map reasons to uid lists")
+        for reason, uids in groups.items():
+            if not _is_reason(reason):
+                raise LedgerError(f"ledger state's {with_reason.value} reason {reason!r} is invalid")
+            put(uids, (with_reason, reason), f"{with_reason.value}/{reason}")
+    order = _uid_list(state.get("issue_order"), "issue_order")
+    if len(order) != len(assigned) or set(order) != set(assigned):
+        raise LedgerError("ledger state's issue_order does not list exactly the uids in its states")
+    ended: Counter[str] = Counter()
+    ends: dict[tuple[str, str | None], list[str]] = {}
+    for uid in order:
+        sample_state, reason = assigned[uid]
+        if sample_state is SampleState.IN_FLIGHT:
+            continue
+        ended[sample_state.value] += 1
+        if reason is not None:
+            ended[f"{sample_state.value}/{reason}"] += 1
+        ends.setdefault((sample_state.value, reason), []).append(uid)
+    history = [(ISSUED, None, order), *((event, reason, uids) for (event, reason), uids in ends.items())]
+    in_flight = [uid for uid in order if assigned[uid][0] is SampleState.IN_FLIGHT]
+    return in_flight, len(order), ended, history
+
+
+def _uid_list(value: Any, field: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(uid, str) for uid in value):
+        raise LedgerError(f"ledger state's {field!r} must be a list of uid strings")
+    if len(set(value)) != len(value):
+        raise LedgerError(f"ledger state's {field!r} lists a uid twice")
+    return value
+
+
+def _is_ended_key(key: str) -> bool:
+    """An ended state's value, or `<state>/<reason>` for a state that takes a reason."""
+    state_name, slash, reason = key.partition("/")
+    if not slash:
+        return state_name in {s.value for s in ENDED_STATES}
+    return state_name in {s.value for s in _NEEDS_REASON} and _is_reason(reason)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_reason(reason: Any) -> bool:
+    return isinstance(reason, str) and bool(reason) and "/" not in reason
 
 
 def _unique(uids: Iterable[str], action: str) -> list[str]:
