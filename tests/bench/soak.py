@@ -28,8 +28,9 @@ step): before it the processes are still loading) and at the end, the growth in 
 least-squares line over the post-warm-up samples in MB/hour, and the verdict "flat" when growth < --flat-pct % and
 slope < --flat-mb-per-h (judged per role; the all-processes total is shown, not judged); the max and mean
 `queue/size` against `queue/max_size`; the final ledger counts and the check issued == in_flight + trained +
-filtered + dropped_stale + failed. Exit code: 0 when every role is flat, the ledger adds up and the run stopped
-cleanly; 1 otherwise.
+filtered + dropped_stale + failed; the audit of the run's ledger journal (`run/ledger.jsonl`: no sample issued or
+ended twice) and its size. Exit code: 0 when every role is flat, the ledger adds up, the journal audit passes and
+the run stopped cleanly; 1 otherwise.
 
 A measurement script, not a test: on a shared 2-core machine the step rate, hence the allocation rate, follows the
 load; a run too short for the warm-up rule gets its warm-up cut (to half the run, or the first step if later), with
@@ -377,6 +378,28 @@ def final_ledger(records: Sequence[dict[str, Any]]) -> dict[str, float]:
     return {k.removeprefix("ledger/"): float(v) for k, v in lines[-1].items() if k.startswith("ledger/")}
 
 
+@dataclass(frozen=True)
+class JournalAudit:
+    """The replay of the run's ledger journal (`run/ledger.jsonl`): every sample issued and ended at most once."""
+
+    size_mb: float
+    counts: dict[str, int]  # SampleLedger.counts() format, from the replay
+    error: str | None  # the audit's LedgerError, or why there is no journal
+
+
+def audit_journal(run_dir: Path) -> JournalAudit:
+    from rllm.experimental.fully_async.ledger import LedgerError, history_counts, read_journal
+
+    path = run_dir / "ledger.jsonl"
+    if not path.is_file():
+        return JournalAudit(0.0, {}, f"no journal at {path}")
+    size_mb = path.stat().st_size / 1e6
+    try:
+        return JournalAudit(size_mb, history_counts(read_journal(path)), None)
+    except LedgerError as exc:
+        return JournalAudit(size_mb, {}, str(exc))
+
+
 def ledger_balance(ledger: dict[str, float]) -> tuple[float, float] | None:
     """(issued, in_flight + ended states); None if a count is missing."""
     if any(k not in ledger for k in ("issued", "in_flight", *LEDGER_ENDED)):
@@ -509,8 +532,21 @@ def render_summary(
         lines.append(
             f"\nissued {issued:.0f} == in_flight + trained + filtered + dropped_stale + failed {accounted:.0f}: {ok}"
         )
+    # The journal holds every sample's issue and end (the executor keeps only in-flight ones in memory); it runs
+    # past the last step's counts to the stop, so it is audited, not compared.
+    audit = audit_journal(soak.run_dir)
+    if audit.error is None:
+        rate = audit.size_mb / (duration / 3600) if duration else None
+        lines.append(
+            f"\njournal audit OK: {audit.counts.get('issued', 0)} samples, none issued or ended twice; "
+            + ", ".join(f"{k}={v}" for k, v in audit.counts.items())
+            + f"; ledger.jsonl {audit.size_mb:.1f} MB ({fmt(rate, '.0f')} MB/h of disk)"
+        )
+    else:
+        lines.append(f"\njournal audit FAILED: {audit.error}")
     lines += ["", "## Files", "", f"- rss.csv: {args.out / 'rss.csv'}", f"- {plot_note}", f"- run: {soak.run_dir}"]
-    passed = bool(roles) and not growing and balance is not None and balance[0] == balance[1] and clean
+    balanced = balance is not None and balance[0] == balance[1]
+    passed = bool(roles) and not growing and balanced and audit.error is None and clean
     return "\n".join(lines) + "\n", passed
 
 
