@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
@@ -36,3 +39,13 @@ def reference_logprobs(
 def max_abs_diff(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b)
     return max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
+
+
+async def wait_for_decoding(client: Any, url: str, timeout_s: float = 60.0) -> None:
+    """Poll the engine's counters (another process: there is no event to wait on) until a request is decoding.
+    `client` is an `EngineClient`."""
+    deadline = time.monotonic() + timeout_s
+    while (await client.get_server_info(url))["engine_stats"]["num_running"] < 1:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no request started decoding on {url} within {timeout_s:g}s")
+        await asyncio.sleep(0.02)

@@ -29,6 +29,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from engine_helpers import wait_for_decoding
 
 from rllm.experimental.fully_async.algorithms.advantages import AdvantageConfig
 from rllm.experimental.fully_async.client import EngineClient, GenerationResult
@@ -330,15 +331,6 @@ class RetryCountingClient:
         result: GenerationResult = await self.client.generate(input_ids, sampling_params, rid=rid)
         self.retries.append(result.num_retries)
         return result
-
-
-async def wait_for_decoding(client: EngineClient, url: str, timeout_s: float = 60.0) -> None:
-    """Poll the engine's counters (another process: there is no event to wait on) until a request is decoding."""
-    deadline = time.monotonic() + timeout_s
-    while (await client.get_server_info(url))["engine_stats"]["num_running"] < 1:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no request started decoding on {url} within {timeout_s:g}s")
-        await asyncio.sleep(0.02)
 
 
 def test_a_killed_engine_has_its_requests_resent_and_losing_the_last_engine_stops_the_run(

@@ -280,3 +280,28 @@ def test_loglinear_mask_mode_gives_rejected_tokens_no_gradient():
         behav, log_prob, torch.ones(1, 4), torch.zeros(1, 4), config=config, correction=CorrectionConfig()
     )
     assert torch.isfinite(empty_loss) and not any(k.startswith("off_policy/") for k in empty_metrics)
+
+
+@pytest.mark.parametrize("policy", ["restart", "continue", "stop"])
+def test_a_sync_finding_every_engine_dead_goes_on_only_when_a_restart_will_bring_them_back(
+    tiny_model_dir, tmp_path, policy
+):
+    from rllm.experimental.fully_async.engines import free_port
+    from rllm.experimental.fully_async.param_sync import DiskTransport, ParamSync, SyncError
+
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there: a killed engine
+    backend = FSDPPolicyBackend(tiny_model_dir, _actor_cfg())
+    executor = RecordingExecutor()
+    with ParamSync([dead], DiskTransport(tmp_path / "weights"), pause_timeout_s=5) as param_sync:
+        trainer = FullyAsyncTrainer(
+            _settings(on_engine_failure=policy), backend, LocalQueue([]), executor, param_sync, _advantages()
+        )
+        if policy != "restart":
+            with pytest.raises(SyncError, match=dead):
+                trainer.sync_weights()
+            assert trainer.version == 0 and param_sync.engine_urls == [dead]
+            return
+        assert trainer.sync_weights() == {"sync/engines_lost": 1.0}
+        # The version moves on and its weights are staged for the restarted engine to load.
+        assert trainer.version == 1 and executor.versions == [1]
+        assert param_sync.engine_urls == [] and (tmp_path / "weights" / "v1" / "model.safetensors").exists()

@@ -50,7 +50,14 @@ class RolloutExecutorActor:
         c = self.cfg
         self.tokenizer = AutoTokenizer.from_pretrained(c.actor_rollout_ref.model.path)
         self.reward_fn = load_reward_fn(c)
-        self.client = EngineClient(engine_urls, request_timeout_s=float(c.engines.request_timeout_s))
+        # Under on_engine_failure=restart a request finding no live engine waits for a restarted one (the
+        # supervisor gives a restart startup_timeout_s) rather than failing its sample.
+        restarting = str(c.engines.on_engine_failure) == "restart"
+        self.client = EngineClient(
+            engine_urls,
+            request_timeout_s=float(c.engines.request_timeout_s),
+            wait_for_engine_s=float(c.engines.startup_timeout_s) + 30.0 if restarting else 0.0,
+        )
         # The journal (every sample's issue and end, for the exactly-once audit) lives in the run dir. A relative
         # run.dir is resolved against this worker's cwd, which Ray gives the driver's. A fresh run starts it empty
         # at its first record; a resume cuts it back to the checkpoint (`SampleLedger.load_state_dict`).
@@ -117,6 +124,10 @@ class RolloutExecutorActor:
     def ledger_counts(self) -> dict:
         return self.ledger.counts()
 
+    def replace_engine(self, old_url: str, new_url: str) -> None:
+        """Route rollouts to a restarted engine (already at the trainer's weights) instead of its dead predecessor."""
+        self.client.replace_engine(old_url, new_url)
+
     def state_dict(self) -> dict:
         return self.executor.state_dict()
 
@@ -166,7 +177,10 @@ class _SyncHandle:
         return call
 
 
-@ray.remote(num_cpus=1)
+# `replace_engine` has a thread of its own: it must not wait behind a `train_step` that waits for rollouts from the
+# engine being replaced. Every other method stays in the default group, one at a time, so e.g. a checkpoint's
+# `state_dict` never runs beside an update.
+@ray.remote(num_cpus=1, concurrency_groups={"engines": 1})
 class FullyAsyncTrainerActor:
     def __init__(self, cfg: dict, engine_urls: list[str], queue: Any, executor: Any) -> None:
         from transformers import AutoTokenizer
@@ -207,7 +221,7 @@ class FullyAsyncTrainerActor:
             temperature=float(c.actor_rollout_ref.rollout.temperature),
             pad_token_id=int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0),
             queue_get_timeout_s=float(at.queue_get_timeout_s),
-            continue_without_dead_engines=str(c.engines.on_engine_failure) == "continue",
+            on_engine_failure=str(c.engines.on_engine_failure),
         )
         critic = None
         if c.algorithm.adv_estimator == "gae":
@@ -239,6 +253,12 @@ class FullyAsyncTrainerActor:
 
     def version(self) -> int:
         return self.trainer.version
+
+    @ray.method(concurrency_group="engines")
+    def replace_engine(self, old_url: str, new_url: str) -> int:
+        """Load the current weights into a restarted engine and sync to it from now on; returns its version.
+        Runs beside a `train_step` that waits for a batch; ParamSync's lock orders it with syncs."""
+        return self.param_sync.replace_engine(old_url, new_url)
 
 
 class _QueueGetter:

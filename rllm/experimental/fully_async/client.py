@@ -4,7 +4,8 @@
 - routes each request to the healthy engine with the fewest requests in flight from this client;
 - retries connection failures with bounded exponential back-off, on another engine when there is one, and
   marks an engine dead after `dead_after_failures` consecutive connection failures (routing around it);
-  it raises `NoHealthyEngineError` only when no engine is left;
+  when no engine is left it waits up to `wait_for_engine_s` for one (`replace_engine`: a restarted engine),
+  then raises `NoHealthyEngineError`;
 - resumes partial rollouts: when a piece comes back with finish reason `abort` (a weight sync paused the engine),
   it re-sends prompt + tokens so far with the remaining token budget - the engine holds it until
   `/continue_generation` - and stitches the pieces. Every token carries the policy version the engine reported
@@ -109,7 +110,9 @@ class EngineClient:
     Timeouts: `request_timeout_s` bounds one /generate piece (including time held while an engine is paused),
     `admin_timeout_s` every other call unless the call takes its own, `connect_timeout_s` the TCP connect.
     Retries: a connection failure is retried after `backoff_base_s * 2**k` (capped at `backoff_max_s`), up to
-    `connect_retries` times per engine per call.
+    `connect_retries` times per engine per call. `wait_for_engine_s`: how long a request waits for a replacement
+    when every engine is dead (0: fail at once; the run's engine supervisor restarts engines within its start-up
+    timeout, so the executor waits that long when `engines.on_engine_failure=restart`).
     """
 
     def __init__(
@@ -125,6 +128,7 @@ class EngineClient:
         backoff_max_s: float = 2.0,
         max_resumes: int = 64,
         max_connections: int = 1024,
+        wait_for_engine_s: float = 0.0,
     ) -> None:
         if not urls:
             raise ValueError("EngineClient needs at least one engine URL")
@@ -138,6 +142,10 @@ class EngineClient:
         self.backoff_max_s = backoff_max_s
         self.max_resumes = max_resumes
         self.max_connections = max_connections
+        self.wait_for_engine_s = wait_for_engine_s
+        # Set whenever an engine becomes usable (replaced, or found alive again): wakes requests waiting for one.
+        # Created lazily, in the event loop that uses the client.
+        self._engine_usable: asyncio.Event | None = None
         self._session: aiohttp.ClientSession | None = None
         self._tie_breaker = itertools.count()
 
@@ -172,6 +180,24 @@ class EngineClient:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
+    def replace_engine(self, old_url: str, new_url: str) -> None:
+        """Route to `new_url` (a restarted engine) instead of `old_url` from now on. Requests still running on the
+        old one keep their bookkeeping and fail over as usual; requests waiting for an engine wake up.
+
+        Call it from the event loop that uses the client.
+        """
+        old_url, new_url = old_url.rstrip("/"), new_url.rstrip("/")
+        if new_url in self._engines and new_url != old_url:
+            raise ValueError(f"{new_url} is already one of this client's engines")
+        self._engines.pop(old_url, None)
+        self._engines[new_url] = _Engine(new_url)
+        logger.info("engine %s replaced by %s; %d engine(s) alive", old_url, new_url, len(self.alive_urls))
+        self._signal_engine_usable()
+
+    def _signal_engine_usable(self) -> None:
+        if self._engine_usable is not None:
+            self._engine_usable.set()
+
     def _engine(self, url: str) -> _Engine:
         engine = self._engines.get(url.rstrip("/"))
         if engine is None:
@@ -195,17 +221,38 @@ class EngineClient:
         engine.consecutive_failures = 0
         if engine.dead:
             logger.info("engine %s is reachable again", engine.url)
-        engine.dead = False
+            engine.dead = False
+            self._signal_engine_usable()
 
     def _backoff(self, attempt: int) -> float:
         return min(self.backoff_base_s * (2**attempt), self.backoff_max_s)
 
-    def _pick(self, avoid: set[str]) -> _Engine:
-        """The least-loaded live engine, preferring ones that have not failed this call."""
+    async def _wait_for_live_engine(self) -> list[_Engine]:
+        """The live engines; when there is none, wait up to `wait_for_engine_s` for one to be replaced."""
         alive = [e for e in self._engines.values() if not e.dead]
+        if alive or self.wait_for_engine_s <= 0:
+            return alive
+        if self._engine_usable is None:
+            self._engine_usable = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.wait_for_engine_s
+        logger.warning("no live inference engine; waiting up to %.0fs for a restarted one", self.wait_for_engine_s)
+        while not alive and (remaining := deadline - loop.time()) > 0:
+            self._engine_usable.clear()
+            try:
+                await asyncio.wait_for(self._engine_usable.wait(), timeout=remaining)
+            except TimeoutError:
+                break
+            alive = [e for e in self._engines.values() if not e.dead]
+        return alive
+
+    async def _pick(self, avoid: set[str]) -> _Engine:
+        """The least-loaded live engine, preferring ones that have not failed this call."""
+        alive = await self._wait_for_live_engine()
         if not alive:
             details = "; ".join(f"{e.url}: {e.last_error or 'dead'}" for e in self._engines.values())
-            raise NoHealthyEngineError(f"no healthy inference engine left ({details})")
+            waited = f", none restarted within {self.wait_for_engine_s:g}s" if self.wait_for_engine_s > 0 else ""
+            raise NoHealthyEngineError(f"no healthy inference engine left{waited} ({details})")
         candidates = [e for e in alive if e.url not in avoid] or alive
         low = min(e.in_flight for e in candidates)
         tied = [e for e in candidates if e.in_flight == low]
@@ -306,7 +353,7 @@ class EngineClient:
         failed_on: set[str] = set()
         max_attempts = self.connect_retries * len(self._engines) + 1
         for attempt in range(max_attempts):
-            engine = self._pick(failed_on)
+            engine = await self._pick(failed_on)
             engine.in_flight += 1
             try:
                 data = await self._request(
@@ -315,7 +362,8 @@ class EngineClient:
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
                 self._record_failure(engine, exc)
                 failed_on.add(engine.url)
-                logger.warning("generate on %s failed (%s); retrying", engine.url, engine.last_error)
+                # Every request on a dead engine passes here: the one warning is the engine's "marked dead".
+                logger.info("generate on %s failed (%s); retrying", engine.url, engine.last_error)
                 await asyncio.sleep(self._backoff(min(attempt, 10)))
                 continue
             finally:

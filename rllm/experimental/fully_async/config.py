@@ -291,7 +291,7 @@ def resolve_derived(cfg: DictConfig) -> None:
 _CHOICES: dict[str, tuple[str, ...]] = {
     "engines.backend": ("embedded", "sglang"),
     "engines.dtype": ("float32", "bfloat16"),
-    "engines.on_engine_failure": ("continue", "stop"),
+    "engines.on_engine_failure": ("restart", "continue", "stop"),
     "param_sync.transport": ("disk", "nccl"),
     "actor_rollout_ref.rollout.name": ("embedded", "sglang"),
     "actor_rollout_ref.actor.loss_agg_mode": (
@@ -317,6 +317,7 @@ _LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "engines.startup_timeout_s": (0, True),
     "engines.request_timeout_s": (0, True),
     "engines.torch_threads": (1, False),
+    "engines.max_restarts": (0, False),
     "param_sync.timeout_s": (0, True),
     "workflow.reward_timeout_s": (0, True),
     "task.warmup_steps": (0, False),

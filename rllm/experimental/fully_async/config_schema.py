@@ -52,9 +52,14 @@ class EnginesConfig:
     request_timeout_s: float = 300.0  # one /generate call, including time held while paused for a sync
     dtype: str = "float32"  # embedded engine weights dtype on CPU: float32 | bfloat16
     torch_threads: int = 1  # torch intra-op threads per embedded engine process
-    # An engine process that dies: `continue` routes its requests to the others and drops it from weight syncs
-    # (the run stops when none is left); `stop` ends the run at the next weight sync with a checkpoint.
-    on_engine_failure: str = "continue"
+    # An engine process that dies (engines/supervisor.py): `restart` starts a new one that joins at the trainer's
+    # weight version (its requests meanwhile go to the others, or wait for it); `continue` routes its requests to
+    # the others and drops it from weight syncs (the run stops when none is left); `stop` ends the run with a
+    # checkpoint and an error naming the engine.
+    on_engine_failure: str = "restart"
+    # Restarts per run, over all engines, failed ones included; then a dying engine is dropped as under
+    # `continue`. Bounds a crash loop (an engine that dies at every start would otherwise restart forever).
+    max_restarts: int = 3
     extra_args: dict[str, Any] = field(default_factory=dict)  # passed through to sglang.launch_server
 
 

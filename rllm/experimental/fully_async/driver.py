@@ -2,6 +2,8 @@
 
 The driver owns process lifetimes (Ray, engine subprocesses, actors) and reporting (the progress line,
 `RUN_DIR/metrics.jsonl`, verl `Tracking` backends, the final summary). The training logic lives in the actors.
+While it waits for a step it watches the engines (`engines.supervisor`): a restarted engine gets the current
+weights from the trainer and then rollouts from the executor.
 Everything started here is stopped in `finally`, so a failed or interrupted run leaves no process behind.
 """
 
@@ -213,6 +215,7 @@ def train(cfg: DictConfig) -> RunSummary:
         find_resume_checkpoint,
         load_checkpoint,
     )
+    from rllm.experimental.fully_async.engines.supervisor import EngineReplaced, EngineSupervisor
     from rllm.experimental.fully_async.message_queue import MessageQueue
     from rllm.experimental.fully_async.verl_patch import require_patched_verl
 
@@ -244,6 +247,12 @@ def train(cfg: DictConfig) -> RunSummary:
     with ExitStack() as stack:
         stack.callback(sink.close)
         engines = stack.enter_context(engine_launcher(cfg, run_dir / "engines"))
+        supervisor = EngineSupervisor(
+            engines,
+            str(cfg.engines.on_engine_failure),
+            max_restarts=int(cfg.engines.max_restarts),
+            startup_timeout_s=float(cfg.engines.startup_timeout_s),
+        )
         init_ray()
         stack.callback(ray.shutdown)
         queued = resumed.queue if resumed is not None else []
@@ -263,6 +272,21 @@ def train(cfg: DictConfig) -> RunSummary:
             ray.get(trainer.sync_weights.remote(False), timeout=sync_timeout)
             print(f"resumed from {resume_path} at step {step} (version {resumed.meta.get('version')})", flush=True)
 
+        def watch_engines() -> None:
+            for event in supervisor.poll():
+                if isinstance(event, EngineReplaced):
+                    # Weights first, then traffic: the executor must not send rollouts to an engine that is not
+                    # yet at the trainer's version.
+                    version = ray.get(trainer.replace_engine.remote(event.old_url, event.new_url), timeout=sync_timeout)
+                    ray.get(executor.replace_engine.remote(event.old_url, event.new_url), timeout=60)
+                    print(f"engine {event.index} restarted at {event.new_url} (weight version {version})", flush=True)
+                else:
+                    print(
+                        f"engine {event.index} lost ({event.url}: {event.reason}); "
+                        f"continuing with {supervisor.num_alive} engine(s)",
+                        flush=True,
+                    )
+
         def checkpoint(at_step: int) -> None:
             rollout_state, groups = ray.get(executor.checkpoint_state.remote(), timeout=120)
             trainer_state = ray.get(trainer.state_dict.remote(), timeout=300)
@@ -280,13 +304,15 @@ def train(cfg: DictConfig) -> RunSummary:
             test_freq, save_freq = int(cfg.trainer.test_freq), int(cfg.trainer.save_freq)
             step_timeout = float(at.queue_get_timeout_s) + 120
             while total is None or step < total:
-                metrics = _step(trainer, run_ref, timeout_s=step_timeout)
+                watch_engines()  # between steps too: a short step never leaves the wait below to watch
+                metrics = _step(trainer, run_ref, timeout_s=step_timeout, while_waiting=watch_engines)
                 if metrics is None:
                     print(f"prompt data exhausted after {step} steps", flush=True)
                     break
                 step += 1
                 queue_stats = ray.get(queue.stats.remote(), timeout=60)
                 metrics.update(prefixed("queue", queue_stats))
+                metrics.update(supervisor.metrics())
                 if test_freq > 0 and step % test_freq == 0 and step != total:
                     metrics.update(ray.get(executor.validate.remote(), timeout=float(cfg.engines.request_timeout_s)))
                 ledger = ray.get(executor.ledger_counts.remote(), timeout=60)
@@ -340,12 +366,23 @@ def root_cause(exc: BaseException) -> BaseException:
     return exc
 
 
-def _step(trainer: Any, run_ref: Any, timeout_s: float) -> dict[str, float] | None:
-    """One train_step, failing fast if the executor died meanwhile (its error is the real cause)."""
+WATCH_INTERVAL_S = 1.0  # how often the driver checks the engine processes while a step runs
+
+
+def _step(trainer: Any, run_ref: Any, timeout_s: float, while_waiting: Any = None) -> dict[str, float] | None:
+    """One train_step, failing fast if the executor died meanwhile (its error is the real cause).
+    `while_waiting()` runs about every WATCH_INTERVAL_S until the step is done."""
     import ray
 
     step_ref = trainer.train_step.remote()
-    ready, _ = ray.wait([step_ref, run_ref], num_returns=1, timeout=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        wait_s = max(0.0, min(WATCH_INTERVAL_S, deadline - time.monotonic()))
+        ready, _ = ray.wait([step_ref, run_ref], num_returns=1, timeout=wait_s)
+        if ready or time.monotonic() >= deadline:
+            break
+        if while_waiting is not None:
+            while_waiting()
     if not ready:
         raise TimeoutError(f"train_step gave no result within {timeout_s:g}s")
     if ready[0] == run_ref and step_ref not in ready:

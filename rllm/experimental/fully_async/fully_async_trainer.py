@@ -43,7 +43,7 @@ class TrainerSettings:
     temperature: float
     pad_token_id: int
     queue_get_timeout_s: float
-    continue_without_dead_engines: bool = True  # engines.on_engine_failure == "continue"
+    on_engine_failure: str = "continue"  # engines.on_engine_failure: restart | continue | stop
 
 
 class FullyAsyncTrainer:
@@ -168,16 +168,22 @@ class FullyAsyncTrainer:
         try:
             report = self.param_sync.sync(self.backend.save_hf, new_version)
         except SyncError as exc:
-            # Engines whose process is gone are dropped when the config allows it and some engine took the
-            # update; any other failure (an engine that answered with an error, a timeout) stops the run.
+            # Engines whose process is gone are dropped from syncs when the config allows it; any other failure (an
+            # engine that answered with an error, a timeout) stops the run. Under `continue` some engine must have
+            # taken the update; under `restart` none need have: the restarted engines load these weights.
             lost = set(exc.failures)
-            if not (self.settings.continue_without_dead_engines and exc.updated and lost <= set(exc.unreachable)):
+            policy = self.settings.on_engine_failure
+            dead_only = lost <= set(exc.unreachable)
+            if not (dead_only and (policy == "restart" or (policy == "continue" and exc.updated))):
                 raise
             for url in sorted(lost):
-                self.param_sync.remove_engine(url)
+                self.param_sync.remove_engine(url, allow_none_left=policy == "restart")
             self.version = new_version
             self.executor.set_version(self.version)
-            logger.warning("step %d: continuing without dead engine(s) %s", self.step, ", ".join(sorted(lost)))
+            plan = (
+                "left out of weight syncs until restarted" if policy == "restart" else "dropped for the rest of the run"
+            )
+            logger.warning("step %d: dead engine(s) %s %s", self.step, ", ".join(sorted(lost)), plan)
             return {"sync/engines_lost": float(len(lost))}
         self.version = report.version
         self.executor.set_version(self.version)

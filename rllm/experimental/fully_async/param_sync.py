@@ -16,6 +16,10 @@ SGLang's `/update_weights_from_disk`) is implemented here; an NCCL transport (tr
 engines receive through `/init_weights_update_group` + `/update_weights_from_distributed`) fits the same
 three-method seam and is a later issue.
 
+Engines come and go between syncs: `remove_engine` drops one whose process died, `replace_engine` adds its
+restarted successor after loading the weights the others were last given, so it joins at the trainer's version.
+Both take the sync lock, so a replacement never interleaves with a sync and versions reach engines in order.
+
 The trainer's code is synchronous (a Ray actor), so `ParamSync` runs its `EngineClient` on a private event
 loop in a daemon thread and `sync()` blocks. It knows nothing of Ray.
 """
@@ -203,7 +207,8 @@ class ParamSync:
             dead_after_failures=1 << 30,
         )
         self._closed = False
-        self._sync_lock = threading.Lock()  # one sync at a time: versions must reach engines in order
+        self._sync_lock = threading.Lock()  # one sync or replacement at a time: versions reach engines in order
+        self._last_staged: StagedWeights | None = None  # what a restarted engine must load to catch up
 
     def __enter__(self) -> ParamSync:
         return self
@@ -211,16 +216,60 @@ class ParamSync:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def remove_engine(self, url: str) -> None:
-        """Stop syncing to an engine that is gone (its process died); later syncs address the others."""
+    def remove_engine(self, url: str, *, allow_none_left: bool = False) -> None:
+        """Stop syncing to an engine that is gone (its process died); later syncs address the others.
+
+        `allow_none_left`: the last engine may go too (a restart is on its way: syncs until then only stage the
+        weights, and `replace_engine` loads the newest into the restarted engine).
+        """
         url = url.rstrip("/")
-        if url not in self.engine_urls:
-            return
-        if len(self.engine_urls) == 1:
-            raise ValueError(f"cannot remove {url}: it is the last engine")
-        self.engine_urls = [u for u in self.engine_urls if u != url]
-        self.engine_versions.pop(url, None)
+        with self._sync_lock:
+            if url not in self.engine_urls:
+                return
+            if len(self.engine_urls) == 1 and not allow_none_left:
+                raise ValueError(f"cannot remove {url}: it is the last engine")
+            self.engine_urls = [u for u in self.engine_urls if u != url]
+            self.engine_versions.pop(url, None)
         logger.warning("engine %s removed from weight syncs; %d engine(s) left", url, len(self.engine_urls))
+
+    def replace_engine(self, old_url: str, new_url: str) -> int:
+        """Sync to `new_url` (a restarted engine) instead of `old_url`, after loading into it the weights the other
+        engines were last given. Returns the version it serves. Raises SyncError naming it if the load fails.
+
+        Before any sync the engines serve their launch weights, so nothing is loaded and the engine's own version
+        is taken. The lock waits for a sync in progress: the new engine then gets that sync's weights.
+        """
+        old_url, new_url = old_url.rstrip("/"), new_url.rstrip("/")
+        with self._sync_lock:
+            if self._closed:
+                raise RuntimeError("ParamSync is closed")
+            staged = self._last_staged
+            target = staged.version if staged is not None else 0
+            timeout_s = self.update_timeout_s + self.pause_timeout_s + 30.0
+            try:
+                version = self._run(
+                    self._load_into(old_url, new_url, staged),
+                    timeout_s=timeout_s,
+                    what=f"loading weights version {target} into restarted engine {new_url}",
+                )
+            except Exception as exc:
+                raise SyncError(target, {new_url: f"{type(exc).__name__}: {exc}"}, []) from exc
+            if staged is not None and version != staged.version:
+                raise SyncError(target, {new_url: f"reports weight_version {version} after loading {target}"}, [])
+            if old_url in self.engine_urls:
+                self.engine_urls[self.engine_urls.index(old_url)] = new_url
+            else:
+                self.engine_urls.append(new_url)
+            self.engine_versions.pop(old_url, None)
+            self.engine_versions[new_url] = version
+        logger.info("engine %s replaced by %s at weight version %d", old_url, new_url, version)
+        return version
+
+    async def _load_into(self, old_url: str, new_url: str, staged: StagedWeights | None) -> int:
+        self._client.replace_engine(old_url, new_url)
+        if staged is not None:
+            await self.transport.load(self._client, new_url, staged, timeout_s=self.update_timeout_s)
+        return int(await self._client.get_weight_version(new_url, timeout_s=self.pause_timeout_s))
 
     def close(self) -> None:
         """Close the HTTP session and stop the private event loop (idempotent)."""
@@ -254,6 +303,7 @@ class ParamSync:
             raise RuntimeError("ParamSync is closed")
         start = time.perf_counter()
         staged = self.transport.stage(write_weights, new_version)
+        self._last_staged = staged
         write_s = time.perf_counter() - start
         guard_s = self.pause_timeout_s + self.update_timeout_s + self.continue_timeout_s + 30.0
         outcome = self._run(self._push(staged), timeout_s=guard_s, what=f"syncing weights version {new_version}")

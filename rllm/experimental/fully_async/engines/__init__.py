@@ -4,6 +4,7 @@
   `model_runner`, sampling in `sampling`), started with `python -m ...engines.embedded_server`.
 - `launcher`: start N engines as subprocesses on free loopback ports and stop them (any `EngineCommand`).
 - `sglang`: the `EngineCommand` for SGLang servers on GPU hosts.
+- `supervisor`: notice an engine process that died during a run and restart it, drop it or stop the run.
 
 Only the launcher's names are imported here, so importing the package does not pull in torch.
 """

@@ -203,6 +203,42 @@ class EngineLauncher:
                 proc.process.wait(timeout=self.stop_timeout_s)
         atexit.unregister(self.stop)
 
+    def restart(self, index: int) -> EngineProcess:
+        """Start a new process for engine slot `index` (whose process died) on a new port, without waiting.
+
+        The dead process is reaped and replaced in `processes` at once, so `stop()` covers the new one; call
+        `probe(index)` until it is healthy. The engine starts from the launch command's weights and version: the
+        caller loads the current ones.
+        """
+        old = self.processes[index]
+        if old.alive():
+            raise RuntimeError(f"engine {index} ({old.url}, pid {old.pid}) is still running; not restarting it")
+        self._spawns[index] = 0  # the port-race retries count per start
+        self.processes[index] = self._spawn(index)
+        return self.processes[index]
+
+    def probe(self, index: int, *, timeout_s: float = 2.0) -> bool:
+        """One health check of engine slot `index`: True once /health answers 200, False while it is starting.
+
+        Raises EngineStartupError when the process exited (after retrying a lost port race on a new port).
+        """
+        proc = self.processes[index]
+        if not proc.alive():
+            self.processes[index] = self._respawn_after_exit(proc)
+            return False
+        try:
+            with httpx.Client(timeout=httpx.Timeout(timeout_s)) as http:
+                return http.get(f"{proc.url}/health").status_code == 200
+        except httpx.TransportError:
+            return False  # not listening yet
+
+    def kill(self, index: int) -> None:
+        """SIGKILL engine slot `index` and its process group (an engine that hangs in start-up), and reap it."""
+        proc = self.processes[index]
+        _signal_group(proc.process, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.process.wait(timeout=self.stop_timeout_s)
+
     def _spawn(self, index: int) -> EngineProcess:
         self._spawns[index] = self._spawns.get(index, 0) + 1
         port = free_port(self.host)

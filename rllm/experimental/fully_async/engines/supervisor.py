@@ -1,0 +1,172 @@
+"""Watch a run's engine processes and act on one that dies: restart it, go on without it, or stop the run.
+
+`engines.on_engine_failure` chooses (`decide_on_engine_death` is the whole policy):
+- `restart` (default): start a new process for the slot, on a new port, at most `engines.max_restarts` times per
+  run (a crash loop must not spin forever); past that the slot is lost as under `continue`. The new engine joins
+  once healthy: the caller loads the current weights into it and swaps it in for the dead URL
+  (`ParamSync.replace_engine`, `EngineClient.replace_engine`).
+- `continue`: the slot is lost; requests go to the other engines, weight syncs skip it.
+- `stop`: the run ends with a checkpoint and an error naming the engine.
+
+The driver calls `poll()` while it waits for training steps. `poll()` never blocks on a starting engine: it
+reaps, spawns and probes /health once, and reports what changed since the last call. A requests' failover is not
+its business: the client already re-sends a dead engine's requests elsewhere, or waits for a replacement.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from rllm.experimental.fully_async.engines.launcher import EngineProcess, EngineStartupError
+
+logger = logging.getLogger(__name__)
+
+EngineFailurePolicy = Literal["restart", "continue", "stop"]
+DeathAction = Literal["restart", "drop", "stop"]
+
+
+def decide_on_engine_death(policy: EngineFailurePolicy, restarts_used: int, max_restarts: int) -> DeathAction:
+    """What to do with an engine slot whose process died (or whose restart failed)."""
+    if policy == "stop":
+        return "stop"
+    if policy == "restart" and restarts_used < max_restarts:
+        return "restart"
+    return "drop"
+
+
+class EngineDiedError(RuntimeError):
+    """An engine process died and `engines.on_engine_failure` says to stop (or no engine is left to serve)."""
+
+
+@dataclass(frozen=True)
+class EngineReplaced:
+    """Slot `index` serves again, at `new_url`; its dead predecessor was `old_url`."""
+
+    index: int
+    old_url: str
+    new_url: str
+
+
+@dataclass(frozen=True)
+class EngineLost:
+    """Slot `index` (last at `url`) is gone for the rest of the run."""
+
+    index: int
+    url: str
+    reason: str
+
+
+EngineEvent = EngineReplaced | EngineLost
+
+
+class SupervisedLauncher(Protocol):
+    """What the supervisor needs of `launcher.EngineLauncher`."""
+
+    processes: list[EngineProcess]
+
+    def restart(self, index: int) -> EngineProcess: ...
+
+    def probe(self, index: int) -> bool: ...
+
+    def kill(self, index: int) -> None: ...
+
+
+@dataclass
+class _Slot:
+    state: Literal["running", "starting", "lost"] = "running"
+    dead_url: str = ""  # the URL clients and syncs still know, while a replacement starts
+    started_at: float = 0.0
+
+
+class EngineSupervisor:
+    """See the module docstring. `restarts` counts restart attempts (failed ones too) across all slots."""
+
+    def __init__(
+        self,
+        launcher: SupervisedLauncher,
+        policy: EngineFailurePolicy,
+        *,
+        max_restarts: int = 3,
+        startup_timeout_s: float = 180.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.launcher = launcher
+        self.policy = policy
+        self.max_restarts = max_restarts
+        self.startup_timeout_s = startup_timeout_s
+        self.clock = clock
+        self.restarts = 0
+        self._slots = [_Slot() for _ in launcher.processes]
+
+    @property
+    def num_alive(self) -> int:
+        return sum(slot.state == "running" for slot in self._slots)
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "engines/alive": float(self.num_alive),
+            "engines/starting": float(sum(s.state == "starting" for s in self._slots)),
+            "engines/lost": float(sum(s.state == "lost" for s in self._slots)),
+            "engines/restarts": float(self.restarts),
+        }
+
+    def poll(self) -> list[EngineEvent]:
+        """Notice deaths, start replacements, report the ones that became healthy. Raises EngineDiedError when the
+        policy says stop, or when every slot is lost."""
+        events: list[EngineEvent] = []
+        for index, slot in enumerate(self._slots):
+            if slot.state == "running":
+                proc = self.launcher.processes[index]
+                if not proc.alive():
+                    reason = f"pid {proc.pid} exited with code {proc.process.returncode} (log {proc.log_path})"
+                    self._on_death(index, slot, proc.url, reason, events)
+            elif slot.state == "starting":
+                self._check_start(index, slot, events)
+        if all(slot.state == "lost" for slot in self._slots):
+            lost = "; ".join(f"{e.url}: {e.reason}" for e in events if isinstance(e, EngineLost))
+            raise EngineDiedError(f"every inference engine is gone and none can be restarted ({lost})")
+        return events
+
+    def _on_death(self, index: int, slot: _Slot, url: str, reason: str, events: list[EngineEvent]) -> None:
+        action = decide_on_engine_death(self.policy, self.restarts, self.max_restarts)
+        logger.warning("engine %d (%s) died: %s; action: %s", index, url, reason, action)
+        if action == "stop":
+            raise EngineDiedError(
+                f"engine {index} ({url}) died: {reason}. engines.on_engine_failure=stop ends the run; set it to "
+                "restart or continue to keep training"
+            )
+        if action == "drop":
+            slot.state = "lost"
+            why = reason if self.policy != "restart" else f"{reason}; restart budget of {self.max_restarts} used up"
+            events.append(EngineLost(index, slot.dead_url or url, why))
+            return
+        self.restarts += 1
+        slot.dead_url = slot.dead_url or url  # a failed restart keeps the URL the rest of the run still knows
+        slot.state = "starting"
+        slot.started_at = self.clock()
+        new = self.launcher.restart(index)
+        logger.warning(
+            "engine %d: restart %d of %d as pid %d on %s", index, self.restarts, self.max_restarts, new.pid, new.url
+        )
+
+    def _check_start(self, index: int, slot: _Slot, events: list[EngineEvent]) -> None:
+        proc = self.launcher.processes[index]
+        try:
+            healthy = self.launcher.probe(index)
+        except EngineStartupError as exc:
+            self._on_death(index, slot, proc.url, f"restart failed: {str(exc).splitlines()[0]}", events)
+            return
+        if healthy:
+            slot.state = "running"
+            new_url = self.launcher.processes[index].url
+            events.append(EngineReplaced(index, slot.dead_url, new_url))
+            slot.dead_url = ""
+            return
+        if self.clock() - slot.started_at > self.startup_timeout_s:
+            self.launcher.kill(index)
+            reason = f"restart not healthy within {self.startup_timeout_s:g}s (log {proc.log_path})"
+            self._on_death(index, slot, proc.url, reason, events)
