@@ -397,6 +397,47 @@ def test_loglinear_leaves_the_behaviour_log_probs_to_the_update():
     assert stats.num_tokens == 2 and stats.staleness_mean == 1.5 and stats.weight_mean is None
 
 
+def _lagged_batch(versions: torch.Tensor, seed: int) -> tuple[DataProto, torch.Tensor, torch.Tensor]:
+    behav, theta = random_log_probs(versions.shape, seed), random_log_probs(versions.shape, seed + 1)
+    mask = (versions >= 0).float()
+    data = DataProto.from_dict(
+        tensors={"rollout_log_probs": behav, "response_mask": mask, "response_versions": versions}
+    )
+    return data, behav, theta
+
+
+def test_a_lagged_proximal_policy_interpolates_older_tokens_like_a_hand_computation():
+    # V = 5, L = 1: pi_prox is version 4. Tokens of versions 4 and 5 are no older than it (alpha 0: w = 1, clip
+    # against pi_behav); a token of version v < 4 gets alpha = (4 - v) / (5 - v) of the way to pi_theta.
+    versions = torch.tensor([[5, 4, 3, 1], [2, 0, 4, -1]])
+    data, behav, theta = _lagged_batch(versions, seed=80)
+    config = CorrectionConfig(prox_log_probs="loglinear", prox_lag=1, cap=10.0)
+    corrector = OffPolicyCorrector(config)
+    assert corrector.needs_recompute and corrector.policy_loss_mode is None  # verl's vanilla loss, recomputed theta
+    corrector.apply(data, proximal_log_probs=theta, trainer_version=5)
+    for i in range(2):
+        for t in range(4):
+            v = int(versions[i, t])
+            if v < 0:
+                continue
+            alpha = 0.0 if v >= 4 else (4 - v) / (5 - v)
+            prox = float(behav[i, t]) + alpha * (float(theta[i, t]) - float(behav[i, t]))
+            assert float(data.batch["old_log_probs"][i, t]) == pytest.approx(prox, abs=1e-6), (i, t)
+            weight = float(data.batch["rollout_is_weights"][i, t])
+            assert weight == pytest.approx(min(math.exp(prox - float(behav[i, t])), 10.0), rel=1e-5), (i, t)
+
+
+def test_a_proximal_lag_covering_every_token_is_naive_ppo_against_the_behaviour_policy():
+    versions = torch.tensor([[3, 2, 2, 3], [1, 1, 3, -1]])  # at most 2 versions behind V = 3
+    data, behav, theta = _lagged_batch(versions, seed=90)
+    OffPolicyCorrector(CorrectionConfig(prox_log_probs="loglinear", prox_lag=2)).apply(
+        data, proximal_log_probs=theta, trainer_version=3
+    )
+    mask = data.batch["response_mask"]
+    assert torch.equal(data.batch["old_log_probs"] * mask, behav * mask)
+    assert torch.equal(data.batch["rollout_is_weights"], mask)
+
+
 def test_batch_function_needs_the_recomputed_and_rollout_log_probs():
     data = DataProto.from_dict(tensors={"rollout_log_probs": torch.zeros(1, 2), "response_mask": torch.ones(1, 2)})
     with pytest.raises(ValueError, match="recomputed log-probs"):
@@ -416,6 +457,10 @@ def test_batch_function_needs_the_recomputed_and_rollout_log_probs():
         ({"cap": float("inf")}, "cap"),
         ({"mode": "tis", "cap_mode": "mask"}, "cap_mode"),
         ({"mode": "bypass", "prox_log_probs": "loglinear"}, "prox_log_probs"),
+        ({"prox_log_probs": "loglinear", "prox_lag": -1}, "prox_lag"),
+        ({"prox_log_probs": "loglinear", "prox_lag": True}, "prox_lag"),
+        ({"prox_lag": 1}, "prox_lag"),  # recompute: only the weights before the step exist
+        ({"mode": "tis", "prox_lag": 1}, "prox_lag"),
     ],
 )
 def test_config_errors_name_the_key(kwargs, key):

@@ -1,17 +1,20 @@
 """Experiment (issue 5): final held-out accuracy over seeds, synchronous against stale fully-async training.
 
     .venv/bin/python tests/bench/experiment_staleness.py [--seeds 0 1 2] [--steps 120]
-        [--arms sync async_naive async_decoupled] [--out DIR] [--config FILE] [--timeout-s S] [--quiet]
-        [key=value ...]
+        [--arms sync async_naive async_decoupled async_decoupled_lag1] [--out DIR] [--config FILE]
+        [--timeout-s S] [--quiet] [key=value ...]
 
-Three arms, each trained once per seed (`run.seed=S data.seed=S`: trainer RNG, engine sampling and data order;
+Four arms, each trained once per seed (`run.seed=S data.seed=S`: trainer RNG, engine sampling and data order;
 the task, hence the warmed-up starting model and the held-out set, stays fixed by `task.seed`):
 - sync:            `max_staleness=0, trigger_parameter_sync_step=1`: on-policy, every batch from the current weights;
 - async_naive:     `max_staleness=4`, naive PPO: the rollout (behaviour) log-probs serve as the old log-probs and
                    nothing corrects for staleness, so the PPO trust region is centred on a policy up to 4 versions old;
 - async_decoupled: `max_staleness=4`, decoupled PPO (AReaL): proximal log-probs recomputed by the trainer before each
                    step centre the trust region, and the behaviour importance weight pi_prox/pi_behav (truncated at
-                   the correction's cap, 2 by default) corrects for the stale behaviour policy.
+                   the correction's cap, 2 by default) corrects for the stale behaviour policy;
+- async_decoupled_lag1: as async_decoupled, with the proximal policy one version behind the trainer's weights
+                   (`prox_lag=1`, log-linear interpolation from the recomputed log-probs, A-3PO), so the clip of
+                   pi_theta/pi_prox binds even though each batch gets exactly one optimizer step.
 The async arms keep the config's trigger_parameter_sync_step (1 in the default). Runs go seed by seed, each seed
 running every arm, so a drift in machine load spreads over the arms rather than landing on one.
 
@@ -67,6 +70,13 @@ ARMS: dict[str, Arm] = {
         (
             "async_training.max_staleness=4",
             "algorithm.off_policy_correction={mode: decoupled, prox_log_probs: recompute}",
+        ),
+    ),
+    "async_decoupled_lag1": Arm(
+        "fully-async η=4, decoupled PPO with pi_prox one version back (log-linear, capped behaviour weight)",
+        (
+            "async_training.max_staleness=4",
+            "algorithm.off_policy_correction={mode: decoupled, prox_log_probs: loglinear, prox_lag: 1}",
         ),
     ),
 }

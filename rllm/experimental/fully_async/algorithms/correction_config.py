@@ -16,6 +16,11 @@ When to use which (``algorithm.off_policy_correction.mode``):
   of a step): with one mini-batch per step the two are the same policy (proven in tests/test_decoupled_loss.py),
   except that a rejected token (cap_mode=mask) still counts in the token mean's denominator, and tokens of the
   current version are weighted against the engine's numerics as TIS would (see `decoupled_loss`).
+  prox_lag L >= 1 (with loglinear, recomputed pi_theta) centres the trust region L versions back. Why: with one
+  optimizer step per batch and pi_prox = the policy before the step, pi_theta / pi_prox is 1 at the step, so the
+  clip never binds and nothing bounds a step on old data. With a lagged pi_prox (interpolated in log space, A-3PO)
+  tokens older than V - L are clipped against it and weighted by pi_prox / pi_behav, while newer tokens have
+  w = 1 and are clipped against pi_behav as under bypass; L >= max_staleness is exactly bypass.
 - tis: synchronous or near-synchronous runs (staleness 0) whose rollout engine differs numerically from the trainer
   (bf16 SGLang vs fp32 FSDP, other kernels). C = 2 (verl's default).
 - bypass: the cheapest; no forward pass before the step, the PPO clip is centred on pi_behav. Fine at staleness
@@ -51,6 +56,11 @@ class CorrectionConfig:
     level: "token" | "sequence", the granularity of w.
     cap_mode: "truncate" | "mask", how w is limited (decoupled only; tis always truncates).
     cap: C > 1. verl's default 2.0; AReaL uses 2.0 to 5.0. Larger C = less bias, more variance.
+    prox_lag: L >= 0, versions between pi_prox and the trainer's weights V (v_prox = V - L). 0: pi_prox is the
+        policy before the step. L >= 1 needs prox_log_probs=loglinear (no older weights are kept to recompute
+        from): pi_prox is interpolated in log space between each token's behaviour version and V, from the
+        trainer's recomputed log-probs, as AReaL's A-3PO does with L = 1. With one optimizer step per batch the
+        clip of pi_theta / pi_prox binds only when L >= 1 (at L = 0 that ratio is 1 at the step).
     """
 
     mode: CorrectionMode = "decoupled"
@@ -58,6 +68,7 @@ class CorrectionConfig:
     level: WeightLevel = "token"
     cap_mode: CapMode = "truncate"
     cap: float = 2.0
+    prox_lag: int = 0
 
     def __post_init__(self) -> None:
         key = "algorithm.off_policy_correction"
@@ -74,6 +85,13 @@ class CorrectionConfig:
             raise ValueError(f"{key}.cap must be a finite number > 1, got {self.cap}")
         if self.mode != "decoupled" and self.prox_log_probs != "recompute":
             raise ValueError(f"{key}.prox_log_probs={self.prox_log_probs!r} only applies to mode=decoupled")
+        if isinstance(self.prox_lag, bool) or not isinstance(self.prox_lag, int) or self.prox_lag < 0:
+            raise ValueError(f"{key}.prox_lag must be an integer >= 0, got {self.prox_lag!r}")
+        if self.prox_lag > 0 and (self.mode != "decoupled" or self.prox_log_probs != "loglinear"):
+            raise ValueError(
+                f"{key}.prox_lag={self.prox_lag} needs mode=decoupled and prox_log_probs=loglinear (an older "
+                "proximal policy can only be interpolated, not recomputed)"
+            )
         if self.mode == "tis" and self.cap_mode != "truncate":
             raise ValueError(f"{key}.cap_mode must be 'truncate' with mode=tis (use mode=decoupled to mask)")
 

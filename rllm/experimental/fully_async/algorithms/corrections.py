@@ -377,7 +377,7 @@ def apply_off_policy_correction_to_batch(
     if "rollout_log_probs" not in batch:
         raise KeyError("off-policy correction needs batch key 'rollout_log_probs' (the engines' log-probs)")
     versions = batch.get("response_versions", None)
-    if config.mode == "decoupled" and config.prox_log_probs == "loglinear":
+    if config.mode == "decoupled" and config.prox_log_probs == "loglinear" and config.prox_lag == 0:
         batch["old_log_probs"] = batch["rollout_log_probs"].clone()
         if "rollout_is_weights" in batch:
             del batch["rollout_is_weights"]
@@ -389,6 +389,19 @@ def apply_off_policy_correction_to_batch(
             **_staleness_stats(versions, trainer_version, batch["response_mask"]),
         )
     recomputed = batch.get("old_log_probs", None)
+    interpolation = {}
+    if config.prox_lag > 0:
+        # pi_prox lags the trainer's weights: interpolate from the recomputed log-probs (version V = trainer_version)
+        if versions is None or trainer_version is None or recomputed is None:
+            raise ValueError(
+                "prox_lag > 0 needs the recomputed log-probs, batch key 'response_versions' and the trainer version"
+            )
+        interpolation = {
+            "theta_log_probs": recomputed,
+            "theta_version": float(trainer_version),
+            "prox_version": float(trainer_version) - config.prox_lag,
+        }
+        recomputed = None  # pi_theta is not pi_prox here: no approximation error to report against it
     result = apply_off_policy_correction(
         batch["rollout_log_probs"],
         batch["response_mask"],
@@ -396,6 +409,7 @@ def apply_off_policy_correction_to_batch(
         recomputed_log_probs=recomputed,
         rollout_versions=versions,
         trainer_version=trainer_version,
+        **interpolation,
     )
     batch["old_log_probs"] = result.old_log_probs
     batch["response_mask"] = result.response_mask
@@ -418,8 +432,9 @@ class OffPolicyCorrector:
     @property
     def needs_recompute(self) -> bool:
         """Whether the trainer must compute log-probs under its current weights before `apply`."""
-        return self.config.mode in ("none", "tis") or (
-            self.config.mode == "decoupled" and self.config.prox_log_probs == "recompute"
+        c = self.config
+        return c.mode in ("none", "tis") or (
+            c.mode == "decoupled" and (c.prox_log_probs == "recompute" or c.prox_lag > 0)
         )
 
     def apply(
@@ -445,7 +460,7 @@ def build_correction(cfg: Any) -> OffPolicyCorrector | None:
     if config is None:
         return None
     policy_loss_mode = None
-    if config.mode == "decoupled" and config.prox_log_probs == "loglinear":
+    if config.mode == "decoupled" and config.prox_log_probs == "loglinear" and config.prox_lag == 0:
         # Imported here: decoupled_loss builds on this module's weight helpers.
         from rllm.experimental.fully_async.algorithms.decoupled_loss import register_update_time_decoupled_loss
 
