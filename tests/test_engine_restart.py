@@ -140,8 +140,10 @@ def test_past_the_restart_budget_an_engine_is_lost_and_losing_all_stops_the_run(
         assert "exited with code -9" in lost.reason and "restart budget of 0 used up" in lost.reason
         assert supervisor.metrics()["engines/alive"] == 1.0 and supervisor.restarts == 0
         kill(second)
-        with pytest.raises(EngineDiedError, match="every inference engine is gone"):
+        with pytest.raises(EngineDiedError, match="every inference engine is gone") as err:
             supervisor.poll()
+    # The error names every engine, also the one lost at an earlier poll.
+    assert first.url in str(err.value) and second.url in str(err.value)
 
 
 def test_on_engine_failure_stop_raises_naming_the_engine_and_how_it_died(engine_cmd, tmp_path):

@@ -80,6 +80,7 @@ class _Slot:
     state: Literal["running", "starting", "lost"] = "running"
     dead_url: str = ""  # the URL clients and syncs still know, while a replacement starts
     started_at: float = 0.0
+    lost_reason: str = ""  # why the slot was lost, for the error when every slot is
 
 
 class EngineSupervisor:
@@ -127,7 +128,7 @@ class EngineSupervisor:
             elif slot.state == "starting":
                 self._check_start(index, slot, events)
         if all(slot.state == "lost" for slot in self._slots):
-            lost = "; ".join(f"{e.url}: {e.reason}" for e in events if isinstance(e, EngineLost))
+            lost = "; ".join(f"engine {i}: {slot.lost_reason}" for i, slot in enumerate(self._slots))
             raise EngineDiedError(f"every inference engine is gone and none can be restarted ({lost})")
         return events
 
@@ -142,6 +143,7 @@ class EngineSupervisor:
         if action == "drop":
             slot.state = "lost"
             why = reason if self.policy != "restart" else f"{reason}; restart budget of {self.max_restarts} used up"
+            slot.lost_reason = f"{slot.dead_url or url} {why}"
             events.append(EngineLost(index, slot.dead_url or url, why))
             return
         self.restarts += 1
