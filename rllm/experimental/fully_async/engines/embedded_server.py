@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import functools
 import logging
 import os
 import signal
@@ -30,6 +29,7 @@ from transformers.utils import logging as hf_logging
 from rllm.experimental.fully_async.engines.model_runner import DTYPES, ModelRunner, load_model
 from rllm.experimental.fully_async.engines.sampling import SamplingParams
 from rllm.experimental.fully_async.engines.scheduler import GenerateOutput, Scheduler, WeightUpdateError
+from rllm.experimental.fully_async.engines.weights import WeightLoader
 
 logger = logging.getLogger(__name__)
 
@@ -317,7 +317,7 @@ async def serve(args: argparse.Namespace) -> None:
         max_running_requests=args.max_running_requests,
         max_prefill_tokens=args.max_prefill_tokens,
         weight_version=str(args.weight_version),
-        model_loader=functools.partial(load_model, dtype=args.dtype),
+        weight_loader=WeightLoader(args.dtype),
     )
     scheduler.start()
     # handler_cancellation: a client that disconnects (timeout, crash) cancels its handler, which frees its rows.

@@ -23,6 +23,7 @@ between steps, so this class holds no lock.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +48,22 @@ class ModelInfo:
     eos_token_ids: frozenset[int]
     context_length: int
     num_parameters: int
+    fingerprint: str  # `describe_folder` of the folder it came from: equal fingerprints, same computation
+
+
+# config.json keys that differ between two saves of the same model: they do not change what the model computes.
+VOLATILE_CONFIG_KEYS = frozenset({"_name_or_path", "transformers_version", "torch_dtype", "dtype"})
+
+
+def describe_folder(model_path: str | Path) -> str:
+    """What an HF folder says about its model (config.json, generation_config.json minus volatile keys), as JSON."""
+    description = {}
+    for name in ("config.json", "generation_config.json"):
+        path = Path(model_path) / name
+        if path.exists():
+            config = json.loads(path.read_text())
+            description[name] = {k: v for k, v in config.items() if k not in VOLATILE_CONFIG_KEYS}
+    return json.dumps(description, sort_keys=True)
 
 
 def _as_id_set(value: int | list[int] | None) -> set[int]:
@@ -84,6 +101,7 @@ def load_model(model_path: str | Path, dtype: str = "float32") -> tuple[PreTrain
         eos_token_ids=frozenset(eos),
         context_length=int(getattr(text_config, "max_position_embeddings", 0) or 1 << 30),
         num_parameters=sum(p.numel() for p in model.parameters()),
+        fingerprint=describe_folder(model_path),
     )
     return model, info
 

@@ -36,6 +36,7 @@ from transformers import PreTrainedModel
 
 from rllm.experimental.fully_async.engines.model_runner import ModelInfo, ModelRunner
 from rllm.experimental.fully_async.engines.sampling import SampleOutput, SamplingParams
+from rllm.experimental.fully_async.engines.weights import WeightLoader
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ class Scheduler:
         max_running_requests: int = 256,
         max_prefill_tokens: int = 16384,
         weight_version: str = "0",
-        model_loader: Callable[[str], tuple[PreTrainedModel, ModelInfo]],
+        weight_loader: WeightLoader,
     ) -> None:
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
@@ -100,7 +101,7 @@ class Scheduler:
         self.max_running_requests = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
         self.weight_version = weight_version
-        self._model_loader = model_loader
+        self._weight_loader = weight_loader
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []  # row order of runner's KV cache
         self._by_rid: dict[str, _Request] = {}
@@ -147,6 +148,7 @@ class Scheduler:
         """Counters for /get_server_info (forward passes prove batching)."""
         return {
             **self.stats,
+            **self._weight_loader.counts,
             "forward_passes": self.runner.forward_passes,
             "prefill_passes": self.runner.prefill_passes,
             "num_running": len(self._running),
@@ -280,7 +282,7 @@ class Scheduler:
         """
         async with self._update_lock:
             try:
-                model, info = await asyncio.to_thread(self._model_loader, model_path)
+                model, info = await asyncio.to_thread(self._weight_loader.load, model_path)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -311,6 +313,7 @@ class Scheduler:
                 if self._pending_swap is swap:  # not applied (timeout/cancel): re-open admission
                     self._pending_swap = None
                     self._wake.set()
+                    self._weight_loader.recycle(swap.model, swap.info)
             return aborted
 
     def set_weight_version(self, new_version: str) -> None:
@@ -357,7 +360,10 @@ class Scheduler:
     async def _step(self) -> None:
         swap = self._pending_swap
         if swap is not None and not self._running:
+            retired = (self.runner.model, self.runner.info)
             self.runner.swap_model(swap.model, swap.info)
+            # No pass runs now and none will use the old model again: the next update may overwrite it.
+            self._weight_loader.recycle(*retired)
             self.weight_version = swap.weight_version
             self._pending_swap = None
             self.stats["weight_updates"] += 1
