@@ -133,11 +133,12 @@ def init_ray(num_cpus: int | None = None) -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     # gcs_server keeps an event record per actor call (~500 B) up to 100k calls, then remembers each evicted call
-    # as "dropped" up to 1M more: a long run grew it by 38 MB in 30 min (tests/bench/README.md, Soak). 10k of each
-    # bounds it to a few MB and still shows the latest calls in `ray list tasks`. Set before Ray starts, as
-    # gcs_server reads them from its environment; an exported value wins.
-    os.environ.setdefault("RAY_task_events_max_num_task_in_gcs", "10000")
-    os.environ.setdefault("RAY_task_events_max_dropped_task_attempts_tracked_per_job_in_gcs", "10000")
+    # as "dropped" up to 1M more: a long run grew it by 38 MB in 30 min (tests/bench/README.md, Soak). 2k of each
+    # bounds it to a few MB, reached within minutes (10k took 9 and 18 minutes of the default run to fill), and
+    # still shows the latest calls in `ray list tasks`. Set before Ray starts, as gcs_server reads them from its
+    # environment; an exported value wins.
+    os.environ.setdefault("RAY_task_events_max_num_task_in_gcs", "2000")
+    os.environ.setdefault("RAY_task_events_max_dropped_task_attempts_tracked_per_job_in_gcs", "2000")
     if not ray.is_initialized():
         ray.init(
             num_cpus=num_cpus or max(4, os.cpu_count() or 1),
