@@ -278,6 +278,8 @@ def test_weight_update_switches_version_and_weights_and_reports_them(engine, mod
     finally:
         restore = post(engine, "/update_weights_from_disk", {"model_path": str(path_a), "weight_version": "0"})
         assert restore.json()["success"] is True
+    # The update to B built a model (the engine had no spare yet); the restore refilled the retired one in place.
+    assert stats(engine)["weight_loads_in_place"] >= 1
 
 
 def test_weight_update_from_a_bad_folder_fails_and_keeps_serving(engine, tmp_path, models):
