@@ -164,3 +164,20 @@ def test_cache_key_covers_every_setting(monkeypatch):
     variants.add(addition._cache_key(0, 256, 64, 3))
     assert len(variants) == 6
     assert base not in variants
+
+
+def test_preparing_the_task_for_a_run_prints_no_progress_bar(tmp_path, capfd):
+    """A cold cache saves the warmed-up model: transformers' "Writing model shards" bar must not reach the console."""
+    from transformers.utils import logging as hf_logging
+
+    from rllm.experimental.fully_async.config import load_config
+    from rllm.experimental.fully_async.driver import prepare_task
+
+    cfg = load_config(None, [f"task.cache_dir={tmp_path}", "task.warmup_steps=3"])
+    hf_logging.enable_progress_bar()
+    prepare_task(cfg)
+    out, err = capfd.readouterr()
+    assert Path(cfg.actor_rollout_ref.model.path, "model.safetensors").exists()
+    assert "task addition ready" in out
+    assert "it/s" not in err and "Writing model shards" not in err, err
+    assert hf_logging.is_progress_bar_enabled(), "the driver's own setting must be restored"

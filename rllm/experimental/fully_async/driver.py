@@ -15,7 +15,8 @@ import os
 import signal
 import sys
 import time
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,8 +43,30 @@ class RunSummary:
     run_dir: str
 
 
+@contextmanager
+def quiet_hf_progress_bars() -> Iterator[None]:
+    """Hide transformers' progress bars ("Writing model shards", "Loading weights") for the block, then restore.
+
+    The actors get the same through QUIET_LIBRARIES_ENV; in the driver a bar would break the console's lines.
+    """
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
 def prepare_task(cfg: DictConfig) -> None:
     """Built-in tasks make their own data and warmed-up model; point the config at them."""
+    with quiet_hf_progress_bars():
+        _prepare_task(cfg)
+
+
+def _prepare_task(cfg: DictConfig) -> None:
     if cfg.task.name == "smollm2":
         from rllm.experimental.fully_async.tasks.smollm2 import prepare_smollm2_assets
 
