@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,11 @@ import pytest
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Tests stop training runs with SIGINT (Ctrl-C). A shell that starts pytest in the background starts it with SIGINT
+# ignored, and an ignored signal stays ignored through exec: the runs would never see it. Restore the default here,
+# before any test starts a child.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 TINY_VOCAB_SIZE = 32
 TINY_EOS_TOKEN_ID = 1

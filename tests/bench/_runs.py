@@ -235,13 +235,20 @@ def sweep(keys: set[ProcessKey], grace_s: float = SWEEP_GRACE_S) -> list[str]:
     return signalled
 
 
-def install_sigterm_handler() -> None:
-    """SIGTERM to an experiment script behaves like Ctrl-C, so `launch` still stops its run and sweeps."""
+def install_stop_handlers() -> None:
+    """SIGTERM to an experiment script behaves like Ctrl-C, so `launch` still stops its run and sweeps.
+
+    SIGINT gets Python's Ctrl-C handler back even when the script was started in the background (`nohup ... &`):
+    a non-interactive shell starts background commands with SIGINT ignored, Python then installs no handler, and
+    the ignored disposition survives exec into every run the script starts, so the SIGINT that stops a run in
+    order would be lost (a 30-minute soak trained on for 60 s after it and was killed).
+    """
 
     def handler(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @dataclass(frozen=True)
@@ -306,7 +313,7 @@ def launch(
     """Run one training to completion (or `timeout_s`) and summarise it. Never leaves a process behind.
 
     `overrides` are `key=value` strings given after `run.dir=RUN_DIR`, so a later one wins over an earlier one.
-    Ctrl-C (or SIGTERM with `install_sigterm_handler`) stops the run the same way as the timeout, then re-raises.
+    Ctrl-C (or SIGTERM with `install_stop_handlers`) stops the run the same way as the timeout, then re-raises.
     """
     run_dir = fresh_run_dir(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -126,7 +126,7 @@ def print_summary(summary: dict[str, float | None], repeats: int) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    _runs.install_sigterm_handler()
+    _runs.install_stop_handlers()
     out = (args.out or _runs.timestamped_dir(_runs.DEFAULT_RUNS_ROOT, "bench_async_vs_sync")).resolve()
     timeout_s = args.timeout_s or _runs.default_timeout_s(args.steps)
     common = [f"trainer.total_training_steps={args.steps}", "trainer.test_freq=0"]

@@ -193,7 +193,7 @@ def markdown_report(rows: dict[str, Any], args: argparse.Namespace, command: str
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    _runs.install_sigterm_handler()
+    _runs.install_stop_handlers()
     out = (args.out or _runs.timestamped_dir(_runs.DEFAULT_RUNS_ROOT, "experiment_staleness")).resolve()
     timeout_s = args.timeout_s or _runs.default_timeout_s(args.steps)
     python = os.path.relpath(sys.executable, _runs.REPO_ROOT)  # `.venv/bin/python` when run as documented

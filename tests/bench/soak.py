@@ -582,7 +582,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    _runs.install_sigterm_handler()
+    _runs.install_stop_handlers()
     args.out = (args.out or _runs.timestamped_dir(_runs.DEFAULT_RUNS_ROOT, "soak")).resolve()
     try:
         run_dir = _runs.fresh_run_dir(args.out / "run")
