@@ -148,3 +148,24 @@ def test_interrupt_checkpoints_and_stops_everything_within_30s(small_task, tmp_p
     latest = CheckpointManager(run_dir / "checkpoints").latest()
     assert latest is not None and int(latest.name.split("_")[-1]) >= 2
     assert not leftover_processes(proc.pid, str(model_dir))
+
+
+def test_a_run_started_with_sigint_ignored_says_how_to_stop_it(caplog):
+    """`nohup ... &` from a script starts the driver with SIGINT ignored: Ctrl-C cannot stop it, so it says so."""
+    from rllm.experimental.fully_async.driver import _install_signal_handlers
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        with caplog.at_level("WARNING", logger="rllm.experimental.fully_async.driver"):
+            _install_signal_handlers()
+        assert f"stop the run with SIGTERM (kill {os.getpid()})" in caplog.text
+        with pytest.raises(KeyboardInterrupt):  # SIGTERM still unwinds like Ctrl-C
+            signal.raise_signal(signal.SIGTERM)
+        caplog.clear()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        _install_signal_handlers()
+        assert "SIGINT is ignored" not in caplog.text
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)

@@ -440,6 +440,14 @@ def _install_signal_handlers() -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, handler)
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # A non-interactive shell starts background commands (`nohup ... &`) with SIGINT ignored, and Python then
+        # leaves it so: say how to stop this run in order instead of letting `kill -INT` do nothing.
+        logger.warning(
+            "SIGINT is ignored in this process (started in the background?): stop the run with SIGTERM "
+            "(kill %d), which checkpoints and stops the same way",
+            os.getpid(),
+        )
 
 
 def print_summary(summary: RunSummary) -> None:
