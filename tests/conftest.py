@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,19 @@ def addition_cache(tmp_path_factory) -> Path:
 
 
 QUICK_WARMUP_STEPS = 60
+
+
+def addition_run_command(run_dir: Path, addition_cache: Path, *overrides: str) -> list[str]:
+    """The CLI on the addition task from the session's cache (quick warm-up), writing to `run_dir`."""
+    return [
+        sys.executable,
+        "-m",
+        "rllm.experimental.fully_async",
+        f"run.dir={run_dir}",
+        f"task.cache_dir={addition_cache}",
+        f"task.warmup_steps={QUICK_WARMUP_STEPS}",  # a weaker model than the default's, still a real task
+        *overrides,
+    ]
 
 
 def leftover_processes(driver_pid: int, model_marker: str) -> list[str]:

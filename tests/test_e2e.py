@@ -10,11 +10,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import leftover_processes
+from conftest import addition_run_command, leftover_processes
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 8
@@ -26,13 +25,9 @@ def short_run(tmp_path_factory, addition_cache):
     root = tmp_path_factory.mktemp("e2e")
     run_dir = root / "run"
     env = dict(os.environ, RLLM_LOG_LEVEL="WARNING")
-    command = [
-        sys.executable,
-        "-m",
-        "rllm.experimental.fully_async",
-        f"run.dir={run_dir}",
-        f"task.cache_dir={addition_cache}",
-        "task.warmup_steps=60",  # the session's quick warm-up (conftest): a weaker model, still a real task
+    command = addition_run_command(
+        run_dir,
+        addition_cache,
         "task.val_size=32",
         f"trainer.total_training_steps={STEPS}",
         "trainer.test_freq=4",
@@ -49,7 +44,7 @@ def short_run(tmp_path_factory, addition_cache):
         "actor_rollout_ref.rollout.ignore_eos=true",
         "data.max_response_length=48",
         "engines.max_running_requests=4",
-    ]
+    )
     proc = subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         output, _ = proc.communicate(timeout=600)

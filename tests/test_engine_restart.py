@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import QUICK_WARMUP_STEPS, leftover_processes
+from conftest import addition_run_command, leftover_processes
 from engine_helpers import max_abs_diff, reference_logprobs, wait_for_decoding
 
 from rllm.experimental.fully_async.client import EngineClient
@@ -263,13 +263,9 @@ def test_training_goes_on_after_an_engine_is_killed_and_its_restart_serves_the_c
     addition_cache, tmp_path
 ):
     run_dir, log = tmp_path / "run", tmp_path / "output.log"
-    command = [
-        sys.executable,
-        "-m",
-        "rllm.experimental.fully_async",
-        f"run.dir={run_dir}",
-        f"task.cache_dir={addition_cache}",
-        f"task.warmup_steps={QUICK_WARMUP_STEPS}",
+    command = addition_run_command(
+        run_dir,
+        addition_cache,
         "task.val_size=16",
         "trainer.val_before_train=false",
         "trainer.total_training_steps=100000",  # ended by SIGINT once the restart is proven
@@ -281,7 +277,7 @@ def test_training_goes_on_after_an_engine_is_killed_and_its_restart_serves_the_c
         "actor_rollout_ref.rollout.n=4",
         "engines.num_engines=2",
         "engines.on_engine_failure=restart",
-    ]
+    )
     with log.open("w") as out:
         proc = subprocess.Popen(command, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, text=True)
     try:
