@@ -10,12 +10,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from pathlib import Path
 
 import pytest
 from conftest import addition_run_command, leftover_processes
 
-REPO = Path(__file__).resolve().parents[1]
 STEPS = 8
 MAX_STALENESS = 1
 

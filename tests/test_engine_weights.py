@@ -117,7 +117,7 @@ def test_a_folder_that_does_not_fit_fails_naming_the_tensor_and_drops_the_spare(
     assert loader.counts == {"weight_loads_in_place": 0, "weight_loads_full": 1}
 
 
-def test_reading_a_folder_keeps_no_python_objects_alive(models, tmp_path):
+def test_reading_a_folder_keeps_no_python_objects_alive(models):
     """The leak this module exists for: safetensors' mmap backend kept 2 objects per tensor opened, forever."""
     path_b, _ = models["b"]
     tensors_per_load = len(read_safetensors_folder(path_b))

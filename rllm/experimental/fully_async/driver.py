@@ -45,9 +45,11 @@ class RunSummary:
 
 @contextmanager
 def quiet_hf_progress_bars() -> Iterator[None]:
-    """Hide transformers' progress bars ("Writing model shards", "Loading weights") for the block, then restore.
+    """Hide transformers' own progress bars ("Writing model shards", "Loading weights") for the block, then restore.
 
-    The actors get the same through QUIET_LIBRARIES_ENV; in the driver a bar would break the console's lines.
+    They flash by for sub-second saves and loads. The actors hide every tqdm bar through QUIET_LIBRARIES_ENV, but
+    tqdm reads TQDM_DISABLE when it is imported, so the driver cannot do the same here. The one bar left is SmolLM2's
+    first-run GGUF conversion (`tqdm.auto` inside transformers): 20-50 s of progress worth seeing.
     """
     from transformers.utils import logging as hf_logging
 
