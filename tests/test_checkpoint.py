@@ -24,7 +24,8 @@ import pytest
 import torch
 from verl.utils.torch_functional import get_cosine_schedule_with_warmup
 
-from rllm.experimental.fully_async.checkpoint import (
+from rllm.experimental.fully_async.core.protocol import Sequence, Trajectory, TrajectoryGroup, TrajectoryStatus
+from rllm.experimental.fully_async.runtime.checkpoint import (
     COMPLETE_MARKER,
     FORMAT_VERSION,
     QUEUE_FILE,
@@ -37,7 +38,6 @@ from rllm.experimental.fully_async.checkpoint import (
     find_resume_checkpoint,
     restore_rng_state,
 )
-from rllm.experimental.fully_async.protocol import Sequence, Trajectory, TrajectoryGroup, TrajectoryStatus
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -440,7 +440,7 @@ CRASHING_SAVER = textwrap.dedent(
     import os, resource, signal, sys, time
     from pathlib import Path
     import torch
-    from rllm.experimental.fully_async.checkpoint import CheckpointManager
+    from rllm.experimental.fully_async.runtime.checkpoint import CheckpointManager
 
     root, stage = Path(sys.argv[1]), sys.argv[2]
     manager = CheckpointManager(root, keep_last=2)

@@ -10,13 +10,13 @@ import time
 import pytest
 from engine_helpers import LOGPROB_TOL, max_abs_diff, reference_logprobs
 
-from rllm.experimental.fully_async.client import (
+from rllm.experimental.fully_async.engines import EmbeddedEngineCommand, EngineLauncher
+from rllm.experimental.fully_async.engines.client import (
     EngineClient,
     EngineTimeoutError,
     GenerationResult,
     NoHealthyEngineError,
 )
-from rllm.experimental.fully_async.engines import EmbeddedEngineCommand, EngineLauncher
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_torch_thread")]
 

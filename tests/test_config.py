@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-from rllm.experimental.fully_async.config import ConfigError, load_config
+from rllm.experimental.fully_async.settings.loader import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 

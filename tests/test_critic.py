@@ -219,7 +219,7 @@ def test_verls_generated_critic_section_and_the_run_config_build(tiny_model_dir)
     import verl
     from omegaconf import OmegaConf
 
-    from rllm.experimental.fully_async.config import base_config
+    from rllm.experimental.fully_async.settings.loader import base_config
 
     generated = OmegaConf.load(Path(verl.__file__).parent / "trainer/config/_generated_ppo_trainer.yaml")
     run = base_config()

@@ -26,8 +26,8 @@ import pytest
 from conftest import addition_run_command, leftover_processes
 from engine_helpers import max_abs_diff, reference_logprobs, wait_for_decoding
 
-from rllm.experimental.fully_async.client import EngineClient
 from rllm.experimental.fully_async.engines import EmbeddedEngineCommand, EngineLauncher, EngineProcess
+from rllm.experimental.fully_async.engines.client import EngineClient
 from rllm.experimental.fully_async.engines.supervisor import (
     EngineDiedError,
     EngineLost,
@@ -35,7 +35,7 @@ from rllm.experimental.fully_async.engines.supervisor import (
     EngineSupervisor,
     decide_on_engine_death,
 )
-from rllm.experimental.fully_async.param_sync import DiskTransport, ParamSync, SyncError
+from rllm.experimental.fully_async.runtime.param_sync import DiskTransport, ParamSync, SyncError
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("one_torch_thread")]
 

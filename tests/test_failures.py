@@ -32,13 +32,18 @@ import torch
 from engine_helpers import wait_for_decoding
 
 from rllm.experimental.fully_async.algorithms.advantages import AdvantageConfig
-from rllm.experimental.fully_async.client import EngineClient, GenerationResult
+from rllm.experimental.fully_async.core.batch import groups_to_dataproto
+from rllm.experimental.fully_async.core.ledger import SampleLedger, SampleState, history_counts, read_journal
+from rllm.experimental.fully_async.core.protocol import TrajectoryGroup
 from rllm.experimental.fully_async.data import DataError, PromptDataset, PromptIterator
 from rllm.experimental.fully_async.engines import EmbeddedEngineCommand, EngineLauncher
-from rllm.experimental.fully_async.ledger import SampleLedger, SampleState, history_counts, read_journal
-from rllm.experimental.fully_async.message_queue import GroupBuffer, PutResult
-from rllm.experimental.fully_async.protocol import TrajectoryGroup
-from rllm.experimental.fully_async.rollout_executor import EnginesExhaustedError, ExecutorSettings, RolloutExecutor
+from rllm.experimental.fully_async.engines.client import EngineClient, GenerationResult
+from rllm.experimental.fully_async.runtime.message_queue import GroupBuffer, PutResult
+from rllm.experimental.fully_async.runtime.rollout_executor import (
+    EnginesExhaustedError,
+    ExecutorSettings,
+    RolloutExecutor,
+)
 from rllm.experimental.fully_async.tasks.addition import (
     VOCAB,
     build_addition_model,
@@ -46,7 +51,6 @@ from rllm.experimental.fully_async.tasks.addition import (
     compute_score,
     write_addition_parquets,
 )
-from rllm.experimental.fully_async.trajectory_batch import groups_to_dataproto
 from rllm.experimental.fully_async.workflows import SingleTurnWorkflow, score_safely
 
 pytestmark = pytest.mark.timeout(240)

@@ -21,7 +21,7 @@ from rllm.experimental.fully_async.algorithms.filters import (
     groups_to_launch,
     has_zero_reward_variance,
 )
-from rllm.experimental.fully_async.protocol import Sequence, Trajectory, TrajectoryGroup
+from rllm.experimental.fully_async.core.protocol import Sequence, Trajectory, TrajectoryGroup
 
 
 def make_group(

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rllm.experimental.fully_async.ledger import (
+from rllm.experimental.fully_async.core.ledger import (
     LedgerError,
     SampleLedger,
     SampleState,
@@ -258,7 +258,7 @@ def test_a_journal_that_is_not_the_checkpoints_is_restarted_with_a_warning(tmp_p
     else:
         target = tmp_path / "elsewhere" / "ledger.jsonl"  # a resume from another run dir's checkpoint
     resumed = SampleLedger(target)
-    with caplog.at_level(logging.WARNING, logger="rllm.experimental.fully_async.ledger"):
+    with caplog.at_level(logging.WARNING, logger="rllm.experimental.fully_async.core.ledger"):
         resumed.load_state_dict(state)
     assert "is not the checkpoint's" in caplog.text
     assert resumed.counts() == ledger.counts()  # the counts stay exact
@@ -272,7 +272,7 @@ def test_a_checkpoint_without_a_journal_loads_into_a_ledger_with_one(tmp_path, c
     plain.issue(["a", "b"])
     plain.mark_dropped_stale(["a"])
     resumed = SampleLedger(tmp_path / "ledger.jsonl")
-    with caplog.at_level(logging.WARNING, logger="rllm.experimental.fully_async.ledger"):
+    with caplog.at_level(logging.WARNING, logger="rllm.experimental.fully_async.core.ledger"):
         resumed.load_state_dict(plain.state_dict())
     assert "is not the checkpoint's" in caplog.text
     assert resumed.counts() == plain.counts() and resumed.in_flight_uids() == ["b"]
@@ -401,7 +401,7 @@ def test_the_audit_rejects_an_impossible_history(tmp_path, lines, message):
 def test_the_audit_ignores_a_torn_last_line(tmp_path, caplog):
     journal = tmp_path / "ledger.jsonl"
     journal.write_text('{"event":"issued","uids":["a"]}\n{"event":"trained","ui')
-    with caplog.at_level(logging.WARNING, logger="rllm.experimental.fully_async.ledger"):
+    with caplog.at_level(logging.WARNING, logger="rllm.experimental.fully_async.core.ledger"):
         assert finals(read_journal(journal)) == {"a": ("in_flight", None)}
     assert "torn last line" in caplog.text
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from engine_helpers import LOGPROB_TOL, max_abs_diff, reference_logprobs
 
-from rllm.experimental.fully_async.client import EngineClient, GenerationResult
 from rllm.experimental.fully_async.engines import EmbeddedEngineCommand, EngineLauncher, free_port
-from rllm.experimental.fully_async.param_sync import DiskTransport, ParamSync, SyncError, SyncReport
+from rllm.experimental.fully_async.engines.client import EngineClient, GenerationResult
+from rllm.experimental.fully_async.runtime.param_sync import DiskTransport, ParamSync, SyncError, SyncReport
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_torch_thread")]
 

@@ -20,8 +20,8 @@ import psutil
 import pytest
 from conftest import QUICK_WARMUP_STEPS, leftover_processes
 
-from rllm.experimental.fully_async.checkpoint import CheckpointManager
-from rllm.experimental.fully_async.ledger import SampleState, history_counts, read_journal
+from rllm.experimental.fully_async.core.ledger import SampleState, history_counts, read_journal
+from rllm.experimental.fully_async.runtime.checkpoint import CheckpointManager
 from rllm.experimental.fully_async.tasks.addition import prepare_addition_assets
 
 NUM_PROMPTS = 40
@@ -152,12 +152,12 @@ def test_interrupt_checkpoints_and_stops_everything_within_30s(small_task, tmp_p
 
 def test_a_run_started_with_sigint_ignored_says_how_to_stop_it(caplog):
     """`nohup ... &` from a script starts the driver with SIGINT ignored: Ctrl-C cannot stop it, so it says so."""
-    from rllm.experimental.fully_async.driver import _install_signal_handlers
+    from rllm.experimental.fully_async.runtime.run import _install_signal_handlers
 
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        with caplog.at_level("WARNING", logger="rllm.experimental.fully_async.driver"):
+        with caplog.at_level("WARNING", logger="rllm.experimental.fully_async.runtime.run"):
             _install_signal_handlers()
         assert f"stop the run with SIGTERM (kill {os.getpid()})" in caplog.text
         with pytest.raises(KeyboardInterrupt):  # SIGTERM still unwinds like Ctrl-C

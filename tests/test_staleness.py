@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rllm.experimental.fully_async.protocol import Sequence, Trajectory, TrajectoryGroup
-from rllm.experimental.fully_async.staleness import (
+from rllm.experimental.fully_async.core.protocol import Sequence, Trajectory, TrajectoryGroup
+from rllm.experimental.fully_async.core.staleness import (
     AsyncSettings,
     OldLogProbSource,
     StalenessManager,

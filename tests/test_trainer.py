@@ -16,11 +16,15 @@ from omegaconf import OmegaConf
 
 from rllm.experimental.fully_async.algorithms.advantages import AdvantageConfig
 from rllm.experimental.fully_async.backends.fsdp import FSDPPolicyBackend, build_actor_config
-from rllm.experimental.fully_async.config import verl_base_config
-from rllm.experimental.fully_async.fully_async_trainer import FullyAsyncTrainer, QueueTimeoutError, TrainerSettings
-from rllm.experimental.fully_async.message_queue import GetResult, GroupBuffer
-from rllm.experimental.fully_async.protocol import Sequence, Trajectory, TrajectoryGroup
-from rllm.experimental.fully_async.trajectory_batch import groups_to_dataproto
+from rllm.experimental.fully_async.core.batch import groups_to_dataproto
+from rllm.experimental.fully_async.core.protocol import Sequence, Trajectory, TrajectoryGroup
+from rllm.experimental.fully_async.runtime.fully_async_trainer import (
+    FullyAsyncTrainer,
+    QueueTimeoutError,
+    TrainerSettings,
+)
+from rllm.experimental.fully_async.runtime.message_queue import GetResult, GroupBuffer
+from rllm.experimental.fully_async.settings.loader import verl_base_config
 
 GROUPS = 4
 SAMPLES = 4
@@ -287,7 +291,7 @@ def test_a_sync_finding_every_engine_dead_goes_on_only_when_a_restart_will_bring
     tiny_model_dir, tmp_path, policy
 ):
     from rllm.experimental.fully_async.engines import free_port
-    from rllm.experimental.fully_async.param_sync import DiskTransport, ParamSync, SyncError
+    from rllm.experimental.fully_async.runtime.param_sync import DiskTransport, ParamSync, SyncError
 
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there: a killed engine
     backend = FSDPPolicyBackend(tiny_model_dir, _actor_cfg())

@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from rllm.experimental.fully_async.client import EngineClient
 from rllm.experimental.fully_async.engines import EmbeddedEngineCommand, EngineLauncher
+from rllm.experimental.fully_async.engines.client import EngineClient
 
 logger = logging.getLogger("bench_engine")
 

@@ -30,9 +30,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from rllm.experimental.fully_async.client import EngineClient
 from rllm.experimental.fully_async.engines import EmbeddedEngineCommand, EngineLauncher
-from rllm.experimental.fully_async.param_sync import DiskTransport, ParamSync
+from rllm.experimental.fully_async.engines.client import EngineClient
+from rllm.experimental.fully_async.runtime.param_sync import DiskTransport, ParamSync
 
 logger = logging.getLogger("bench_param_sync")
 

@@ -23,8 +23,8 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # bind loopback
 
 import ray  # after the variables above, so every Ray code path sees them
 
-from rllm.experimental.fully_async.message_queue import MessageQueue
-from rllm.experimental.fully_async.protocol import Sequence, Trajectory, TrajectoryGroup
+from rllm.experimental.fully_async.core.protocol import Sequence, Trajectory, TrajectoryGroup
+from rllm.experimental.fully_async.runtime.message_queue import MessageQueue
 
 logger = logging.getLogger(__name__)
 IN_FLIGHT = 4  # calls each side keeps outstanding: enough to hide one round trip, as an async caller would

@@ -388,7 +388,7 @@ class JournalAudit:
 
 
 def audit_journal(run_dir: Path) -> JournalAudit:
-    from rllm.experimental.fully_async.ledger import LedgerError, history_counts, read_journal
+    from rllm.experimental.fully_async.core.ledger import LedgerError, history_counts, read_journal
 
     path = run_dir / "ledger.jsonl"
     if not path.is_file():
@@ -449,7 +449,7 @@ def write_plot(path: Path, series: dict[str, list[RolePoint]], warm_s: float) ->
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
     # Imported here: it pulls in torch, which only this last look needs.
-    from rllm.experimental.fully_async.checkpoint import CheckpointManager
+    from rllm.experimental.fully_async.runtime.checkpoint import CheckpointManager
 
     return CheckpointManager(run_dir / "checkpoints").latest()
 

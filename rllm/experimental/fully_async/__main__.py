@@ -10,7 +10,7 @@ import argparse
 import logging
 import sys
 
-from rllm.experimental.fully_async.config import DEFAULT_CONFIG, ConfigError, load_config
+from rllm.experimental.fully_async.settings.loader import DEFAULT_CONFIG, ConfigError, load_config
 
 EXIT_FAILED = 1
 EXIT_BAD_CONFIG = 2
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=str(cfg.run.log_level), format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     from rllm.experimental.fully_async.data import DataError
-    from rllm.experimental.fully_async.driver import RunFailedError, train
+    from rllm.experimental.fully_async.runtime.run import RunFailedError, train
     from rllm.experimental.fully_async.verl_patch import UnpatchedVerlError
 
     try:

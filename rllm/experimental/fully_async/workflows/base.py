@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from rllm.experimental.fully_async.protocol import Trajectory
+from rllm.experimental.fully_async.core.protocol import Trajectory
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from rllm.experimental.fully_async.protocol import Sequence, Trajectory, TrajectoryStatus
+from rllm.experimental.fully_async.core.protocol import Sequence, Trajectory, TrajectoryStatus
 from rllm.experimental.fully_async.workflows.base import GenerationClient, RewardFn, score_safely
 
 logger = logging.getLogger(__name__)

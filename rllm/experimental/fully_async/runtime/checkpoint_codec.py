@@ -1,6 +1,6 @@
 """How the parts of a checkpoint are encoded and checked, and the global RNG state a checkpoint carries.
 
-`checkpoint.py` owns the directory layout and the crash-safe commit; this module owns what goes into the files:
+`runtime/checkpoint.py` owns the directory layout and the crash-safe commit; this module owns what goes into the files:
 
 - checks that run before anything is written: a trainer part must come back from torch.load(weights_only=True)
   (which cannot run code), a rollout/queue/meta part must come back from JSON unchanged; either raises TypeError
@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rllm.experimental.fully_async.protocol import Sequence, Trajectory, TrajectoryGroup, TrajectoryStatus
+from rllm.experimental.fully_async.core.protocol import Sequence, Trajectory, TrajectoryGroup, TrajectoryStatus
 
 logger = logging.getLogger(__name__)
 

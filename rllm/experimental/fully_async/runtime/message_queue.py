@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 import ray
 
-from rllm.experimental.fully_async.protocol import TrajectoryGroup
+from rllm.experimental.fully_async.core.protocol import TrajectoryGroup
 
 logger = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, NamedTuple, Protocol
 
-from rllm.experimental.fully_async.protocol import TrajectoryGroup
+from rllm.experimental.fully_async.core.protocol import TrajectoryGroup
 
 
 class VersionProvider(Protocol):

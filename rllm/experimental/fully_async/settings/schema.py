@@ -1,9 +1,9 @@
 """The typed sections this project adds to verl's config, and its fully-async defaults for verl keys.
 
-This is the schema `config.py` composes on verl's `ppo_trainer` defaults: one dataclass per top-level section
+This is the schema `settings/loader.py` composes on verl's `ppo_trainer` defaults: one dataclass per top-level section
 (`PROJECT_SECTIONS`: `async_training`, `engines`, `param_sync`, `task`, `workflow`, `run`), each field with a
 comment on its unit and how to choose it, and `FULLY_ASYNC_VERL_DEFAULTS` for the verl keys whose verl default
-does not suit this trainer. Loading, merging, derived values and validation live in `config.py`.
+does not suit this trainer. Loading, merging, derived values and validation live in `settings/loader.py`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 @dataclass
 class AsyncTrainingConfig:
-    """The fully-async schedule. rLLM / verl fully_async_policy keys are accepted; see `staleness.py`."""
+    """The fully-async schedule. rLLM / verl fully_async_policy keys are accepted; see `core/staleness.py`."""
 
     # Max policy versions a trained token may lag the trainer (AReaL's eta). 0 = on-policy. The capacity rule
     # lets at most (max_staleness + version + 1) * required_samples groups be started by version `version`.

@@ -1,6 +1,6 @@
 """What a run reports: `RUN_DIR/metrics.jsonl` and verl `Tracking` backends, the console's progress line, the summary.
 
-The driver (`driver.py`) calls these from its step loop; they hold no process or Ray state.
+The driver (`runtime/run.py`) calls these from its step loop; they hold no process or Ray state.
 """
 
 from __future__ import annotations

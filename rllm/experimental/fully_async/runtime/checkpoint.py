@@ -68,8 +68,10 @@ from typing import Any, Literal
 
 import torch
 
+from rllm.experimental.fully_async.core.protocol import TrajectoryGroup
+
 # capture_rng_state, restore_rng_state and config_hash are re-exported: the driver and the trainer import them here.
-from rllm.experimental.fully_async.checkpoint_codec import (
+from rllm.experimental.fully_async.runtime.checkpoint_codec import (
     HashingWriter,
     capture_rng_state,
     check_torch_safe,
@@ -81,7 +83,6 @@ from rllm.experimental.fully_async.checkpoint_codec import (
     manifest_entry,
     restore_rng_state,
 )
-from rllm.experimental.fully_async.protocol import TrajectoryGroup
 
 __all__ = [
     "COMPLETE_MARKER",

@@ -31,7 +31,7 @@ from typing import Any
 
 import aiohttp
 
-from rllm.experimental.fully_async.protocol import Sequence
+from rllm.experimental.fully_async.core.protocol import Sequence
 
 logger = logging.getLogger(__name__)
 

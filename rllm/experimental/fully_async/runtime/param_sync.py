@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from rllm.experimental.fully_async.client import EngineClient, EngineConnectionError
+from rllm.experimental.fully_async.engines.client import EngineClient, EngineConnectionError
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ Composition, lowest priority first:
 1. verl 0.7.1's full `ppo_trainer` defaults (`verl/trainer/config/_generated_ppo_trainer.yaml`), so every verl key
    a user knows (`actor_rollout_ref.actor.optim.lr`, `algorithm.adv_estimator`, `data.max_response_length`, ...)
    means what it means in verl;
-2. this project's sections, typed dataclasses in `config_schema.py` (`async_training`, `engines`, `param_sync`,
+2. this project's sections, typed dataclasses in `settings/schema.py` (`async_training`, `engines`, `param_sync`,
    `task`, `workflow`, `run`) and a few fully-async defaults for verl keys (`FULLY_ASYNC_VERL_DEFAULTS`);
 3. the files named in the YAML's optional `defaults:` list (siblings, without `.yaml`), then the YAML itself;
 4. command-line `key=value` overrides.
@@ -26,7 +26,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 # The schema is re-exported so that this module stays the one import for configuration.
-from rllm.experimental.fully_async.config_schema import (
+from rllm.experimental.fully_async.settings.schema import (
     FULLY_ASYNC_VERL_DEFAULTS,
     PROJECT_SECTIONS,
     AsyncTrainingConfig,
@@ -58,7 +58,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-REPO_CONFIG_DIR = Path(__file__).resolve().parents[3] / "config"
+REPO_CONFIG_DIR = Path(__file__).resolve().parents[4] / "config"
 DEFAULT_CONFIG = REPO_CONFIG_DIR / "tiny_cpu.yaml"
 
 
@@ -251,7 +251,7 @@ def _first_line(exc: BaseException) -> str:
 
 def resolve_derived(cfg: DictConfig) -> None:
     """Fill the `null` settings whose value follows from others (documented on each field)."""
-    from rllm.experimental.fully_async.staleness import map_rllm_async_keys
+    from rllm.experimental.fully_async.core.staleness import map_rllm_async_keys
 
     at = cfg.async_training
     if at.required_samples is None:

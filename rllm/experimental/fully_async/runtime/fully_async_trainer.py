@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from rllm.experimental.fully_async.protocol import TrajectoryGroup, TrajectoryStatus
-from rllm.experimental.fully_async.staleness import split_by_staleness
-from rllm.experimental.fully_async.trajectory_batch import PAD_VERSION, groups_to_dataproto
+from rllm.experimental.fully_async.core.batch import PAD_VERSION, groups_to_dataproto
+from rllm.experimental.fully_async.core.protocol import TrajectoryGroup, TrajectoryStatus
+from rllm.experimental.fully_async.core.staleness import split_by_staleness
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ class FullyAsyncTrainer:
             self.version = new_version
             self.executor.set_version(self.version)
             return {}
-        from rllm.experimental.fully_async.param_sync import SyncError
+        from rllm.experimental.fully_async.runtime.param_sync import SyncError
 
         try:
             report = self.param_sync.sync(self.backend.save_hf, new_version)
@@ -194,7 +194,7 @@ class FullyAsyncTrainer:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        from rllm.experimental.fully_async.checkpoint import capture_rng_state
+        from rllm.experimental.fully_async.runtime.checkpoint import capture_rng_state
 
         return {
             "backend": self.backend.state_dict(),
@@ -205,7 +205,7 @@ class FullyAsyncTrainer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from rllm.experimental.fully_async.checkpoint import restore_rng_state
+        from rllm.experimental.fully_async.runtime.checkpoint import restore_rng_state
 
         self.backend.load_state_dict(state["backend"])
         if self.critic is not None:

@@ -39,10 +39,10 @@ class RolloutExecutorActor:
         from transformers import AutoTokenizer
 
         from rllm.experimental.fully_async.algorithms.filters import build_group_filter
-        from rllm.experimental.fully_async.client import EngineClient
+        from rllm.experimental.fully_async.core.ledger import SampleLedger
         from rllm.experimental.fully_async.data import PromptIterator
-        from rllm.experimental.fully_async.ledger import SampleLedger
-        from rllm.experimental.fully_async.rollout_executor import ExecutorSettings, RolloutExecutor
+        from rllm.experimental.fully_async.engines.client import EngineClient
+        from rllm.experimental.fully_async.runtime.rollout_executor import ExecutorSettings, RolloutExecutor
         from rllm.experimental.fully_async.workflows import build_workflow, load_reward_fn
 
         logging.basicConfig(level=os.environ.get("RLLM_LOG_LEVEL", "WARNING"))
@@ -135,7 +135,7 @@ class RolloutExecutorActor:
         return dict(vars(self.executor.stats)) | {"version": self.executor.version}
 
     async def validate(self) -> dict:
-        from rllm.experimental.fully_async.validation import evaluate
+        from rllm.experimental.fully_async.runtime.validation import evaluate
 
         if not self.val:
             return {}
@@ -188,8 +188,8 @@ class FullyAsyncTrainerActor:
         from rllm.experimental.fully_async.algorithms.advantages import AdvantageConfig
         from rllm.experimental.fully_async.algorithms.corrections import build_correction
         from rllm.experimental.fully_async.backends.fsdp import FSDPPolicyBackend
-        from rllm.experimental.fully_async.fully_async_trainer import FullyAsyncTrainer, TrainerSettings
-        from rllm.experimental.fully_async.param_sync import DiskTransport, ParamSync
+        from rllm.experimental.fully_async.runtime.fully_async_trainer import FullyAsyncTrainer, TrainerSettings
+        from rllm.experimental.fully_async.runtime.param_sync import DiskTransport, ParamSync
         from rllm.experimental.fully_async.verl_patch import require_patched_verl
 
         logging.basicConfig(level=os.environ.get("RLLM_LOG_LEVEL", "WARNING"))

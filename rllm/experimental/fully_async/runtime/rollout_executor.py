@@ -1,7 +1,7 @@
 """RolloutExecutor: prompts -> workflows -> groups -> MessageQueue, under the staleness budget.
 
 The executor is an asyncio loop (run inside a Ray actor by `RolloutExecutorActor`) with these guarantees:
-- a new prompt group starts only while the staleness manager grants capacity (AReaL's rule, `staleness.py`)
+- a new prompt group starts only while the staleness manager grants capacity (AReaL's rule, `core/staleness.py`)
   and fewer than `max_concurrent_rollouts` samples are running;
 - every prompt sample is issued in the ledger before it starts and ends in exactly one state: failed(reason)
   or filtered(reason) here, trained or dropped_stale when the trainer reports back (`report_consumed`);
@@ -21,9 +21,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from rllm.experimental.fully_async.ledger import SampleLedger
-from rllm.experimental.fully_async.protocol import Trajectory, TrajectoryGroup, TrajectoryStatus
-from rllm.experimental.fully_async.staleness import StalenessManager
+from rllm.experimental.fully_async.core.ledger import SampleLedger
+from rllm.experimental.fully_async.core.protocol import Trajectory, TrajectoryGroup, TrajectoryStatus
+from rllm.experimental.fully_async.core.staleness import StalenessManager
 
 logger = logging.getLogger(__name__)
 
@@ -319,6 +319,6 @@ def _reason_key(reason: str | None) -> str:
 
 
 def _is_engines_exhausted(exc: BaseException) -> bool:
-    from rllm.experimental.fully_async.client import NoHealthyEngineError
+    from rllm.experimental.fully_async.engines.client import NoHealthyEngineError
 
     return isinstance(exc, NoHealthyEngineError)

@@ -1,7 +1,7 @@
 """One training run from a validated config: prepare -> start Ray, engines, actors -> step loop -> clean stop.
 
 The driver owns process lifetimes (Ray, engine subprocesses, actors) and the step loop; what it reports is
-formatted and written by `reporting.py`. The training logic lives in the actors.
+formatted and written by `observe/reporting.py`. The training logic lives in the actors.
 While it waits for a step it watches the engines (`engines.supervisor`): a restarted engine gets the current
 weights from the trainer and then rollouts from the executor.
 Everything started here is stopped in `finally`, so a failed or interrupted run leaves no process behind.
@@ -21,7 +21,13 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from rllm.experimental.fully_async.reporting import MetricsSink, RunSummary, prefixed, print_summary, progress_line
+from rllm.experimental.fully_async.observe.reporting import (
+    MetricsSink,
+    RunSummary,
+    prefixed,
+    print_summary,
+    progress_line,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +108,7 @@ def check_data(cfg: DictConfig) -> int:
     (data.DataError) rather than an actor that dies during start-up. Returns the number of training prompts."""
     from transformers import AutoTokenizer
 
-    from rllm.experimental.fully_async.actors import load_prompt_datasets
+    from rllm.experimental.fully_async.runtime.actors import load_prompt_datasets
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.path)
     train, _ = load_prompt_datasets(cfg, tokenizer)
@@ -170,15 +176,15 @@ def train(cfg: DictConfig) -> RunSummary:
     """Run the configured training to `trainer.total_training_steps` (or until the data is exhausted)."""
     import ray
 
-    from rllm.experimental.fully_async.actors import FullyAsyncTrainerActor, RolloutExecutorActor
-    from rllm.experimental.fully_async.checkpoint import (
+    from rllm.experimental.fully_async.engines.supervisor import EngineReplaced, EngineSupervisor
+    from rllm.experimental.fully_async.runtime.actors import FullyAsyncTrainerActor, RolloutExecutorActor
+    from rllm.experimental.fully_async.runtime.checkpoint import (
         CheckpointManager,
         config_hash,
         find_resume_checkpoint,
         load_checkpoint,
     )
-    from rllm.experimental.fully_async.engines.supervisor import EngineReplaced, EngineSupervisor
-    from rllm.experimental.fully_async.message_queue import MessageQueue
+    from rllm.experimental.fully_async.runtime.message_queue import MessageQueue
     from rllm.experimental.fully_async.verl_patch import require_patched_verl
 
     require_patched_verl()

@@ -1,0 +1,1 @@
+"""What a user sees of a run: the metrics sink, the progress line and the run summary."""
