@@ -1,0 +1,107 @@
+"""GPU placement: which GPUs (node, index) each inference engine and each trainer rank gets. Pure.
+
+The rule is the design's: engines and trainer ranks never share a GPU. An engine needs `tp_size` GPUs on ONE node
+(tensor parallelism runs over NVLink inside a node); a trainer rank needs one GPU. Engines are placed first, first
+fit from node 0; trainer ranks take what is left from the last node backward. On the common shapes the two sides
+then sit on separate nodes (2 nodes x 8 GPUs, 8 engines + 8 ranks: node 0 generates, node 1 trains) and a rank's
+FSDP peers are its neighbours. When the GPUs do not suffice, `PlacementError` says in one line what is missing.
+
+The runtime turns a plan into process settings (`CUDA_VISIBLE_DEVICES` per engine, Ray resources per rank); the
+`plan` command prints it without starting anything; the simulator can sweep splits through it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+class PlacementError(ValueError):
+    """The cluster cannot host the requested engines and trainer ranks; the message names what is missing."""
+
+
+@dataclass(frozen=True)
+class GpuSlot:
+    """One process's GPUs: engine `index` (tp_size GPUs) or trainer rank `index` (one GPU), all on `node`."""
+
+    role: str  # "engine" | "trainer"
+    index: int
+    node: int
+    gpus: tuple[int, ...]  # device indices on that node, as CUDA_VISIBLE_DEVICES lists them
+
+    @property
+    def cuda_visible_devices(self) -> str:
+        return ",".join(str(g) for g in self.gpus)
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    engines: tuple[GpuSlot, ...]
+    trainer: tuple[GpuSlot, ...]
+    gpus_per_node: tuple[int, ...]
+
+    @property
+    def gpus_used(self) -> int:
+        return sum(len(s.gpus) for s in (*self.engines, *self.trainer))
+
+    @property
+    def gpus_total(self) -> int:
+        return sum(self.gpus_per_node)
+
+    def describe(self) -> list[str]:
+        """One line per slot, then the idle GPUs, for the `plan` command."""
+        lines = [
+            f"{slot.role} {slot.index}: node {slot.node} GPU {slot.cuda_visible_devices}"
+            for slot in (*self.engines, *self.trainer)
+        ]
+        idle = self.gpus_total - self.gpus_used
+        lines.append(f"{self.gpus_used} of {self.gpus_total} GPUs used" + (f", {idle} idle" if idle else ""))
+        return lines
+
+
+def plan_placement(gpus_per_node: Sequence[int], num_engines: int, tp_size: int, trainer_ranks: int) -> PlacementPlan:
+    """Place `num_engines` engines of `tp_size` GPUs and `trainer_ranks` one-GPU trainer ranks without sharing.
+
+    Raises PlacementError (one line) when there are too few GPUs in total, or enough in total but no node with
+    `tp_size` free GPUs left for some engine.
+    """
+    if num_engines < 0 or trainer_ranks < 0:
+        raise ValueError(f"counts must be >= 0, got {num_engines} engines and {trainer_ranks} trainer ranks")
+    if tp_size < 1:
+        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+    if any(n < 0 for n in gpus_per_node):
+        raise ValueError(f"GPU counts per node must be >= 0, got {list(gpus_per_node)}")
+    needed = num_engines * tp_size + trainer_ranks
+    have = sum(gpus_per_node)
+    if needed > have:
+        raise PlacementError(
+            f"needs {needed} GPUs ({num_engines} engines x tp {tp_size} + {trainer_ranks} trainer ranks) but "
+            f"{_cluster(gpus_per_node)} has {have}: {needed - have} GPU(s) missing; lower engines.num_engines, "
+            "the tensor-parallel size or trainer.n_gpus_per_node x trainer.nnodes, or add nodes"
+        )
+    free = [list(range(n)) for n in gpus_per_node]  # free device indices per node, ascending
+    engines: list[GpuSlot] = []
+    for index in range(num_engines):
+        # First fit: with equal blocks this reaches the most engines possible, sum(gpus // tp_size) over nodes.
+        node = next((n for n, devices in enumerate(free) if len(devices) >= tp_size), None)
+        if node is None:
+            raise PlacementError(
+                f"engine {index} needs {tp_size} GPUs on one node, but the free GPUs left are "
+                f"{[len(d) for d in free]} per node of {_cluster(gpus_per_node)}; use a tensor-parallel size that "
+                "divides the GPUs per node, or fewer engines"
+            )
+        block, free[node] = tuple(free[node][:tp_size]), free[node][tp_size:]
+        engines.append(GpuSlot("engine", index, node, block))
+    taken: list[tuple[int, int]] = []
+    for node in reversed(range(len(free))):
+        while free[node] and len(taken) < trainer_ranks:
+            taken.append((node, free[node].pop()))  # from the last node down: away from the engines
+    # Number ranks in (node, gpu) order so rank 0 is the lowest device and a node's ranks are consecutive.
+    trainer = [GpuSlot("trainer", rank, node, (gpu,)) for rank, (node, gpu) in enumerate(sorted(taken))]
+    return PlacementPlan(tuple(engines), tuple(trainer), tuple(gpus_per_node))
+
+
+def _cluster(gpus_per_node: Sequence[int]) -> str:
+    if len(set(gpus_per_node)) == 1 and gpus_per_node:
+        return f"{len(gpus_per_node)} node(s) x {gpus_per_node[0]} GPUs"
+    return f"nodes with {list(gpus_per_node)} GPUs"

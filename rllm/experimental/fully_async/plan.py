@@ -1,0 +1,128 @@
+"""`plan`: print where a run's engines and trainer ranks would go, and the engine command lines, starting nothing.
+
+`python -m rllm.experimental.fully_async plan [--config FILE] [--gpus-per-node N] [--nodes M] [key=value ...]`
+
+The GPUs come from the flags, else from the Ray cluster named by RAY_ADDRESS (its nodes' GPU resources), else from
+this machine (torch.cuda.device_count()). The placement itself is `core.placement.plan_placement`, the function the
+runtime uses. Exit codes: 0 a plan fits, 1 the GPUs do not suffice (one line says what is missing), 2 bad config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+
+from omegaconf import DictConfig
+
+from rllm.experimental.fully_async.core.placement import PlacementError, PlacementPlan, plan_placement
+
+PLACEHOLDER_HOST = "127.0.0.1"
+PLACEHOLDER_PORT = 30000  # the launcher picks free ports at start; engine i is shown on PLACEHOLDER_PORT + i
+
+
+def detect_gpus_per_node() -> tuple[list[int], str]:
+    """GPUs per node and where the count came from: the Ray cluster at RAY_ADDRESS, else this machine."""
+    if os.environ.get("RAY_ADDRESS"):
+        import ray
+
+        ray.init(address=os.environ["RAY_ADDRESS"], configure_logging=False, log_to_driver=False)
+        try:
+            counts = [int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n.get("Alive")]
+        finally:
+            ray.shutdown()
+        return counts, f"Ray cluster at {os.environ['RAY_ADDRESS']}"
+    try:
+        import torch
+
+        return [torch.cuda.device_count()], "this machine (torch.cuda.device_count())"
+    except Exception:  # torch without CUDA support: no GPUs
+        return [0], "this machine (no CUDA)"
+
+
+def trainer_ranks(cfg: DictConfig) -> int:
+    """verl counts trainer devices as n_gpus_per_node x nnodes; one rank per device."""
+    return int(cfg.trainer.n_gpus_per_node or 1) * int(cfg.trainer.nnodes or 1)
+
+
+def engine_tp_size(cfg: DictConfig) -> int:
+    return int(cfg.actor_rollout_ref.rollout.tensor_model_parallel_size or 1)
+
+
+def sglang_commands(cfg: DictConfig, plan: PlacementPlan) -> list[tuple[dict[str, str], list[str]]]:
+    """(environment, argv) of every SGLang engine the plan places."""
+    from rllm.experimental.fully_async.engines.sglang import SGLangEngineCommand
+
+    e = cfg.engines
+    rollout = cfg.actor_rollout_ref.rollout
+    command = SGLangEngineCommand(
+        model_path=str(cfg.actor_rollout_ref.model.path),
+        tp_size=engine_tp_size(cfg),
+        dtype=str(e.dtype),
+        mem_fraction_static=float(rollout.gpu_memory_utilization) if rollout.gpu_memory_utilization else 0.8,
+        max_running_requests=int(e.max_running_requests),
+        seed=int(cfg.run.seed),
+    )
+    out = []
+    for slot in plan.engines:
+        env = {"CUDA_VISIBLE_DEVICES": slot.cuda_visible_devices}
+        out.append((env, command.build(PLACEHOLDER_HOST, PLACEHOLDER_PORT + slot.index, slot.index)))
+    return out
+
+
+def describe_cpu_run(cfg: DictConfig) -> list[str]:
+    from rllm.experimental.fully_async.engines.launcher import EmbeddedEngineCommand
+
+    e = cfg.engines
+    command = EmbeddedEngineCommand(
+        model_path=str(cfg.actor_rollout_ref.model.path or "<task model, prepared at start>"),
+        max_running_requests=int(e.max_running_requests),
+        dtype=str(e.dtype),
+        seed=int(cfg.run.seed),
+        num_threads=int(e.torch_threads),
+    )
+    lines = [f"CPU run: {int(e.num_engines)} embedded engine process(es) on loopback, 1 trainer rank; no GPU needed"]
+    for index in range(int(e.num_engines)):
+        argv = command.build(PLACEHOLDER_HOST, PLACEHOLDER_PORT + index, index)
+        lines.append(f"  engine {index}: {shlex.join(argv)}")
+    return lines
+
+
+def run_plan(cfg: DictConfig, gpus_per_node: list[int] | None = None, source: str = "flags") -> int:
+    """Print the plan; returns the exit code (0 fits, 1 does not)."""
+    if str(cfg.engines.backend) == "embedded":
+        print("\n".join(describe_cpu_run(cfg)))
+        return 0
+    if gpus_per_node is None:
+        gpus_per_node, source = detect_gpus_per_node()
+    num_engines, tp, ranks = int(cfg.engines.num_engines), engine_tp_size(cfg), trainer_ranks(cfg)
+    try:
+        plan = plan_placement(gpus_per_node, num_engines=num_engines, tp_size=tp, trainer_ranks=ranks)
+    except PlacementError as exc:
+        print(f"plan: {exc} (GPUs from {source})", file=sys.stderr)
+        return 1
+    print(f"GPUs from {source}: {gpus_per_node} per node")
+    print("\n".join(plan.describe()))
+    for slot, (env, argv) in zip(plan.engines, sglang_commands(cfg, plan), strict=True):
+        prefix = " ".join(f"{k}={v}" for k, v in env.items())
+        print(f"  engine {slot.index} on node {slot.node}: {prefix} {shlex.join(argv)}")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    """`plan` subcommand: parse flags and overrides, load the config, print the plan. Returns the exit code."""
+    from rllm.experimental.fully_async.settings import ConfigError, load_config
+
+    parser = argparse.ArgumentParser(prog="python -m rllm.experimental.fully_async plan", description=__doc__)
+    parser.add_argument("--config", default=None)
+    parser.add_argument("--gpus-per-node", type=int, default=None, help="GPUs on each node (default: detect)")
+    parser.add_argument("--nodes", type=int, default=1, help="number of nodes, with --gpus-per-node")
+    args, overrides = parser.parse_known_args(argv)
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    gpus = [args.gpus_per_node] * args.nodes if args.gpus_per_node is not None else None
+    return run_plan(cfg, gpus, source=f"--gpus-per-node {args.gpus_per_node} --nodes {args.nodes}")

@@ -1,0 +1,121 @@
+"""GPU placement plan (core/placement.py): no GPU is shared, engines keep their tp block on one node."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+
+from rllm.experimental.fully_async.core.placement import PlacementError, plan_placement
+
+
+def _devices(plan):
+    return [(slot.node, gpu) for slot in (*plan.engines, *plan.trainer) for gpu in slot.gpus]
+
+
+def test_one_node_splits_engines_low_and_trainer_high():
+    plan = plan_placement([8], num_engines=4, tp_size=1, trainer_ranks=4)
+    assert [s.gpus for s in plan.engines] == [(0,), (1,), (2,), (3,)]
+    assert [s.gpus for s in plan.trainer] == [(4,), (5,), (6,), (7,)]
+    assert [s.index for s in plan.trainer] == [0, 1, 2, 3]
+
+
+def test_two_nodes_put_generation_and_training_on_separate_nodes():
+    plan = plan_placement([8, 8], num_engines=4, tp_size=2, trainer_ranks=8)
+    assert {s.node for s in plan.engines} == {0}
+    assert {s.node for s in plan.trainer} == {1}
+    assert plan.engines[1].cuda_visible_devices == "2,3"
+
+
+@pytest.mark.parametrize("nodes", [[4], [8], [2, 4], [8, 8], [3, 5]])
+@pytest.mark.parametrize(("engines", "tp", "ranks"), list(itertools.product(range(5), (1, 2, 4), range(0, 10, 3))))
+def test_no_gpu_is_ever_shared_and_a_plan_exists_whenever_one_is_possible(nodes, engines, tp, ranks):
+    possible = engines <= sum(n // tp for n in nodes) and engines * tp + ranks <= sum(nodes)
+    try:
+        plan = plan_placement(nodes, num_engines=engines, tp_size=tp, trainer_ranks=ranks)
+    except PlacementError as exc:
+        assert not possible, f"no plan for {nodes}, {engines}x{tp} + {ranks}: {exc}"
+        assert "\n" not in str(exc)
+        return
+    assert possible
+    devices = _devices(plan)
+    assert len(devices) == len(set(devices)) == engines * tp + ranks
+    assert all(gpu < nodes[node] for node, gpu in devices)
+    for slot in plan.engines:
+        assert len(slot.gpus) == tp
+        assert list(slot.gpus) == list(range(slot.gpus[0], slot.gpus[0] + tp))  # contiguous block
+
+
+def test_too_few_gpus_names_what_is_missing():
+    with pytest.raises(PlacementError, match=r"needs 12 GPUs \(4 engines x tp 2 \+ 4 trainer ranks\).*has 8: 4 GPU"):
+        plan_placement([8], num_engines=4, tp_size=2, trainer_ranks=4)
+
+
+def test_enough_gpus_in_total_but_no_node_fits_a_tp_block():
+    # 2 nodes x 4 GPUs hold one block of 3 each: a third engine of tp 3 has no node, though 9 > 8 is not the issue.
+    with pytest.raises(PlacementError, match="engine 2 needs 3 GPUs on one node"):
+        plan_placement([4, 4, 1], num_engines=3, tp_size=3, trainer_ranks=0)
+
+
+def test_engines_go_where_their_block_fits_and_the_trainer_takes_the_rest():
+    plan = plan_placement([2, 4], num_engines=1, tp_size=4, trainer_ranks=2)
+    assert (plan.engines[0].node, plan.engines[0].gpus) == (1, (0, 1, 2, 3))
+    assert [(s.node, s.gpus) for s in plan.trainer] == [(0, (0,)), (0, (1,))]
+
+
+def test_describe_lists_every_slot_and_idle_gpus():
+    lines = plan_placement([8], num_engines=2, tp_size=2, trainer_ranks=2).describe()
+    assert lines[0] == "engine 0: node 0 GPU 0,1"
+    assert lines[-1] == "6 of 8 GPUs used, 2 idle"
+
+
+# --- the `plan` command ----------------------------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+GPU_CONFIG = REPO / "config" / "fully_async_ppo_trainer.yaml"
+
+
+def test_plan_prints_every_engine_command_with_its_own_gpus(capsys):
+    from rllm.experimental.fully_async import plan
+
+    code = plan.main(
+        [
+            "--config",
+            str(GPU_CONFIG),
+            "--gpus-per-node",
+            "8",
+            "engines.num_engines=2",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+            "trainer.n_gpus_per_node=1",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "engine 0: node 0 GPU 0,1" in out and "engine 1: node 0 GPU 2,3" in out
+    assert "trainer 0: node 0 GPU 7" in out
+    engine_lines = [line for line in out.splitlines() if "sglang.launch_server" in line]
+    assert len(engine_lines) == 2
+    assert engine_lines[1].lstrip().startswith("engine 1 on node 0: CUDA_VISIBLE_DEVICES=2,3 ")
+    assert "--tp-size 2" in engine_lines[1]
+
+
+def test_plan_says_in_one_line_what_is_missing(capsys):
+    from rllm.experimental.fully_async import plan
+
+    code = plan.main(
+        ["--config", str(GPU_CONFIG), "--gpus-per-node", "2", "engines.num_engines=4", "trainer.n_gpus_per_node=1"]
+    )
+    err = capsys.readouterr().err.strip()
+    assert code == 1
+    assert len(err.splitlines()) == 1
+    assert "needs 5 GPUs" in err and "3 GPU(s) missing" in err
+
+
+def test_plan_of_the_cpu_default_needs_no_gpu(capsys):
+    from rllm.experimental.fully_async import plan
+
+    assert plan.main([]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("CPU run: 2 embedded engine process(es)")
+    assert out.count("engines.embedded_server") == 2
