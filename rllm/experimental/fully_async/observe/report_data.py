@@ -9,6 +9,7 @@ error, so old runs and runs of other configurations still draw.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -147,10 +148,11 @@ def staleness_histograms(run: RunRecords, ranges: int = 4) -> list[StalenessBuck
     rows = [r for r in run.records if any(k.startswith(STALENESS_HIST_PREFIX) for k in r) and _is_number(r.get("step"))]
     if not rows:
         return []
-    size = max(1, math.ceil(len(rows) / ranges))
+    # `ranges` near-equal consecutive slices (fewer when there are fewer steps than ranges).
+    bounds = sorted({round(i * len(rows) / ranges) for i in range(ranges + 1)})
     buckets = []
-    for start in range(0, len(rows), size):
-        chunk = rows[start : start + size]
+    for start, stop in itertools.pairwise(bounds):
+        chunk = rows[start:stop]
         counts: dict[int, float] = {}
         for r in chunk:
             for key, value in r.items():

@@ -52,13 +52,13 @@ def _color(index: int) -> str:
 
 def draw_lines(ax, runs: Sequence[RunRecords], lines: Sequence[Line], x: str, ylabel: str) -> None:
     """Each line for each run; a run (or every run) lacking a line gets the NOT_RECORDED note on the axes."""
-    missing: list[str] = []
+    missing: dict[str, list[str]] = {}
     drew = False
     for i, run in enumerate(runs):
         for line in lines:
             xs, ys = line.get(run, x)
             if not xs:
-                missing.append(f"{line.name} ({run.label})" if len(runs) > 1 else line.name)
+                missing.setdefault(run.label, []).append(line.name)
                 continue
             label = f"{run.label}: {line.name}" if len(lines) > 1 else run.label
             marker = "o" if len(xs) <= 12 else None  # sparse series (validation) would vanish as bare lines
@@ -70,16 +70,22 @@ def draw_lines(ax, runs: Sequence[RunRecords], lines: Sequence[Line], x: str, yl
     if drew:
         ax.legend(fontsize=7, loc="best")
     if missing:
-        _note(ax, f"{NOT_RECORDED}: " + ", ".join(missing), centred=not drew)
+        what = [
+            f"{label}: {', '.join(names)}" if len(runs) > 1 else ", ".join(names) for label, names in missing.items()
+        ]
+        _note(ax, f"{NOT_RECORDED}: " + "; ".join(what), centred=not drew)
 
 
 def _note(ax, text: str, centred: bool) -> None:
+    # Out of the layout: a long note (long run paths) would otherwise make constrained layout shrink the axes away.
     if centred:
-        ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", fontsize=9, wrap=True)
+        note = ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", fontsize=9, wrap=True)
         ax.set_xticks([])
         ax.set_yticks([])
     else:
-        ax.text(0.01, 0.01, text, transform=ax.transAxes, ha="left", va="bottom", fontsize=7, color="dimgray")
+        note = ax.text(0.01, 0.01, text, transform=ax.transAxes, ha="left", va="bottom", fontsize=7, color="dimgray",
+                       wrap=True)  # fmt: skip
+    note.set_in_layout(False)
 
 
 def _figure(cols: int = 2, rows: int = 1, height: float = 3.4) -> tuple[Figure, list]:
