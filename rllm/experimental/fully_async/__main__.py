@@ -1,4 +1,5 @@
-"""Command line: `python -m rllm.experimental.fully_async [train|doctor] [--config FILE] [key=value ...]`.
+"""Command line: `python -m rllm.experimental.fully_async [train|doctor] [--config FILE] [key=value ...]`,
+`... report RUN_DIR [RUN_DIR ...] [--out FILE]`.
 
 With no arguments it trains the embedded default (config/tiny_cpu.yaml): a tiny model learning 2-digit
 addition on CPU with fully-async GRPO. Exit codes: 0 success, 1 the run failed, 2 bad configuration or usage.
@@ -23,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m rllm.experimental.fully_async",
         usage="%(prog)s [train|doctor] [--config FILE] [key=value ...]",
-        description="Fully-asynchronous PPO on verl 0.7.1. Commands: train (default), doctor.",
+        description="Fully-asynchronous PPO on verl 0.7.1. Commands: train (default), doctor, report RUN_DIR...",
     )
     parser.add_argument("--config", default=None, help=f"YAML config (default: {DEFAULT_CONFIG})")
     return parser
@@ -44,6 +45,10 @@ def parse_command_line(argv: list[str]) -> tuple[str, str | None, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["report"]:  # its own arguments (run directories), no config: see observe/report.py
+        from rllm.experimental.fully_async.observe.report import main as report_main
+
+        return report_main(argv[1:])
     command, config_file, overrides = parse_command_line(argv)
     if command == "doctor":
         from rllm.experimental.fully_async.doctor import run_doctor

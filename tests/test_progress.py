@@ -1,0 +1,93 @@
+"""Live progress: plain lines without escape codes off a terminal, a rich bar with ETA and figures on one."""
+
+from __future__ import annotations
+
+import io
+import re
+
+from rich.console import Console
+
+from rllm.experimental.fully_async.observe.progress import Progress, format_duration
+
+STEP = {
+    "reward/mean": 0.25,
+    "staleness/mean": 0.5,
+    "staleness/max": 1.0,
+    "rollout/tokens_per_s": 12000.0,
+    "batch/tokens": 2000.0,
+    "timing/step_s": 0.5,
+    "trainer/idle_frac": 0.1,
+}
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _plain() -> tuple[Progress, io.StringIO, FakeClock]:
+    out, clock = io.StringIO(), FakeClock()
+    console = Console(file=out, force_terminal=False, width=200)
+    return Progress(10, console, clock=clock), out, clock
+
+
+def test_plain_mode_prints_one_line_per_step_with_eta_and_figures():
+    progress, out, clock = _plain()
+    progress.update(1, {**STEP, "val/accuracy": 0.434})
+    clock.now += 4.0
+    progress.update(3, STEP)
+    progress.message("checkpoint saved")
+    progress.close()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 3
+    assert lines[0].startswith("step    1/10  elapsed 0:00  reward 0.250  val 43.4%  stale 0.50  max 1")
+    assert "ETA" not in lines[0]  # no pace yet
+    # 2 steps in 4 s, 7 to go: 14 s. Held-out accuracy stays shown until the next validation.
+    assert lines[1].startswith("step    3/10  elapsed 0:04  ETA 0:14  reward 0.250  val 43.4%")
+    assert "gen 12,000 tok/s  train 4,000 tok/s  idle 10%" in lines[1]
+    assert lines[2] == "checkpoint saved"
+    assert "\x1b" not in out.getvalue()
+
+
+def test_plain_mode_drops_figures_a_step_did_not_report():
+    progress, out, _ = _plain()
+    progress.update(1, {"reward/mean": 0.5, "staleness/mean": 1.0})
+    progress.update(2, {"reward/mean": 0.4})
+    assert "stale" not in out.getvalue().splitlines()[1]
+    assert "tok/s" not in out.getvalue()
+
+
+def test_plain_mode_without_a_total_shows_no_eta():
+    out = io.StringIO()
+    progress = Progress(None, Console(file=out, force_terminal=False), clock=FakeClock())
+    progress.update(1, STEP)
+    progress.update(2, STEP)
+    assert out.getvalue().splitlines()[1].startswith("step    2/?  elapsed 0:00  reward")
+    assert "ETA" not in out.getvalue()
+
+
+def test_terminal_mode_draws_a_bar_with_eta_and_figures_and_messages_above_it():
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=160, color_system="standard")
+    progress = Progress(10, console)
+    progress.update(1, {**STEP, "val/accuracy": 0.5})
+    progress.message("validation at version 1")
+    progress.update(5, STEP)
+    progress.close()
+    raw = out.getvalue()
+    assert "\x1b[" in raw  # a live display: cursor control and colour
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", raw)
+    assert "validation at version 1" in text
+    final = text.rstrip().splitlines()[-1]
+    assert "5/10" in final and "ETA" in final and "━" in final
+    assert "reward 0.250  val 50.0%  stale 0.50  max 1  gen 12,000 tok/s  train 4,000 tok/s" in final
+    assert progress._bar is None
+
+
+def test_duration_format():
+    assert format_duration(0) == "0:00"
+    assert format_duration(75.4) == "1:15"
+    assert format_duration(3725) == "1:02:05"
