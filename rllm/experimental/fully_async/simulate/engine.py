@@ -245,20 +245,27 @@ class Simulation:
             self._start_group()
 
     def _start_group(self) -> None:
+        """Start one group: each sample goes to the engine with the fewest requests (running + waiting)."""
         group = _Group(self.n, accept=self.rng.random() >= self.cfg.pipeline.reject_fraction)
         self.running_samples += self.n
         limit = self.cfg.engine.max_running_requests
+        loads = [len(e.running) + len(e.waiting) for e in self.engines]
+        touched = set()
         for _ in range(self.n):
             request = _Request(group, self.cfg.lengths.sample(self.rng))
-            index = min(range(len(self.engines)), key=lambda i: len(self.engines[i].running) + len(self.engines[i].waiting))
+            index = loads.index(min(loads))
+            loads[index] += 1
             engine = self.engines[index]
-            self._advance(engine)
+            if index not in touched:
+                self._advance(engine)
+                touched.add(index)
             rid, self.next_rid = self.next_rid, self.next_rid + 1
             if len(engine.running) < limit and not engine.waiting:
                 self._admit(engine, rid, request)
-                self._schedule(index)
             else:
                 engine.waiting.append((rid, request))
+        for index in sorted(touched):
+            self._schedule(index)
 
     def _flush(self) -> None:
         self._move_outbox()
