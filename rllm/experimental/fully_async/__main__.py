@@ -44,6 +44,10 @@ def parse_command_line(argv: list[str]) -> tuple[str, str | None, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["simulate"]:  # its own options (--from, --gpus): see simulate/cli.py
+        from rllm.experimental.fully_async.simulate.cli import main as simulate_main
+
+        return simulate_main(argv[1:])
     command, config_file, overrides = parse_command_line(argv)
     if command == "doctor":
         from rllm.experimental.fully_async.doctor import run_doctor

@@ -108,8 +108,11 @@ def _linear_fit(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
     return 0.0, sum(y) / max(sum(x), 1e-12)
 
 
-def fit_generation(cfg: SimConfig, target_wait_s: float, iterations: int = 16) -> SimConfig:
-    """Set engine.peak_tokens_per_s so the simulated trainer waits `target_wait_s` over steps 2..N."""
+def fit_generation(
+    cfg: SimConfig, target_wait_s: float, iterations: int = 16, bracket: tuple[float, float] = (1e-2, 1e10)
+) -> SimConfig:
+    """Set engine.peak_tokens_per_s (searched in `bracket`, tokens/s per engine) so the simulated trainer waits
+    `target_wait_s` over steps 2..N. 16 halvings of the default bracket's log range: 0.04%."""
     ratio = cfg.engine.peak_tokens_per_s / cfg.engine.single_tokens_per_s  # the curve's shape is kept
 
     def wait_at(log_peak: float) -> float:
@@ -118,7 +121,7 @@ def fit_generation(cfg: SimConfig, target_wait_s: float, iterations: int = 16) -
         trial.engine.single_tokens_per_s = trial.engine.peak_tokens_per_s / ratio
         return sum(simulate(trial).step_wait_s[1:])
 
-    low, high = math.log(1e-2), math.log(1e10)  # tokens/s per engine; 16 halvings of this range: 0.04%
+    low, high = math.log(bracket[0]), math.log(bracket[1])
     for _ in range(iterations):
         mid = (low + high) / 2
         if wait_at(mid) > target_wait_s:

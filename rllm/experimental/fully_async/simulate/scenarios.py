@@ -39,7 +39,7 @@ def build_config(base: SimConfig, layers: list[Mapping[str, Any]]) -> SimConfig:
         try:
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as exc:
-            raise ScenarioError(f"simulate: {_first_line(exc)}") from exc
+            raise ScenarioError(_first_line(exc)) from exc
     cfg = OmegaConf.to_object(merged)
     assert isinstance(cfg, SimConfig)
     try:
