@@ -6,8 +6,8 @@ Pure: takes the parsed step rows (the CLI reads the file). What each model is fi
 - trainer: per step, work = interval − `timing/wait_batch_s` − `sync/total_s`, where the interval is the time
   between this step's log line and the previous one (`time`; `timing/step_s` when there is no `time`), so the
   driver's own time between steps (metrics, progress, checkpoints) counts as trainer work, as it delays the next
-  batch request the same way; regressed on `batch/tokens` by least squares (work = fixed_s + per_token_s · tokens); when the
-  token counts hardly vary (or the slope comes out negative) the slope is not identifiable and the fit is
+  batch request the same way; regressed on `batch/tokens` by least squares (work = fixed_s + per_token_s · tokens);
+  when the token counts hardly vary (or the slope comes out negative) the slope is not identifiable and the fit is
   per_token_s = Σ work / Σ tokens, fixed_s = 0;
 - response lengths: mean = mean of `response_length/mean`; max = the run's data.max_response_length; the log-space
   sigma is not in the metrics and stays as configured (simulate.lengths.sigma);
@@ -22,6 +22,7 @@ Pure: takes the parsed step rows (the CLI reads the file). What each model is fi
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import statistics
 from collections.abc import Mapping, Sequence
@@ -82,7 +83,7 @@ def fit_trainer_sync_lengths(base: SimConfig, rows: Sequence[Mapping[str, Any]])
     tokens = [float(r["batch/tokens"]) for r in rows]
     intervals = [float(r["timing/step_s"]) for r in rows]
     if all("time" in r for r in rows):
-        intervals[1:] = [float(b["time"]) - float(a["time"]) for a, b in zip(rows, rows[1:], strict=False)]
+        intervals[1:] = [float(b["time"]) - float(a["time"]) for a, b in itertools.pairwise(rows)]
     work = [
         max(interval - float(r["timing/wait_batch_s"]) - float(r.get("sync/total_s", 0.0)), 0.0)
         for interval, r in zip(intervals, rows, strict=True)

@@ -66,8 +66,10 @@ def _run(args: argparse.Namespace) -> int:
             raise ScenarioError(f"unexpected argument {item!r}: overrides are key=value")
     sim_overrides = [o for o in args.overrides if o.startswith("simulate.")]
     project_overrides = [o for o in args.overrides if not o.startswith("simulate.")]
+    sim_layer = parse_overrides(sim_overrides)
+    build_config(SimConfig(), [sim_layer])  # a bad simulate key fails here, before any config file is read
     layers, published, source, fit = _inputs(args, project_overrides)
-    cfg = build_config(SimConfig(), [*layers, parse_overrides(sim_overrides)])
+    cfg = build_config(SimConfig(), [*layers, sim_layer])
     if fit is not None:
         # Re-fit on top of the overrides, so that e.g. simulate.lengths.sigma takes part in the fit.
         fit = calibrate(cfg, fit)
@@ -150,7 +152,8 @@ def _print_sweep(cfg: SimConfig, gpus: int) -> None:
     for s in splits:
         r = s.result
         print(
-            f"    {s.rollout_gpus:>4}:{s.trainer_gpus:<4} wall {r.wall_s:>10.1f}s  trainer idle {r.trainer_idle_frac:>6.1%}"
+            f"    {s.rollout_gpus:>4}:{s.trainer_gpus:<4} wall {r.wall_s:>10.1f}s"
+            f"  trainer idle {r.trainer_idle_frac:>6.1%}"
             f"  engine idle {r.engine_idle_frac:>6.1%}  speedup {colocated.wall_s / r.wall_s:.2f}x"
         )
     best = best_split(splits)
@@ -159,7 +162,10 @@ def _print_sweep(cfg: SimConfig, gpus: int) -> None:
 
 def _print_published(cfg: SimConfig, published: dict) -> None:
     print(f"  published: {published.get('source', '')}")
-    print(f"  {'GPUs':>6}{'split':>9}{'predicted':>11}{'published':>11}{'error':>9}{'trainer idle':>14}{'engine idle':>13}")
+    print(
+        f"  {'GPUs':>6}{'split':>9}{'predicted':>11}{'published':>11}{'error':>9}"
+        f"{'trainer idle':>14}{'engine idle':>13}"
+    )
     for p in predict_published(cfg, published):
         r = p.async_result
         print(

@@ -75,7 +75,7 @@ class SimResult:
 
 
 class _Group:
-    __slots__ = ("accept", "min_version", "remaining", "tokens", "mixed")
+    __slots__ = ("accept", "min_version", "mixed", "remaining", "tokens")
 
     def __init__(self, n: int, accept: bool) -> None:
         self.remaining = n
@@ -86,7 +86,7 @@ class _Group:
 
 
 class _Request:
-    __slots__ = ("group", "length", "target", "start", "version")
+    __slots__ = ("group", "length", "start", "target", "version")
 
     def __init__(self, group: _Group, length: int) -> None:
         self.group, self.length = group, length
@@ -117,7 +117,12 @@ class Simulation:
         check(cfg)
         self.cfg = cfg
         p = cfg.pipeline
-        self.R, self.n, self.K, self.eta = p.required_samples, p.samples_per_prompt, p.trigger_parameter_sync_step, p.max_staleness
+        self.R, self.n, self.K, self.eta = (
+            p.required_samples,
+            p.samples_per_prompt,
+            p.trigger_parameter_sync_step,
+            p.max_staleness,
+        )
         self.manager = StalenessManager(batch_groups=self.R * self.K, max_staleness=self.eta)
         self.rng = random.Random(cfg.seed)
         self.engines = [_Engine() for _ in range(p.num_engines)]

@@ -23,7 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from rllm.experimental.fully_async.core.staleness import check_sync_interval
 from rllm.experimental.fully_async.simulate.engine import SimResult, simulate
-from rllm.experimental.fully_async.simulate.model import Pipeline, SimConfig, check
+from rllm.experimental.fully_async.simulate.model import SimConfig, check
 
 SCENARIO_KEYS = frozenset({"description", "simulate", "published"})
 
@@ -108,7 +108,9 @@ def with_gpus(cfg: SimConfig, rollout_gpus: int, trainer_gpus: int, *, separated
     if out.pipeline.max_concurrent_rollouts is not None:
         # The concurrency cap is per deployment: keep it per engine.
         per_engine = cfg.pipeline.max_concurrent_rollouts / cfg.pipeline.num_engines
-        out.pipeline.max_concurrent_rollouts = max(cfg.pipeline.samples_per_prompt, round(per_engine * out.pipeline.num_engines))
+        out.pipeline.max_concurrent_rollouts = max(
+            cfg.pipeline.samples_per_prompt, round(per_engine * out.pipeline.num_engines)
+        )
     return out
 
 
