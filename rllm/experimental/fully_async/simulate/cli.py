@@ -69,11 +69,14 @@ def _run(args: argparse.Namespace) -> int:
     sim_layer = parse_overrides(sim_overrides)
     build_config(SimConfig(), [sim_layer])  # a bad simulate key fails here, before any config file is read
     layers, published, source, fit = _inputs(args, project_overrides)
-    cfg = build_config(SimConfig(), [*layers, sim_layer])
     if fit is not None:
-        # Re-fit on top of the overrides, so that e.g. simulate.lengths.sigma takes part in the fit.
-        fit = calibrate(cfg, fit)
-        cfg = fit.cfg
+        # Fit with the run's own pipeline (model overrides such as simulate.lengths.sigma take part in the fit),
+        # then apply simulate.pipeline.* overrides: "what if this run had used eta=2".
+        what_if = {"pipeline": sim_layer.pop("pipeline")} if "pipeline" in sim_layer else {}
+        fit = calibrate(build_config(SimConfig(), [*layers, sim_layer]), fit)
+        cfg = build_config(fit.cfg, [what_if])
+    else:
+        cfg = build_config(SimConfig(), [*layers, sim_layer])
     print(f"simulate: {source}")
     p = cfg.pipeline
     print(
@@ -88,9 +91,9 @@ def _run(args: argparse.Namespace) -> int:
     _print_modes(results, startup)
     if fit is not None:
         m = fit.measured
-        predicted = results["configured"].wall_s + startup
+        predicted = run_checked(fit.cfg).wall_s + startup
         print(
-            f"  measured run: wall {m.wall_s:.1f}s, trainer idle {m.idle_frac:.1%}; predicted {predicted:.1f}s "
+            f"  measured run: wall {m.wall_s:.1f}s, trainer idle {m.idle_frac:.1%}; predicted for it {predicted:.1f}s "
             f"({predicted / m.wall_s - 1:+.1%}); fitted engine peak {cfg.engine.peak_tokens_per_s:.0f} tokens/s, "
             f"trainer {cfg.trainer.fixed_s:.3f}s + {cfg.trainer.per_token_s * 1e3:.4f}ms/token, "
             f"sync {cfg.sync.total_s:.3f}s (pause {cfg.sync.pause_s:.3f}s), start-up {startup:.2f}s"
