@@ -49,6 +49,14 @@ def main(argv: list[str] | None = None) -> int:
         from rllm.experimental.fully_async.observe.report import main as report_main
 
         return report_main(argv[1:])
+    if argv[:1] == ["simulate"]:  # its own options (--from, --gpus): see simulate/cli.py
+        from rllm.experimental.fully_async.simulate.cli import main as simulate_main
+
+        return simulate_main(argv[1:])
+    if argv[:1] == ["plan"]:  # its own options (--gpus-per-node, --nodes): see plan.py
+        from rllm.experimental.fully_async.plan import main as plan_main
+
+        return plan_main(argv[1:])
     command, config_file, overrides = parse_command_line(argv)
     if command == "doctor":
         from rllm.experimental.fully_async.doctor import run_doctor

@@ -1,0 +1,144 @@
+"""Fit the timing models to a finished run's metrics.jsonl rows, then predict its wall time.
+
+Pure: takes the parsed step rows (the CLI reads the file). What each model is fitted from:
+- weight sync: `sync/total_s` and `sync/pause_s`, means over the steps that synced (means, not medians: the wall
+  time is a sum, and on a busy machine these times are heavy-tailed);
+- trainer: per step, work = interval − `timing/wait_batch_s` − `sync/total_s`, where the interval is the time
+  between this step's log line and the previous one (`time`; `timing/step_s` when there is no `time`), so the
+  driver's own time between steps (metrics, progress, checkpoints) counts as trainer work, as it delays the next
+  batch request the same way; regressed on `batch/tokens` by least squares (work = fixed_s + per_token_s · tokens);
+  when the token counts hardly vary (or the slope comes out negative) the slope is not identifiable and the fit is
+  per_token_s = Σ work / Σ tokens, fixed_s = 0;
+- response lengths: mean = mean of `response_length/mean`; max = the run's data.max_response_length; the log-space
+  sigma is not in the metrics and stays as configured (simulate.lengths.sigma);
+- generation throughput is not logged: it is inferred from the trainer's waits. The engines' peak tokens/s is the
+  value at which the simulated trainer, fed by simulated engines, waits as long in total (steps 2..N) as the real
+  one did: bisection on log(peak), the simulated wait being decreasing in the peak. Step 1 is left out of the fit
+  because it also holds one-off start-up costs (first forward passes, caches); its excess over the simulated
+  step-1 wait is added to predictions as `startup_s`. A run where the trainer hardly ever waited (trainer-bound)
+  only bounds the throughput from below; the fit then returns the smallest peak that reproduces the small wait.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rllm.experimental.fully_async.simulate.engine import simulate
+from rllm.experimental.fully_async.simulate.model import SimConfig
+
+
+class CalibrationError(ValueError):
+    """The metrics cannot support a fit (too few steps, missing columns)."""
+
+
+@dataclass(frozen=True)
+class RunFigures:
+    """What was measured in the run."""
+
+    steps: int
+    wall_s: float  # first step's start to the last step's end (as tests/bench/_runs.py measures it)
+    wait_s: float  # total trainer wait, steps 2..N
+    first_wait_s: float
+    idle_frac: float  # total wait / wall
+
+
+@dataclass(frozen=True)
+class Fit:
+    cfg: SimConfig
+    measured: RunFigures
+    startup_s: float  # measured step-1 wait beyond the simulated one
+
+
+def step_rows(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    return [r for r in records if "trainer/step" in r and "timing/step_s" in r]
+
+
+def measure(rows: Sequence[Mapping[str, Any]]) -> RunFigures:
+    if len(rows) < 3:
+        raise CalibrationError(f"metrics.jsonl has {len(rows)} training steps; at least 3 are needed to fit")
+    if "time" in rows[0]:
+        wall = float(rows[-1]["time"]) - (float(rows[0]["time"]) - float(rows[0]["timing/step_s"]))
+    else:
+        wall = sum(float(r["timing/step_s"]) for r in rows)
+    waits = [float(r.get("timing/wait_batch_s", 0.0)) for r in rows]
+    return RunFigures(len(rows), wall, sum(waits[1:]), waits[0], sum(waits) / wall if wall > 0 else 0.0)
+
+
+def fit_trainer_sync_lengths(base: SimConfig, rows: Sequence[Mapping[str, Any]]) -> SimConfig:
+    """The models measured directly (see the module docstring), on a copy of `base`."""
+    cfg = copy.deepcopy(base)
+    synced = [r for r in rows if "sync/total_s" in r]
+    if synced:
+        cfg.sync.total_s = statistics.fmean(float(r["sync/total_s"]) for r in synced)
+        cfg.sync.pause_s = min(cfg.sync.total_s, statistics.fmean(float(r.get("sync/pause_s", 0.0)) for r in synced))
+    missing = [k for k in ("batch/tokens", "timing/wait_batch_s") if k not in rows[-1]]
+    if missing:
+        raise CalibrationError(f"metrics.jsonl lacks the column {missing[0]!r} needed to fit the trainer")
+    tokens = [float(r["batch/tokens"]) for r in rows]
+    intervals = [float(r["timing/step_s"]) for r in rows]
+    if all("time" in r for r in rows):
+        intervals[1:] = [float(b["time"]) - float(a["time"]) for a, b in itertools.pairwise(rows)]
+    work = [
+        max(interval - float(r["timing/wait_batch_s"]) - float(r.get("sync/total_s", 0.0)), 0.0)
+        for interval, r in zip(intervals, rows, strict=True)
+    ]
+    cfg.trainer.fixed_s, cfg.trainer.per_token_s = _linear_fit(tokens[1:], work[1:])
+    cfg.trainer.reference_gpus, cfg.trainer_gpus = 1, None
+    lengths = [float(r["response_length/mean"]) for r in rows if "response_length/mean" in r]
+    if lengths:
+        cfg.lengths.mean_tokens = max(1.0, statistics.fmean(lengths))
+    cfg.steps = len(rows)
+    return cfg
+
+
+def _linear_fit(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
+    """(intercept, slope) of y on x, falling back to a pure slope through 0 when x hardly varies."""
+    mean_x, mean_y = statistics.fmean(x), statistics.fmean(y)
+    var_x = statistics.pvariance(x)
+    if mean_x > 0 and math.sqrt(var_x) / mean_x > 0.05:
+        slope = sum((a - mean_x) * (b - mean_y) for a, b in zip(x, y, strict=True)) / (var_x * len(x))
+        intercept = mean_y - slope * mean_x
+        if slope > 0 and intercept >= 0:
+            return intercept, slope
+    return 0.0, sum(y) / max(sum(x), 1e-12)
+
+
+def fit_generation(
+    cfg: SimConfig, target_wait_s: float, iterations: int = 16, bracket: tuple[float, float] = (1e-2, 1e10)
+) -> SimConfig:
+    """Set engine.peak_tokens_per_s (searched in `bracket`, tokens/s per engine) so the simulated trainer waits
+    `target_wait_s` over steps 2..N. 16 halvings of the default bracket's log range: 0.04%."""
+    ratio = cfg.engine.peak_tokens_per_s / cfg.engine.single_tokens_per_s  # the curve's shape is kept
+
+    def wait_at(log_peak: float) -> float:
+        trial = copy.deepcopy(cfg)
+        trial.engine.peak_tokens_per_s = math.exp(log_peak)
+        trial.engine.single_tokens_per_s = trial.engine.peak_tokens_per_s / ratio
+        return sum(simulate(trial).step_wait_s[1:])
+
+    low, high = math.log(bracket[0]), math.log(bracket[1])
+    for _ in range(iterations):
+        mid = (low + high) / 2
+        if wait_at(mid) > target_wait_s:
+            low = mid  # engines too slow
+        else:
+            high = mid
+    out = copy.deepcopy(cfg)
+    out.engine.peak_tokens_per_s = math.exp(high)
+    out.engine.single_tokens_per_s = out.engine.peak_tokens_per_s / ratio
+    return out
+
+
+def calibrate(base: SimConfig, records: Sequence[Mapping[str, Any]]) -> Fit:
+    """Fit every model to the run (base carries the run's pipeline) and return the fitted config."""
+    rows = step_rows(records)
+    measured = measure(rows)
+    cfg = fit_generation(fit_trainer_sync_lengths(base, rows), measured.wait_s)
+    first_sim = simulate(cfg).step_wait_s[0]
+    return Fit(cfg, measured, max(0.0, measured.first_wait_s - first_sim))

@@ -1,0 +1,385 @@
+"""The discrete-event loop: engines, executor, queue, trainer and weight syncs on one simulated clock.
+
+Pure: no Ray, asyncio, threads or files; deterministic for a seed (one `random.Random`, ties broken by event order).
+The scheduling decisions are the runtime's own pure functions, called exactly where the runtime calls them:
+- a group starts only while `StalenessManager.capacity(version) > 0` and the running samples leave room for one
+  more group (`RolloutExecutor._can_start`); the manager is built as the runtime builds it (`runtime/actors.py`):
+  B = required_samples · K groups per version, η = max_staleness;
+- finished groups go through `on_finish(accepted)`, the trainer takes `required_samples` groups oldest first
+  (`MessageQueue.get_batch`), drops what `split_by_staleness` calls too stale (`on_discarded`) and asks again, and
+  reports the trained ones (`on_consumed`) after the update (`FullyAsyncTrainer`);
+- every K-th step ends with a weight sync that bumps the version by one (`core/staleness.py`'s unit).
+Partial rollouts: with `partial_rollout` a sync pauses the engines, and running requests continue with the new
+weights, so their later tokens carry the new version (a sample's oldest token keeps its start version); without
+it the sync waits until the running requests have finished and no new group starts meanwhile (verl's mode without
+partial rollout). Generation itself is modelled in `model.py`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from rllm.experimental.fully_async.core.staleness import StalenessManager, split_by_staleness
+from rllm.experimental.fully_async.simulate.model import SimConfig, check
+
+_EPS = 1e-9
+
+
+@dataclass
+class SimResult:
+    """What one simulation measured. Times in simulated seconds."""
+
+    wall_s: float
+    steps: int
+    syncs: int
+    trainer_wait_s: float  # blocked waiting for a batch
+    trainer_sync_s: float  # in weight syncs
+    engine_busy_s: float  # sum over engines of time with >= 1 request decoding
+    engine_paused_s: float  # sum over engines of time paused for a sync
+    num_engines: int
+    tokens_generated: int  # tokens of finished samples (kept, rejected or dropped)
+    tokens_trained: int
+    staleness: dict[int, int]  # trained groups by staleness (trainer version - oldest token version)
+    dropped_stale_groups: int
+    mixed_version_samples: int  # trained samples whose tokens span more than one version
+    step_end_s: list[float] = field(default_factory=list)
+    step_wait_s: list[float] = field(default_factory=list)
+    trace: list[tuple[Any, ...]] = field(default_factory=list)  # policy inputs and outputs, when asked for
+
+    @property
+    def trainer_idle_frac(self) -> float:
+        return self.trainer_wait_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def engine_idle_frac(self) -> float:
+        """Share of engine time with nothing decoding (sync pauses count as idle)."""
+        total = self.wall_s * self.num_engines
+        return 1.0 - self.engine_busy_s / total if total > 0 else 0.0
+
+    @property
+    def generated_tokens_per_s(self) -> float:
+        return self.tokens_generated / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def trained_tokens_per_s(self) -> float:
+        return self.tokens_trained / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def mean_staleness(self) -> float:
+        n = sum(self.staleness.values())
+        return sum(k * v for k, v in self.staleness.items()) / n if n else 0.0
+
+
+class _Group:
+    __slots__ = ("accept", "min_version", "mixed", "remaining", "tokens")
+
+    def __init__(self, n: int, accept: bool) -> None:
+        self.remaining = n
+        self.accept = accept
+        self.min_version: int | None = None  # read by split_by_staleness, as TrajectoryGroup.min_version
+        self.tokens = 0
+        self.mixed = 0
+
+
+class _Request:
+    __slots__ = ("group", "length", "start", "target", "version")
+
+    def __init__(self, group: _Group, length: int) -> None:
+        self.group, self.length = group, length
+        self.target = self.start = 0.0
+        self.version: int | None = None  # version of its first token
+
+
+class _Engine:
+    """Processor sharing: every running request advances `progress` tokens; one finishes at its `target`."""
+
+    def __init__(self) -> None:
+        self.progress = 0.0
+        self.last_t = 0.0
+        self.running: dict[int, _Request] = {}
+        self.heap: list[tuple[float, int]] = []
+        self.waiting: deque[tuple[int, _Request]] = deque()
+        self.paused = False
+        self.epoch = 0
+        self.busy_s = 0.0
+        self.paused_s = 0.0
+        self.version = 0
+
+
+class Simulation:
+    """One run of the pipeline. `run()` returns a SimResult; build a new one per run."""
+
+    def __init__(self, cfg: SimConfig, *, trace: bool = False) -> None:
+        check(cfg)
+        self.cfg = cfg
+        p = cfg.pipeline
+        self.R, self.n, self.K, self.eta = (
+            p.required_samples,
+            p.samples_per_prompt,
+            p.trigger_parameter_sync_step,
+            p.max_staleness,
+        )
+        self.manager = StalenessManager(batch_groups=self.R * self.K, max_staleness=self.eta)
+        self.rng = random.Random(cfg.seed)
+        self.engines = [_Engine() for _ in range(p.num_engines)]
+        self.events: list[tuple[float, int, str, Any]] = []
+        self.seq = 0
+        self.t = 0.0
+        self.version = 0  # executor's and trainer's version (bumped when a sync completes)
+        self.running_samples = 0
+        self.next_rid = 0
+        self.queue: deque[_Group] = deque()
+        self.outbox: deque[_Group] = deque()  # finished, kept, waiting for queue space (back-pressure)
+        self.draining = False  # a sync without partial rollout is waiting for running requests
+        self.step = 0
+        self.fresh: list[_Group] = []
+        self.requested = 0
+        self.trainer_state = "wait"
+        self.wait_started = 0.0
+        self.step_wait = 0.0
+        self.sync_started = 0.0
+        self.trace: list[tuple[Any, ...]] | None = [] if trace else None
+        self.result = SimResult(0.0, 0, 0, 0.0, 0.0, 0.0, 0.0, p.num_engines, 0, 0, {}, 0, 0)
+
+    # ---- clock ------------------------------------------------------------------------------------------
+
+    def _push(self, at: float, kind: str, data: Any = None) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (at, self.seq, kind, data))
+
+    def run(self) -> SimResult:
+        self._try_start()
+        self._trainer_poll()
+        while self.trainer_state != "done":
+            if not self.events:
+                raise RuntimeError(f"simulation stalled at t={self.t:.3f}s, step {self.step}: no event pending")
+            at, _, kind, data = heapq.heappop(self.events)
+            self.t = at
+            getattr(self, f"_on_{kind}")(data)
+        for engine in self.engines:
+            self._advance(engine)
+            self.result.engine_busy_s += engine.busy_s
+            self.result.engine_paused_s += engine.paused_s
+        r = self.result
+        r.wall_s, r.steps = self.t, self.step
+        r.trace = self.trace or []
+        return r
+
+    def _note(self, *event: Any) -> None:
+        if self.trace is not None:
+            self.trace.append(event)
+
+    # ---- engines -----------------------------------------------------------------------------------------
+
+    def _advance(self, engine: _Engine) -> None:
+        dt = self.t - engine.last_t
+        if engine.paused:
+            engine.paused_s += dt
+        elif engine.running:
+            engine.progress += dt * self.cfg.engine.per_request_rate(len(engine.running))
+            engine.busy_s += dt
+        engine.last_t = self.t
+
+    def _schedule(self, index: int) -> None:
+        engine = self.engines[index]
+        engine.epoch += 1
+        if engine.paused or not engine.running:
+            return
+        rate = self.cfg.engine.per_request_rate(len(engine.running))
+        self._push(self.t + max(engine.heap[0][0] - engine.progress, 0.0) / rate, "engine", (index, engine.epoch))
+
+    def _admit(self, engine: _Engine, rid: int, request: _Request) -> None:
+        request.start = engine.progress
+        request.target = engine.progress + request.length
+        request.version = engine.version
+        engine.running[rid] = request
+        heapq.heappush(engine.heap, (request.target, rid))
+
+    def _on_engine(self, data: tuple[int, int]) -> None:
+        index, epoch = data
+        engine = self.engines[index]
+        if epoch != engine.epoch:
+            return  # superseded: the engine's load changed after this event was scheduled
+        self._advance(engine)
+        done = []
+        while engine.heap and engine.heap[0][0] <= engine.progress + _EPS * max(1.0, engine.progress):
+            _, rid = heapq.heappop(engine.heap)
+            done.append(engine.running.pop(rid))
+        limit = self.cfg.engine.max_running_requests
+        while engine.waiting and len(engine.running) < limit:
+            self._admit(engine, *engine.waiting.popleft())
+        self._schedule(index)
+        for request in done:
+            self._finish_sample(request, engine.version)
+        self._maybe_sync_after_drain()
+        self._try_start()
+
+    def _finish_sample(self, request: _Request, engine_version: int) -> None:
+        group = request.group
+        self.result.tokens_generated += request.length
+        self.running_samples -= 1
+        group.tokens += request.length
+        version = engine_version if request.version is None else request.version
+        group.mixed += int(version != engine_version)  # a sync came between its first and last token
+        group.min_version = version if group.min_version is None else min(group.min_version, version)
+        group.remaining -= 1
+        if group.remaining:
+            return
+        self.manager.on_finish(accepted=group.accept)
+        self._note("finish", group.accept)
+        if group.accept:
+            self.outbox.append(group)
+            self._flush()
+
+    # ---- executor ----------------------------------------------------------------------------------------
+
+    def _try_start(self) -> None:
+        """RolloutExecutor._can_start, then start, until it says no."""
+        cap = self.cfg.pipeline.max_concurrent_rollouts
+        while not self.draining and (cap is None or self.running_samples + self.n <= cap):
+            capacity = self.manager.capacity(self.version)
+            self._note("capacity", self.version, capacity)
+            if capacity <= 0:
+                return
+            self.manager.on_start()
+            self._note("start")
+            self._start_group()
+
+    def _start_group(self) -> None:
+        """Start one group: each sample goes to the engine with the fewest requests (running + waiting)."""
+        group = _Group(self.n, accept=self.rng.random() >= self.cfg.pipeline.reject_fraction)
+        self.running_samples += self.n
+        limit = self.cfg.engine.max_running_requests
+        loads = [len(e.running) + len(e.waiting) for e in self.engines]
+        touched = set()
+        for _ in range(self.n):
+            request = _Request(group, self.cfg.lengths.sample(self.rng))
+            index = loads.index(min(loads))
+            loads[index] += 1
+            engine = self.engines[index]
+            if index not in touched:
+                self._advance(engine)
+                touched.add(index)
+            rid, self.next_rid = self.next_rid, self.next_rid + 1
+            if len(engine.running) < limit and not engine.waiting:
+                self._admit(engine, rid, request)
+            else:
+                engine.waiting.append((rid, request))
+        for index in sorted(touched):
+            self._schedule(index)
+
+    def _flush(self) -> None:
+        self._move_outbox()
+        self._trainer_poll()
+
+    def _move_outbox(self) -> None:
+        limit = self.cfg.pipeline.queue_max_groups
+        while self.outbox and (limit is None or len(self.queue) < limit):
+            self.queue.append(self.outbox.popleft())
+
+    # ---- trainer -----------------------------------------------------------------------------------------
+
+    def _trainer_poll(self) -> None:
+        """FullyAsyncTrainer.take_batch: get `need - fresh` oldest groups once that many are queued; drop stale."""
+        while self.trainer_state == "wait":
+            if not self.requested:
+                self.requested = self.R - len(self.fresh)
+            if len(self.queue) < self.requested:
+                return
+            got = [self.queue.popleft() for _ in range(self.requested)]
+            self.requested = 0
+            kept, stale = split_by_staleness(got, self.version, self.eta)  # type: ignore[arg-type]
+            self._note("split", self.version, tuple(g.min_version for g in got), len(stale))
+            self.fresh.extend(kept)
+            if stale:
+                self.manager.on_discarded(len(stale))
+                self.result.dropped_stale_groups += len(stale)
+            self._move_outbox()
+            if stale:
+                self._try_start()
+            if len(self.fresh) == self.R:
+                self._start_training()
+
+    def _start_training(self) -> None:
+        waited = self.t - self.wait_started
+        self.result.trainer_wait_s += waited
+        self.step_wait = waited
+        self.trainer_state = "train"
+        tokens = sum(g.tokens for g in self.fresh)
+        c = self.cfg
+        self._push(self.t + c.trainer.step_s(tokens, c.trainer_gpus, c.separated), "trained", tokens)
+
+    def _on_trained(self, tokens: int) -> None:
+        batch, self.fresh = self.fresh, []
+        self.step += 1
+        self.manager.on_consumed(len(batch))
+        self._note("consumed", len(batch))
+        r = self.result
+        r.tokens_trained += tokens
+        for group in batch:
+            staleness = self.version - (group.min_version or 0)
+            r.staleness[staleness] = r.staleness.get(staleness, 0) + 1
+            r.mixed_version_samples += group.mixed
+        r.step_wait_s.append(self.step_wait)
+        if self.step % self.K == 0:
+            self._note("sync", self.step, self.version + 1)
+            self.trainer_state = "sync"
+            self.sync_started = self.t
+            if self.cfg.pipeline.partial_rollout:
+                self._begin_pause()
+            else:
+                self.draining = True
+                self._maybe_sync_after_drain()
+            return
+        self._step_done()
+
+    def _step_done(self) -> None:
+        self.result.step_end_s.append(self.t)
+        if self.step >= self.cfg.steps:
+            self.trainer_state = "done"
+            return
+        self.trainer_state = "wait"
+        self.wait_started = self.t
+        self._trainer_poll()
+
+    # ---- weight sync -------------------------------------------------------------------------------------
+
+    def _maybe_sync_after_drain(self) -> None:
+        if self.draining and self.trainer_state == "sync" and self.running_samples == 0:
+            self._begin_pause()
+
+    def _begin_pause(self) -> None:
+        for engine in self.engines:
+            self._advance(engine)
+            engine.paused = True
+        for index in range(len(self.engines)):
+            self._schedule(index)  # cancels pending completions
+        self._push(self.t + self.cfg.sync.pause_s, "pause_end")
+        self._push(self.t + self.cfg.sync.total_s, "sync_done")
+
+    def _on_pause_end(self, _: Any) -> None:
+        for index, engine in enumerate(self.engines):
+            self._advance(engine)
+            engine.paused = False
+            engine.version = self.version + 1
+            for request in engine.running.values():
+                if request.start == engine.progress:  # no token yet: its first token has the new version
+                    request.version = engine.version
+            self._schedule(index)
+
+    def _on_sync_done(self, _: Any) -> None:
+        self.version += 1
+        self.result.syncs += 1
+        self.result.trainer_sync_s += self.t - self.sync_started
+        self.draining = False
+        self._try_start()
+        self._step_done()
+
+
+def simulate(cfg: SimConfig, *, trace: bool = False) -> SimResult:
+    """Run one simulation (see the module docstring); `trace` records every policy decision for tests."""
+    return Simulation(cfg, trace=trace).run()

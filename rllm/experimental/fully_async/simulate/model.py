@@ -1,0 +1,138 @@
+"""Timing and length models of the simulator, and the typed settings of one simulation.
+
+Pure (no I/O). Units: seconds, tokens, groups (one prompt's n samples, as in `core/staleness.py`), samples.
+
+Models, each written once here:
+- engine decoding (continuous batching): with r requests running on an engine, it produces
+
+      throughput(r) = peak · r / (r + r½),   r½ = peak / single − 1
+
+  tokens/s in total, i.e. each request advances at throughput(r) / r tokens/s. `single` is the one-request decode
+  speed (memory-bandwidth bound), `peak` the saturated rate (compute bound); the hyperbola is the usual roofline
+  interpolation between them. At most `max_running_requests` requests decode at once per engine; more wait (FIFO).
+- response lengths: log-normal with the given mean and log-space sigma, rounded, clipped to [1, max_tokens]
+  (response length distributions of reasoning models are heavy-tailed; sigma sets how heavy).
+- trainer step: fixed_s + per_token_s · tokens (a forward+backward over the batch is linear in its tokens).
+- weight sync: the trainer is busy `total_s`; engines are paused `pause_s` of it (pause_s ≤ total_s).
+GPU scaling (for `--gpus`): engine throughput scales with rollout GPUs (engines = rollout GPUs / gpus_per_engine);
+trainer time scales as (reference_gpus / T) ** scaling_exponent, divided by `separated_speedup` when the trainer
+has GPUs of its own (see the verl scenario for why that factor exists).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineModel:
+    peak_tokens_per_s: float = 20000.0  # one engine, saturated batch (sum over its running requests)
+    single_tokens_per_s: float = 200.0  # one engine, one running request
+    max_running_requests: int = 256  # per engine: decoded together at most (SGLang --max-running-requests)
+    gpus_per_engine: int = 1  # tensor-parallel size: rollout GPUs / gpus_per_engine = engines (--gpus sweeps)
+
+    def per_request_rate(self, running: int) -> float:
+        """Tokens/s each of `running` requests advances at: throughput(r) / r = peak / (r + r½)."""
+        if running <= 0:
+            return 0.0
+        r_half = max(self.peak_tokens_per_s / self.single_tokens_per_s - 1.0, 0.0)
+        return self.peak_tokens_per_s / (running + r_half)
+
+
+@dataclass
+class LengthModel:
+    mean_tokens: float = 512.0  # mean response length before clipping
+    sigma: float = 0.6  # log-space standard deviation; 0 = every response has mean_tokens
+    max_tokens: int | None = None  # data.max_response_length; null: no clip
+
+    def sample(self, rng: random.Random) -> int:
+        if self.sigma <= 0:
+            length = self.mean_tokens
+        else:
+            mu = math.log(self.mean_tokens) - self.sigma**2 / 2  # so that E[exp(N(mu, sigma))] = mean_tokens
+            length = math.exp(rng.gauss(mu, self.sigma))
+        length = max(1, round(length))
+        return min(length, self.max_tokens) if self.max_tokens else length
+
+
+@dataclass
+class TrainerModel:
+    fixed_s: float = 0.0  # per optimizer step, independent of the batch (optimizer step, bookkeeping)
+    per_token_s: float = 1e-4  # per trained response token (old log-prob + update, at reference_gpus)
+    reference_gpus: int = 1  # the GPU count the two figures above were measured on
+    scaling_exponent: float = 1.0  # step time ∝ (reference_gpus / T) ** this; 1 = linear per-GPU scaling
+    separated_speedup: float = 1.0  # step time divisor when the trainer owns its GPUs (no colocated engine)
+
+    def step_s(self, tokens: int, gpus: int | None = None, separated: bool = False) -> float:
+        scale = (self.reference_gpus / gpus) ** self.scaling_exponent if gpus else 1.0
+        speedup = self.separated_speedup if separated else 1.0
+        return (self.fixed_s + self.per_token_s * tokens) * scale / speedup
+
+
+@dataclass
+class SyncModel:
+    total_s: float = 0.0  # the trainer's time for one weight sync (write, push, engines' update)
+    pause_s: float = 0.0  # the part of it during which engines decode nothing (<= total_s)
+
+
+@dataclass
+class Pipeline:
+    """The scheduling settings, in the runtime's units (what a project config's `async_training` resolves to)."""
+
+    required_samples: int = 64  # R: groups per optimizer step
+    samples_per_prompt: int = 8  # n: samples per group
+    max_staleness: int = 1  # η, in policy versions (one version per weight sync: core/staleness.py)
+    trigger_parameter_sync_step: int = 1  # K: optimizer steps per weight sync
+    partial_rollout: bool = True  # True: a sync pauses running generations, they resume with the new weights
+    max_concurrent_rollouts: int | None = None  # samples running at once over all engines; null: no cap
+    queue_max_groups: int | None = None  # finished groups the queue holds; null: no cap
+    num_engines: int = 2
+    reject_fraction: float = 0.0  # groups the workflow/filter rejects at finish (e.g. DAPO's zero-variance)
+
+
+@dataclass
+class SimConfig:
+    """One simulation: the pipeline, the models, how long, and the seed."""
+
+    pipeline: Pipeline = field(default_factory=Pipeline)
+    engine: EngineModel = field(default_factory=EngineModel)
+    lengths: LengthModel = field(default_factory=LengthModel)
+    trainer: TrainerModel = field(default_factory=TrainerModel)
+    sync: SyncModel = field(default_factory=SyncModel)
+    steps: int = 20  # optimizer steps to simulate
+    seed: int = 0
+    trainer_gpus: int | None = None  # null: trainer step times as given (no GPU scaling)
+    separated: bool = False  # trainer on GPUs of its own (applies trainer.separated_speedup)
+
+
+def check(cfg: SimConfig) -> None:
+    """Reject impossible settings with one line naming the key (ValueError)."""
+    p, e = cfg.pipeline, cfg.engine
+    rules = [
+        (p.required_samples >= 1, "pipeline.required_samples must be >= 1"),
+        (p.samples_per_prompt >= 1, "pipeline.samples_per_prompt must be >= 1"),
+        (p.max_staleness >= 0, "pipeline.max_staleness must be >= 0"),
+        (p.trigger_parameter_sync_step >= 1, "pipeline.trigger_parameter_sync_step must be >= 1"),
+        (p.num_engines >= 1, "pipeline.num_engines must be >= 1"),
+        (0.0 <= p.reject_fraction < 1.0, "pipeline.reject_fraction must be in [0, 1)"),
+        (
+            p.max_concurrent_rollouts is None or p.max_concurrent_rollouts >= p.samples_per_prompt,
+            "pipeline.max_concurrent_rollouts must be >= samples_per_prompt (one group must fit)",
+        ),
+        (
+            p.queue_max_groups is None or p.queue_max_groups >= p.required_samples,
+            "pipeline.queue_max_groups must be >= required_samples",
+        ),
+        (e.peak_tokens_per_s > 0 and e.single_tokens_per_s > 0, "engine.*_tokens_per_s must be > 0"),
+        (e.single_tokens_per_s <= e.peak_tokens_per_s, "engine.single_tokens_per_s must be <= peak_tokens_per_s"),
+        (e.max_running_requests >= 1, "engine.max_running_requests must be >= 1"),
+        (cfg.lengths.mean_tokens >= 1 and cfg.lengths.sigma >= 0, "lengths.mean_tokens >= 1 and sigma >= 0"),
+        (cfg.trainer.fixed_s >= 0 and cfg.trainer.per_token_s >= 0, "trainer times must be >= 0"),
+        (0 <= cfg.sync.pause_s <= cfg.sync.total_s, "sync.pause_s must be in [0, sync.total_s]"),
+        (cfg.steps >= 1, "steps must be >= 1"),
+    ]
+    for ok, message in rules:
+        if not ok:
+            raise ValueError(message)

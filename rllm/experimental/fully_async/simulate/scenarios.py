@@ -1,0 +1,143 @@
+"""Settings for a simulation from a project config or a scenario file; the modes; the rollout:trainer GPU sweep.
+
+Two kinds of input (the CLI reads the file; everything here takes parsed mappings):
+- a project config (loaded by `settings.load_config`): its pipeline keys are read by `pipeline_from_project`
+  (async_training.*, actor_rollout_ref.rollout.n, engines.num_engines / max_running_requests,
+  data.max_response_length, trainer.total_training_steps); timing models come from `simulate.*=` overrides;
+- a scenario file (`config/simulate/*.yaml`), standalone, with these top-level keys and nothing else:
+      description: free text
+      simulate:    a SimConfig (model.py): pipeline, engine, lengths, trainer, sync, steps, seed, ...
+      published:   optional: measured figures to compare with (see `published.py`)
+  Unknown keys anywhere are refused with one line (OmegaConf structured merge).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from rllm.experimental.fully_async.core.staleness import check_sync_interval
+from rllm.experimental.fully_async.simulate.engine import SimResult, simulate
+from rllm.experimental.fully_async.simulate.model import SimConfig, check
+
+SCENARIO_KEYS = frozenset({"description", "simulate", "published"})
+
+
+class ScenarioError(ValueError):
+    """A bad scenario or simulate key; `str()` is one line naming it."""
+
+
+def build_config(base: SimConfig, layers: list[Mapping[str, Any]]) -> SimConfig:
+    """Merge mappings onto a SimConfig strictly (unknown key or wrong type: ScenarioError) and check it."""
+    merged = OmegaConf.structured(base)
+    for layer in layers:
+        try:
+            merged = OmegaConf.merge(merged, layer)
+        except OmegaConfBaseException as exc:
+            raise ScenarioError(_first_line(exc)) from exc
+    cfg = OmegaConf.to_object(merged)
+    assert isinstance(cfg, SimConfig)
+    try:
+        check(cfg)
+    except ValueError as exc:
+        raise ScenarioError(f"simulate.{exc}") from exc
+    return cfg
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """`simulate.a.b=v` items -> a nested mapping {a: {b: v}} (values parsed as YAML)."""
+    try:
+        dotlist = OmegaConf.from_dotlist([item.removeprefix("simulate.") for item in overrides])
+    except OmegaConfBaseException as exc:
+        raise ScenarioError(f"bad override: {_first_line(exc)}") from exc
+    return OmegaConf.to_container(dotlist)  # type: ignore[return-value]
+
+
+def read_scenario(raw: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(simulate block, published block) of a parsed scenario file; refuses unknown top-level keys."""
+    unknown = sorted(set(raw) - SCENARIO_KEYS)
+    if unknown:
+        raise ScenarioError(f"unknown scenario key {unknown[0]!r} (allowed: {', '.join(sorted(SCENARIO_KEYS))})")
+    return dict(raw.get("simulate") or {}), dict(raw.get("published") or {})
+
+
+def pipeline_from_project(cfg: Any) -> dict[str, Any]:
+    """A project config (DictConfig from load_config, or a run's saved config.yaml) -> simulate-block defaults."""
+    at = cfg.async_training
+    return {
+        "pipeline": {
+            "required_samples": int(at.required_samples),
+            "samples_per_prompt": int(cfg.actor_rollout_ref.rollout.n),
+            "max_staleness": int(at.max_staleness),
+            "trigger_parameter_sync_step": int(at.trigger_parameter_sync_step),
+            "partial_rollout": bool(at.partial_rollout),
+            "max_concurrent_rollouts": int(at.max_concurrent_rollouts),
+            "queue_max_groups": int(at.queue_max_groups),
+            "num_engines": int(cfg.engines.num_engines),
+        },
+        "engine": {"max_running_requests": int(cfg.engines.max_running_requests)},
+        "lengths": {"max_tokens": int(cfg.data.max_response_length)},
+        "steps": int(cfg.trainer.total_training_steps or 20),
+    }
+
+
+def synchronous(cfg: SimConfig) -> SimConfig:
+    """The same run made synchronous: η = 0, K = 1 (the trainer waits for each batch, engines for each update)."""
+    out = copy.deepcopy(cfg)
+    out.pipeline.max_staleness, out.pipeline.trigger_parameter_sync_step = 0, 1
+    return out
+
+
+def run_checked(cfg: SimConfig) -> SimResult:
+    """Simulate after the runtime's own cadence check (K against η in optimizer steps: η_steps = (η + 1)·K − 1)."""
+    p = cfg.pipeline
+    check_sync_interval((p.max_staleness + 1) * p.trigger_parameter_sync_step - 1, p.trigger_parameter_sync_step)
+    return simulate(cfg)
+
+
+def with_gpus(cfg: SimConfig, rollout_gpus: int, trainer_gpus: int, *, separated: bool) -> SimConfig:
+    """Engines = rollout_gpus / gpus_per_engine; trainer step times scaled to trainer_gpus."""
+    out = copy.deepcopy(cfg)
+    out.pipeline.num_engines = max(1, rollout_gpus // cfg.engine.gpus_per_engine)
+    out.trainer_gpus, out.separated = trainer_gpus, separated
+    if out.pipeline.max_concurrent_rollouts is not None:
+        # The concurrency cap is per deployment: keep it per engine.
+        per_engine = cfg.pipeline.max_concurrent_rollouts / cfg.pipeline.num_engines
+        out.pipeline.max_concurrent_rollouts = max(
+            cfg.pipeline.samples_per_prompt, round(per_engine * out.pipeline.num_engines)
+        )
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitResult:
+    rollout_gpus: int
+    trainer_gpus: int
+    result: SimResult
+
+
+def sweep_splits(cfg: SimConfig, gpus: int) -> tuple[SimResult, list[SplitResult]]:
+    """Colocated synchronous on all `gpus`, and fully-async at every rollout:trainer split (in whole engines)."""
+    step = cfg.engine.gpus_per_engine
+    if gpus < step + 1:
+        raise ScenarioError(f"--gpus {gpus} leaves no GPU for the trainer (engine.gpus_per_engine={step})")
+    colocated = run_checked(with_gpus(synchronous(cfg), gpus, gpus, separated=False))
+    splits = [
+        SplitResult(r, gpus - r, run_checked(with_gpus(cfg, r, gpus - r, separated=True)))
+        for r in range(step, gpus, step)
+    ]
+    return colocated, splits
+
+
+def best_split(splits: list[SplitResult]) -> SplitResult:
+    return min(splits, key=lambda s: (s.result.wall_s, s.rollout_gpus))
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
