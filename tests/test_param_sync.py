@@ -8,9 +8,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from engine_helpers import LOGPROB_TOL, max_abs_diff, reference_logprobs
+from engine_helpers import ENGINE_KINDS, LOGPROB_TOL, engine_command, max_abs_diff, reference_logprobs
 
-from rllm.experimental.fully_async.engines import EmbeddedEngineCommand, EngineLauncher, free_port
+from rllm.experimental.fully_async.engines import EngineLauncher, free_port
 from rllm.experimental.fully_async.engines.client import EngineClient, GenerationResult
 from rllm.experimental.fully_async.runtime.param_sync import DiskTransport, ParamSync, SyncError, SyncReport
 
@@ -26,9 +26,10 @@ def writer(model_dir: Path) -> Callable[[str], None]:
     return write
 
 
-@pytest.fixture(scope="module")
-def engines(models, tmp_path_factory):
-    cmd = EmbeddedEngineCommand(str(models["a"][0]), max_running_requests=64, num_threads=1)
+@pytest.fixture(scope="module", params=ENGINE_KINDS)
+def engines(request, models, tmp_path_factory):
+    """Two engines serving model A: embedded engines, then SGLang stand-ins (every test runs against both)."""
+    cmd = engine_command(request.param, models["a"][0])
     with EngineLauncher(cmd, 2, log_dir=tmp_path_factory.mktemp("sync_engine_logs")) as launcher:
         yield launcher.urls
 
@@ -37,7 +38,7 @@ async def versions_and_pause_state(urls: list[str]) -> list[tuple[str, object]]:
     async with EngineClient(urls) as client:
         out = []
         for url in urls:
-            stats = (await client.get_server_info(url))["engine_stats"]
+            stats = (await client.get_server_info(url))["internal_states"][0]
             out.append((await client.get_weight_version(url), stats["paused"]))
         return out
 

@@ -47,6 +47,8 @@ class EngineClient:
     `connect_retries` times per engine per call. `wait_for_engine_s`: how long a request waits for a replacement
     when every engine is dead (0: fail at once; the run's engine supervisor restarts engines within its start-up
     timeout, so the executor waits that long when `engines.on_engine_failure=restart`).
+    `api_key`: sent as `Authorization: Bearer` (engines started with `--api-key`). `partial_rollout`: continue
+    generations interrupted by a weight sync (True) or regenerate them from the prompt (False; `resumable.py`).
     """
 
     def __init__(
@@ -63,11 +65,14 @@ class EngineClient:
         max_resumes: int = 64,
         max_connections: int = 1024,
         wait_for_engine_s: float = 0.0,
+        api_key: str | None = None,
+        partial_rollout: bool = True,
     ) -> None:
         if not urls:
             raise ValueError("EngineClient needs at least one engine URL")
         self.pool = EnginePool(
             urls,
+            api_key=api_key,
             connect_timeout_s=connect_timeout_s,
             connect_retries=connect_retries,
             dead_after_failures=dead_after_failures,
@@ -79,6 +84,7 @@ class EngineClient:
         self.request_timeout_s = request_timeout_s
         self.admin_timeout_s = admin_timeout_s
         self.max_resumes = max_resumes
+        self.partial_rollout = partial_rollout
 
     # ---------------------------------------------------------------- pool state
     @property
@@ -119,6 +125,7 @@ class EngineClient:
             rid=rid,
             request_timeout_s=self.request_timeout_s,
             max_resumes=self.max_resumes,
+            partial_rollout=self.partial_rollout,
         )
 
     # ---------------------------------------------------------------- health and admin (one engine each)

@@ -116,7 +116,9 @@ class EngineHTTP:
         return body
 
     async def update_weight_version(self, new_version: str, timeout_s: float) -> dict[str, Any]:
-        body = await self.request("POST", "/update_weight_version", {"new_version": str(new_version)}, timeout_s)
+        # SGLang's abort_all_requests defaults to True: say False, or requests paused in place would be aborted.
+        payload = {"new_version": str(new_version), "abort_all_requests": False}
+        body = await self.request("POST", "/update_weight_version", payload, timeout_s)
         if not isinstance(body, dict) or not body.get("success", False):
             raise EngineHTTPError(self.url, "/update_weight_version", 200, str(body))
         return body

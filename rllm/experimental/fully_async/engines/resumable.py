@@ -7,6 +7,15 @@ its piece (`meta_info.weight_version`, as int), so a resumed sequence holds segm
 The pool's failover covers an engine that dies mid-request: tokens already received are kept and the rest is
 generated elsewhere. To stop a generation, cancel the task that awaits it; the closed connection makes the
 engine drop the request.
+
+Two SGLang 0.5.6 facts shape the parsing (`tokenizer_manager._handle_abort_req`): a request aborted while still in
+the engine's waiting queue comes back with no `weight_version` and no `prompt_tokens`; it produced no token, so it
+is an unstarted piece and is simply re-sent.
+
+`partial_rollout=False` (verl/rLLM's `async_training.partial_rollout: false`): a generation interrupted by a weight
+sync is not continued with the new weights. Its tokens are discarded and it is regenerated from the prompt (held
+by the paused engine, so it starts on the new weights); every finished sequence therefore carries exactly one
+weight version. The discarded tokens are counted in `GenerationResult.discarded_tokens`.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ class GenerationResult:
     num_resumes: int  # pieces that ended in abort (weight updates) and were continued
     prompt_tokens: int
     num_retries: int = 0  # connection failures survived (engine down, request re-sent)
+    discarded_tokens: int = 0  # tokens thrown away by restarts from the prompt (partial_rollout=False)
 
     def to_sequence(self, prompt_ids: list[int]) -> Sequence:
         """The protocol message the trainer consumes."""
@@ -56,7 +66,7 @@ class Piece:
 
     output_ids: list[int]
     logprobs: list[float]
-    version: int
+    version: int | None  # None: an unstarted piece (aborted in the waiting queue, no token)
     finish_type: str
     prompt_tokens: int
 
@@ -69,9 +79,13 @@ def parse_piece(url: str, data: Any) -> Piece:
         finish = meta["finish_reason"]
         finish_type = finish["type"] if isinstance(finish, dict) else str(finish)
         entries = meta["output_token_logprobs"]
-        raw_version = meta["weight_version"]
-    except (KeyError, TypeError) as exc:
+        raw_version = meta.get("weight_version")
+    except (KeyError, TypeError, AttributeError) as exc:
         raise EngineError(f"{url}/generate returned an unexpected body ({exc!r}): {str(data)[:300]}") from exc
+    if raw_version is None:
+        if finish_type == "abort" and not output_ids:  # aborted in the waiting queue: nothing happened
+            return Piece([], [], None, finish_type, 0)
+        raise EngineError(f"{url}/generate returned tokens without a weight_version: {str(data)[:300]}")
     try:
         version = int(raw_version)
     except (TypeError, ValueError) as exc:
@@ -98,8 +112,12 @@ async def generate_resumable(
     rid: str | None = None,
     request_timeout_s: float = 600.0,
     max_resumes: int = 64,
+    partial_rollout: bool = True,
 ) -> GenerationResult:
-    """Generate from `input_ids` on `pool`, resuming across weight updates; see the module docstring."""
+    """Generate from `input_ids` on `pool`, resuming across weight updates; see the module docstring.
+
+    `partial_rollout=False`: an interrupted generation restarts from the prompt instead of being continued.
+    """
     params = dict(sampling_params or {})
     max_new = int(params.get("max_new_tokens", SGLANG_DEFAULT_MAX_NEW_TOKENS))
     rid = rid or uuid.uuid4().hex
@@ -107,7 +125,7 @@ async def generate_resumable(
     out_ids: list[int] = []
     logprobs: list[float] = []
     versions: list[int] = []
-    num_resumes = retries = 0
+    num_resumes = retries = discarded = 0
     for piece_index in itertools.count():
         payload = {
             "input_ids": prompt + out_ids,
@@ -117,9 +135,20 @@ async def generate_resumable(
         url, data, failures = await pool.post_generate(payload, f"{rid}-{piece_index}", request_timeout_s)
         piece = parse_piece(url, data)
         retries += failures
+        if piece.finish_type == "abort" and not partial_rollout and (out_ids or piece.output_ids):
+            # Not continued on new weights: start over from the prompt (one version per sequence).
+            discarded += len(out_ids) + len(piece.output_ids)
+            out_ids, logprobs, versions = [], [], []
+            num_resumes += 1
+            if num_resumes > max_resumes:
+                raise EngineError(f"request {rid} was interrupted {num_resumes} times without finishing")
+            logger.debug("request %s aborted; regenerating from the prompt (partial_rollout=False)", rid)
+            continue
         out_ids += piece.output_ids
         logprobs += piece.logprobs
-        versions += [piece.version] * len(piece.output_ids)
+        if piece.output_ids:
+            assert piece.version is not None  # parse_piece guarantees a version for any token
+            versions += [piece.version] * len(piece.output_ids)
         if piece.finish_type != "abort":
             finish = piece.finish_type
             break
@@ -141,4 +170,5 @@ async def generate_resumable(
         num_resumes=num_resumes,
         prompt_tokens=len(prompt),
         num_retries=retries,
+        discarded_tokens=discarded,
     )

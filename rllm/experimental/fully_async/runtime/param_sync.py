@@ -3,8 +3,14 @@
     sync(write_weights, v):  stage (trainer writes weights; engines keep generating)
                              -> pause(mode=abort) all engines   (in-flight requests return; clients re-send,
                                                                  engines hold the re-sent requests)
-                             -> each engine loads the staged weights as weight_version str(v)
+                             -> each engine loads the staged weights,
+                                then /update_weight_version str(v), then /get_weight_version must read str(v)
                              -> continue all engines             (held requests start on version v)
+
+Why the version is set separately and read back: SGLang 0.5.6's `/update_weights_from_disk` returns early when
+the engine is paused, WITHOUT applying its `weight_version` (`tokenizer_manager.update_weights_from_disk`), so a
+version passed with the load alone never reaches a real engine. An engine that does not read back the pushed
+version fails the sync with a SyncError naming it (DESIGN rule 4: read back, never assumed).
 
 The paused window (`SyncReport.pause_s`) is only the load, because writing happens before the pause. Engines are
 always continued, also when a load fails or an engine is dead, so nothing stays paused; the failure is then
@@ -39,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from rllm.experimental.fully_async.engines.client import EngineClient, EngineConnectionError
+from rllm.experimental.fully_async.engines.client import EngineClient, EngineConnectionError, EngineError
 
 logger = logging.getLogger(__name__)
 
@@ -186,6 +192,7 @@ class ParamSync:
         update_timeout_s: float = 600.0,
         continue_timeout_s: float = 60.0,
         connect_retries: int = 2,
+        api_key: str | None = None,
     ) -> None:
         if not engine_urls:
             raise ValueError("ParamSync needs at least one engine URL")
@@ -205,6 +212,7 @@ class ParamSync:
             connect_retries=connect_retries,
             # ParamSync addresses each engine itself; dead-marking is the rollout client's business.
             dead_after_failures=1 << 30,
+            api_key=api_key,
         )
         self._closed = False
         self._sync_lock = threading.Lock()  # one sync or replacement at a time: versions reach engines in order
@@ -268,8 +276,17 @@ class ParamSync:
     async def _load_into(self, old_url: str, new_url: str, staged: StagedWeights | None) -> int:
         self._client.replace_engine(old_url, new_url)
         if staged is not None:
-            await self.transport.load(self._client, new_url, staged, timeout_s=self.update_timeout_s)
+            await self._load_and_verify(new_url, staged)
         return int(await self._client.get_weight_version(new_url, timeout_s=self.pause_timeout_s))
+
+    async def _load_and_verify(self, url: str, staged: StagedWeights) -> None:
+        """Load `staged` into engine `url`, set its weight version, and read it back (see the module docstring)."""
+        await self.transport.load(self._client, url, staged, timeout_s=self.update_timeout_s)
+        expected = str(staged.version)
+        await self._client.update_weight_version(url, expected, timeout_s=self.pause_timeout_s)
+        reported = await self._client.get_weight_version(url, timeout_s=self.pause_timeout_s)
+        if reported != expected:
+            raise EngineError(f"{url} reports weight_version {reported!r} after being set to {expected!r}")
 
     def close(self) -> None:
         """Close the HTTP session and stop the private event loop (idempotent)."""
@@ -341,9 +358,7 @@ class ParamSync:
                 self.engine_urls, lambda u: client.pause_generation(u, "abort", timeout_s=self.pause_timeout_s), out
             )
             load_start = time.perf_counter()
-            out.updated = await self._on_all(
-                paused, lambda u: self.transport.load(client, u, staged, timeout_s=self.update_timeout_s), out
-            )
+            out.updated = await self._on_all(paused, lambda u: self._load_and_verify(u, staged), out)
             out.update_s = time.perf_counter() - load_start
             for url in out.updated:
                 self.engine_versions[url] = staged.version
