@@ -108,6 +108,34 @@ def test_aborted_generation_is_resumed_across_a_weight_update_and_stitched(engin
     assert max_abs_diff(result.logprobs[split:], ref_a[split:]) > 1e-2
 
 
+def test_without_partial_rollout_an_interrupted_generation_restarts_on_the_new_weights(engines, models):
+    """partial_rollout=False: the tokens of the interrupted piece are discarded and the whole sequence is generated
+    again from the prompt by the new weights, so it carries one version."""
+    url = engines[0]
+    (path_a, _), (path_b, model_b) = models["a"], models["b"]
+    prompt = [6, 7]
+
+    async def run() -> GenerationResult:
+        async with EngineClient([url], partial_rollout=False) as client:
+            task = asyncio.ensure_future(client.generate(prompt, LONG))
+            await wait_for_running(client, url, 1)
+            await asyncio.sleep(0.05)  # let it produce some tokens of version 0
+            await client.pause_generation(url, "abort")
+            await client.update_weights_from_disk(url, str(path_b), weight_version="1")
+            await client.update_weight_version(url, "1")
+            await client.continue_generation(url)
+            result = await asyncio.wait_for(task, 60)
+            await client.update_weights_from_disk(url, str(path_a), weight_version="0")
+            await client.update_weight_version(url, "0")
+            return result
+
+    result = asyncio.run(run())
+    assert result.num_resumes == 1 and result.discarded_tokens > 0
+    assert result.versions == [1] * 200 and result.finish_reason == "length"
+    ref_b = reference_logprobs(model_b, prompt, result.output_ids)
+    assert max_abs_diff(result.logprobs, ref_b) < LOGPROB_TOL
+
+
 def test_a_paused_engine_that_outlasts_the_request_timeout_raises_a_clear_error(engines):
     url = engines[1]
 

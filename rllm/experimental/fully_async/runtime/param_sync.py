@@ -107,6 +107,19 @@ class SyncError(RuntimeError):
         self.unreachable = unreachable or []
 
 
+SYNC_DTYPES = ("float32", "bfloat16")
+
+
+def resolve_sync_dtype(setting: str, trainer_device: str, param_dtype: str) -> str:
+    """The dtype weights travel in (`param_sync.dtype`): auto is bfloat16 when the trainer runs on CUDA (the
+    engines serve bf16; fp32 would double every sync's bytes), else the trainer's parameter dtype."""
+    if setting == "auto":
+        return "bfloat16" if trainer_device.startswith(("cuda", "gpu")) else param_dtype.removeprefix("torch.")
+    if setting not in SYNC_DTYPES:
+        raise ValueError(f"param_sync.dtype={setting!r}: use auto, float32 or bfloat16")
+    return setting
+
+
 _VERSION_DIR = re.compile(r"^v(\d+)$")
 
 
@@ -193,11 +206,14 @@ class ParamSync:
         continue_timeout_s: float = 60.0,
         connect_retries: int = 2,
         api_key: str | None = None,
+        weights_dtype: str | None = None,
     ) -> None:
         if not engine_urls:
             raise ValueError("ParamSync needs at least one engine URL")
         self.engine_urls = [u.rstrip("/") for u in engine_urls]
         self.transport = transport
+        # Passed to write_weights(path, dtype=...) when set (`resolve_sync_dtype`); None: the writer's own dtype.
+        self.weights_dtype = weights_dtype
         self.pause_timeout_s = pause_timeout_s
         self.update_timeout_s = update_timeout_s
         self.continue_timeout_s = continue_timeout_s
@@ -319,6 +335,9 @@ class ParamSync:
         if self._closed:
             raise RuntimeError("ParamSync is closed")
         start = time.perf_counter()
+        if self.weights_dtype is not None:
+            dtype, write = self.weights_dtype, write_weights
+            write_weights = lambda path: write(path, dtype=dtype)  # noqa: E731
         staged = self.transport.stage(write_weights, new_version)
         self._last_staged = staged
         write_s = time.perf_counter() - start
