@@ -144,7 +144,6 @@ async def pause_generation(request: web.Request) -> web.Response:
 
 
 async def continue_generation(request: web.Request) -> web.Response:
-    """POST /continue_generation."""
     request.app[SCHEDULER_KEY].resume()
     return web.json_response({"message": "Generation continued successfully."})
 
@@ -253,8 +252,8 @@ async def get_server_info(request: web.Request) -> web.Response:
     scheduler = request.app[SCHEDULER_KEY]
     args = request.app[ARGS_KEY]
     stats = scheduler.snapshot()
-    server_args = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))}
-    server_args.pop("api_key", None)
+    scalar = (str, int, float, bool, type(None))
+    server_args = {k: v for k, v in vars(args).items() if k != "api_key" and isinstance(v, scalar)}
     return web.json_response(
         {**server_args, "engine": "rllm-embedded", "internal_states": [stats], "engine_stats": stats}
     )
@@ -262,7 +261,7 @@ async def get_server_info(request: web.Request) -> web.Response:
 
 @web.middleware
 async def _require_api_key(request: web.Request, handler: Any) -> web.StreamResponse:
-    """SGLang's `add_api_key_middleware`: with --api-key, every path but /health* and /metrics needs the key."""
+    """SGLang's add_api_key_middleware: with --api-key, all but /health* and /metrics need the key."""
     key = request.app[API_KEY]
     exempt = request.method == "OPTIONS" or request.path.startswith(("/health", "/metrics"))
     if key and not exempt and request.headers.get("Authorization") != "Bearer " + key:
