@@ -48,6 +48,17 @@ step() {
   fi
 }
 
+# optional_step DESCRIPTION FALLBACK -- COMMAND...: like `step`, but a failing command prints FALLBACK and the
+# installer goes on (for extras with a working default, e.g. flash-attn -> PyTorch sdpa attention).
+optional_step() {
+  local description="$1" fallback="$2"
+  shift 2
+  if step "$description (optional)" "$@"; then
+    return 0
+  fi
+  echo "[$tag] $fallback"
+}
+
 # pin NAME: "NAME==VERSION" from the lock, so the versions live in one file.
 pin() {
   local line

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Sets up a GPU host for FSDP training with SGLang engines: a venv with CUDA torch 2.9.1, sglang 0.5.6 (the version
-# verl 0.7.1's `sglang` extra pins), flash-attn, this package, and verl 0.7.1 patched for fully-async training.
+# verl 0.7.1's `sglang` extra pins), this package, verl 0.7.1 patched for fully-async training, and flash-attn
+# only when a prebuilt wheel matches (nothing is compiled: without flash-attn the trainer uses PyTorch's sdpa).
 # Every version comes from install/constraints-gpu.txt (linux x86_64, Python 3.11, CUDA 12.8 wheels).
 #
 # Usage: bash install/install_fsdp_sglang.sh [--dry-run]
 #   --dry-run   print every step and its command without running anything (works on any machine)
 # Environment: PYTHON (default python3, 3.11 recommended: the lock was resolved for it), VENV (default .venv),
-#   MAX_JOBS (parallel compile jobs if flash-attn has to be built from source; default 8).
-# Needs: an NVIDIA driver for CUDA 12.8 (nvidia-smi), git, and nvcc only if no prebuilt flash-attn wheel matches.
+#   FLASH_ATTN_WHEEL (a flash-attn wheel file or URL built for torch 2.9.1 + CUDA 12, e.g. from the flash-attn
+#   GitHub releases; default: whatever binary wheel of the pinned version pip finds, usually none).
+# Needs: an NVIDIA driver for CUDA 12.8 (nvidia-smi) and git. No compiler: no step builds from source.
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -35,10 +37,12 @@ step "install CUDA torch" -- "${pip[@]}" "$torch_pin" "$(pin torchvision)" "$(pi
 # sglang 0.5.6 dropped its srt/openai extras (pip warns); the spelling matches verl 0.7.1's `sglang` extra.
 step "install SGLang" -- "${pip[@]}" "sglang[srt,openai]==$sglang_version"
 step "install rllm-fully-async with verl 0.7.1 and the test tools" -- "${pip[@]}" -e "${repo_root}[gpu,test]"
-# flash-attn compiles against the installed torch, hence no build isolation; MAX_JOBS bounds the compiler's memory.
-step "install flash-attn" -- env "MAX_JOBS=${MAX_JOBS:-8}" "${pip[@]}" --no-build-isolation "$(pin flash-attn)"
+# PyPI has only flash-attn's source (building it takes about an hour and nvcc): binary wheels only, else sdpa.
+optional_step "install a prebuilt flash-attn wheel" \
+  "no prebuilt flash-attn wheel matches torch $torch_pin: training uses PyTorch's sdpa attention" \
+  -- "${pip[@]}" --only-binary=flash-attn --no-deps "${FLASH_ATTN_WHEEL:-$(pin flash-attn)}"
 step "check that the GPU stack imports" -- "$vpy" -c \
-  'import torch, sglang, flash_attn, verl; assert torch.cuda.is_available(), "torch sees no GPU"'
+  'import torch, sglang, verl; assert torch.cuda.is_available(), "torch sees no GPU"'
 step "patch verl for fully-async training" -- env "VERL_PYTHON=$vpy" bash "$repo_root/install/apply_verl_patch.sh"
 step "check the installation" -- "$vpy" -m rllm.experimental.fully_async doctor
 if [[ "$dry_run" == 1 ]]; then

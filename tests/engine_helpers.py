@@ -13,6 +13,24 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 LOGPROB_TOL = 1e-4
 
 
+ENGINE_KINDS = ["embedded", "sglang_standin"]
+
+
+def engine_command(kind: str, model_path: Path, *, max_running_requests: int = 64, api_key: str | None = None) -> Any:
+    """The launch command of one engine kind serving `model_path`: the embedded engine, or the SGLang stand-in
+    started through the project's real `SGLangEngineCommand` (tests/sglang_standin)."""
+    from rllm.experimental.fully_async.engines import EmbeddedEngineCommand
+
+    if kind == "embedded":
+        extra = ("--api-key", api_key) if api_key else ()
+        return EmbeddedEngineCommand(
+            str(model_path), max_running_requests=max_running_requests, num_threads=1, extra_args=extra
+        )
+    from sglang_standin import standin_command
+
+    return standin_command(str(model_path), max_running_requests=max_running_requests, api_key=api_key)
+
+
 def sharpen(src: Path, dst: Path, seed: int) -> Path:
     """Copy an HF model with its matrices redrawn from N(0, 0.3): varied, non-degenerate greedy outputs, and two
     models whose log-probs clearly differ."""
@@ -45,7 +63,7 @@ async def wait_for_decoding(client: Any, url: str, timeout_s: float = 60.0) -> N
     """Poll the engine's counters (another process: there is no event to wait on) until a request is decoding.
     `client` is an `EngineClient`."""
     deadline = time.monotonic() + timeout_s
-    while (await client.get_server_info(url))["engine_stats"]["num_running"] < 1:
+    while (await client.get_server_info(url))["internal_states"][0]["num_running"] < 1:
         if time.monotonic() > deadline:
             raise TimeoutError(f"no request started decoding on {url} within {timeout_s:g}s")
         await asyncio.sleep(0.02)

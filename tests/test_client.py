@@ -8,9 +8,9 @@ import signal
 import time
 
 import pytest
-from engine_helpers import LOGPROB_TOL, max_abs_diff, reference_logprobs
+from engine_helpers import ENGINE_KINDS, LOGPROB_TOL, engine_command, max_abs_diff, reference_logprobs
 
-from rllm.experimental.fully_async.engines import EmbeddedEngineCommand, EngineLauncher
+from rllm.experimental.fully_async.engines import EngineLauncher
 from rllm.experimental.fully_async.engines.client import (
     EngineClient,
     EngineTimeoutError,
@@ -26,16 +26,16 @@ LONG = {"temperature": 1.0, "max_new_tokens": 200, "ignore_eos": True}
 async def wait_for_running(client: EngineClient, url: str, n: int, timeout_s: float = 30.0) -> None:
     """Poll the engine's counters (another process: nothing to wait on) until n requests are decoding."""
     deadline = time.monotonic() + timeout_s
-    while (await client.get_server_info(url))["engine_stats"]["num_running"] < n:
+    while (await client.get_server_info(url))["internal_states"][0]["num_running"] < n:
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout_s}s waiting for {n} running requests on {url}")
         await asyncio.sleep(0.02)
 
 
-@pytest.fixture(scope="module")
-def engine_launcher(models, tmp_path_factory):
-    """Two engines serving model A."""
-    cmd = EmbeddedEngineCommand(str(models["a"][0]), max_running_requests=64, num_threads=1)
+@pytest.fixture(scope="module", params=ENGINE_KINDS)
+def engine_launcher(request, models, tmp_path_factory):
+    """Two engines serving model A: embedded engines, then SGLang stand-ins (every test runs against both)."""
+    cmd = engine_command(request.param, models["a"][0])
     with EngineLauncher(cmd, 2, log_dir=tmp_path_factory.mktemp("client_engine_logs")) as launcher:
         yield launcher
 
@@ -62,14 +62,13 @@ def test_result_has_aligned_tokens_logprobs_and_versions(engines, models):
 def test_requests_are_spread_over_engines_by_load(engines):
     async def run() -> dict[str, int]:
         async with EngineClient(engines) as client:
-            before = {u: (await client.get_server_info(u))["engine_stats"]["requests_finished"] for u in engines}
+            before = {u: (await client.get_server_info(u))["internal_states"][0]["requests_finished"] for u in engines}
             await asyncio.gather(
                 *(client.generate([2 + i], {"max_new_tokens": 20, "ignore_eos": True}) for i in range(16))
             )
             assert client.in_flight() == dict.fromkeys(engines, 0)
-            return {
-                u: (await client.get_server_info(u))["engine_stats"]["requests_finished"] - before[u] for u in engines
-            }
+            after = {u: (await client.get_server_info(u))["internal_states"][0]["requests_finished"] for u in engines}
+            return {u: after[u] - before[u] for u in engines}
 
     served = asyncio.run(run())
     assert sum(served.values()) == 16
@@ -87,10 +86,13 @@ def test_aborted_generation_is_resumed_across_a_weight_update_and_stitched(engin
             task = asyncio.ensure_future(client.generate(prompt, LONG))
             await wait_for_running(client, url, 1)
             await client.pause_generation(url, "abort")
+            # ParamSync's protocol: SGLang ignores weight_version on a load while paused, so set it after.
             await client.update_weights_from_disk(url, str(path_b), weight_version="1")
+            await client.update_weight_version(url, "1")
             await client.continue_generation(url)
             result = await asyncio.wait_for(task, 60)
             await client.update_weights_from_disk(url, str(path_a), weight_version="0")  # restore for other tests
+            await client.update_weight_version(url, "0")
             return result
 
     result = asyncio.run(run())
@@ -104,6 +106,34 @@ def test_aborted_generation_is_resumed_across_a_weight_update_and_stitched(engin
     assert max_abs_diff(result.logprobs[:split], ref_a[:split]) < LOGPROB_TOL
     assert max_abs_diff(result.logprobs[split:], ref_b[split:]) < LOGPROB_TOL
     assert max_abs_diff(result.logprobs[split:], ref_a[split:]) > 1e-2
+
+
+def test_without_partial_rollout_an_interrupted_generation_restarts_on_the_new_weights(engines, models):
+    """partial_rollout=False: the tokens of the interrupted piece are discarded and the whole sequence is generated
+    again from the prompt by the new weights, so it carries one version."""
+    url = engines[0]
+    (path_a, _), (path_b, model_b) = models["a"], models["b"]
+    prompt = [6, 7]
+
+    async def run() -> GenerationResult:
+        async with EngineClient([url], partial_rollout=False) as client:
+            task = asyncio.ensure_future(client.generate(prompt, LONG))
+            await wait_for_running(client, url, 1)
+            await asyncio.sleep(0.05)  # let it produce some tokens of version 0
+            await client.pause_generation(url, "abort")
+            await client.update_weights_from_disk(url, str(path_b), weight_version="1")
+            await client.update_weight_version(url, "1")
+            await client.continue_generation(url)
+            result = await asyncio.wait_for(task, 60)
+            await client.update_weights_from_disk(url, str(path_a), weight_version="0")
+            await client.update_weight_version(url, "0")
+            return result
+
+    result = asyncio.run(run())
+    assert result.num_resumes == 1 and result.discarded_tokens > 0
+    assert result.versions == [1] * 200 and result.finish_reason == "length"
+    ref_b = reference_logprobs(model_b, prompt, result.output_ids)
+    assert max_abs_diff(result.logprobs, ref_b) < LOGPROB_TOL
 
 
 def test_a_paused_engine_that_outlasts_the_request_timeout_raises_a_clear_error(engines):

@@ -105,3 +105,50 @@ def test_patch_verdict_carries_the_fix_command():
 def test_ray_check_reports_a_start_that_does_not_finish_in_time():
     check = doctor.check_ray(timeout_s=0.05)
     assert not check.ok and "within 0.05s" in check.detail
+
+
+def fake_cuda_torch(*, nccl: bool = True, kernel_result: float = 4.0, gpus: int = 8):
+    """Just enough of torch's CUDA surface for `check_gpu_stack` (this machine has no GPU)."""
+    from types import SimpleNamespace
+
+    def ones(n, device):
+        assert device == "cuda:0"
+        return SimpleNamespace(sum=lambda: SimpleNamespace(item=lambda: kernel_result))
+
+    return SimpleNamespace(
+        cuda=SimpleNamespace(
+            is_available=lambda: True, device_count=lambda: gpus, nccl=SimpleNamespace(version=lambda: (2, 27, 3))
+        ),
+        version=SimpleNamespace(cuda="12.8"),
+        distributed=SimpleNamespace(is_available=lambda: True, is_nccl_available=lambda: nccl),
+        ones=ones,
+    )
+
+
+def test_gpu_stack_checks_cuda_nccl_gpu_count_and_sglang(monkeypatch):
+    monkeypatch.setattr(doctor, "import_sglang", lambda: (True, "0.5.6"))
+    checks = {c.name: c for c in doctor.check_gpu_stack(fake_cuda_torch())}
+    assert list(checks) == ["cuda", "nccl", "gpu count", "sglang import"]
+    assert all(c.ok and c.required for c in checks.values())
+    assert "CUDA 12.8" in checks["cuda"].detail and "NCCL 2.27.3" in checks["nccl"].detail
+    assert checks["gpu count"].detail.startswith("8 GPU(s)") and "0.5.6" in checks["sglang import"].detail
+
+
+def test_gpu_stack_failures_are_named(monkeypatch):
+    monkeypatch.setattr(doctor, "import_sglang", lambda: (True, "0.5.9"))
+    checks = {c.name: c for c in doctor.check_gpu_stack(fake_cuda_torch(nccl=False, kernel_result=0.0, gpus=0))}
+    assert not any(c.ok for c in checks.values())
+    assert "without NCCL" in checks["nccl"].detail and "==0.5.6" in checks["sglang import"].detail
+    monkeypatch.setattr(doctor, "import_sglang", lambda: (False, "ModuleNotFoundError: No module named 'sglang'"))
+    (sglang,) = [c for c in doctor.check_gpu_stack(fake_cuda_torch()) if c.name == "sglang import"]
+    assert not sglang.ok and "No module named 'sglang'" in sglang.detail
+
+
+def test_gpu_stack_is_silent_on_a_cpu_host_and_the_sglang_probe_really_imports():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has CUDA")
+    assert doctor.check_gpu_stack() == []
+    ok, detail = doctor.import_sglang(timeout_s=120)
+    assert not ok and "sglang" in detail  # not installed on CPU machines (ENVIRONMENT.md)

@@ -8,9 +8,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from engine_helpers import LOGPROB_TOL, max_abs_diff, reference_logprobs
+from engine_helpers import ENGINE_KINDS, LOGPROB_TOL, engine_command, max_abs_diff, reference_logprobs
 
-from rllm.experimental.fully_async.engines import EmbeddedEngineCommand, EngineLauncher, free_port
+from rllm.experimental.fully_async.engines import EngineLauncher, free_port
 from rllm.experimental.fully_async.engines.client import EngineClient, GenerationResult
 from rllm.experimental.fully_async.runtime.param_sync import DiskTransport, ParamSync, SyncError, SyncReport
 
@@ -26,9 +26,10 @@ def writer(model_dir: Path) -> Callable[[str], None]:
     return write
 
 
-@pytest.fixture(scope="module")
-def engines(models, tmp_path_factory):
-    cmd = EmbeddedEngineCommand(str(models["a"][0]), max_running_requests=64, num_threads=1)
+@pytest.fixture(scope="module", params=ENGINE_KINDS)
+def engines(request, models, tmp_path_factory):
+    """Two engines serving model A: embedded engines, then SGLang stand-ins (every test runs against both)."""
+    cmd = engine_command(request.param, models["a"][0])
     with EngineLauncher(cmd, 2, log_dir=tmp_path_factory.mktemp("sync_engine_logs")) as launcher:
         yield launcher.urls
 
@@ -37,7 +38,7 @@ async def versions_and_pause_state(urls: list[str]) -> list[tuple[str, object]]:
     async with EngineClient(urls) as client:
         out = []
         for url in urls:
-            stats = (await client.get_server_info(url))["engine_stats"]
+            stats = (await client.get_server_info(url))["internal_states"][0]
             out.append((await client.get_weight_version(url), stats["paused"]))
         return out
 
@@ -142,3 +143,54 @@ def test_updates_under_concurrent_load_give_each_piece_exactly_one_versions_weig
             assert max_abs_diff(result.logprobs[start:end], expected) < LOGPROB_TOL, f"version {version} piece"
             start = end
     assert resumed >= 1, "some generation should have been interrupted by a sync and resumed"
+
+
+def test_an_engine_that_does_not_read_back_the_pushed_version_fails_the_sync_naming_it(engines, models, tmp_path):
+    """ParamSync reads each engine's version back after setting it; a transport whose engine ends on another
+    version (here: it sets a wrong one after loading) is a SyncError naming that engine."""
+
+    class WrongVersion(DiskTransport):
+        async def load(self, client, url, staged, *, timeout_s):
+            await super().load(client, url, staged, timeout_s=timeout_s)
+            if url == engines[1]:
+                client_set = client.update_weight_version
+                client.update_weight_version = lambda u, v, **kw: client_set(u, "41" if u == engines[1] else v, **kw)
+
+    with ParamSync(engines, WrongVersion(tmp_path / "weights")) as sync, pytest.raises(SyncError) as err:
+        sync.sync(writer(models["a"][0]), new_version=42)
+    assert set(err.value.failures) == {engines[1]} and "'41'" in err.value.failures[engines[1]]
+    assert err.value.updated == [engines[0]]
+    assert asyncio.run(versions_and_pause_state(engines)) == [("42", None), ("41", None)]
+    with ParamSync(engines, DiskTransport(tmp_path / "weights2")) as sync:
+        sync.sync(writer(models["a"][0]), new_version=43)  # a clean sync repairs it
+    assert asyncio.run(versions_and_pause_state(engines)) == [("43", None), ("43", None)]
+
+
+def test_weights_travel_in_the_configured_dtype(engines, models, tmp_path):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from rllm.experimental.fully_async.runtime.param_sync import resolve_sync_dtype
+
+    assert resolve_sync_dtype("auto", "cuda", "torch.float32") == "bfloat16"
+    assert resolve_sync_dtype("auto", "cpu", "torch.float32") == "float32"
+    assert resolve_sync_dtype("float32", "cuda", "torch.bfloat16") == "float32"
+    with pytest.raises(ValueError, match=r"param_sync\.dtype"):
+        resolve_sync_dtype("fp8", "cuda", "torch.float32")
+
+    seen: list[str | None] = []
+
+    def write(path: str, dtype: str | None = None) -> None:  # the backend's save_hf signature
+        seen.append(dtype)
+        model = AutoModelForCausalLM.from_pretrained(models["a"][0])
+        state = {k: v.to(getattr(torch, dtype)) for k, v in model.state_dict().items()}
+        model.save_pretrained(path, state_dict=state)
+
+    import torch
+
+    with ParamSync(engines, DiskTransport(tmp_path / "weights"), weights_dtype="bfloat16") as sync:
+        report = sync.sync(write, new_version=8)
+    assert seen == ["bfloat16"]
+    with safe_open(str(Path(report.location) / "model.safetensors"), "pt") as f:
+        assert {str(f.get_tensor(k).dtype) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict) == {"torch.bfloat16"}
+    assert asyncio.run(versions_and_pause_state(engines)) == [("8", None), ("8", None)]

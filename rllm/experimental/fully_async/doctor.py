@@ -1,4 +1,7 @@
-"""`doctor`: can this machine train? Versions, the verl patch, devices, and whether Ray starts.
+"""`doctor`: can this machine train? Versions, the verl patch, devices, the GPU stack, and whether Ray starts.
+
+On a host with CUDA it also checks the GPU stack: that a CUDA kernel runs, that NCCL is available (torch's
+build), how many GPUs there are, and that SGLang imports (in a child process, bounded by a timeout).
 
 Prints one line per check and returns 0 when every required check passed, 1 otherwise, so installers and CI can
 run it as their last step. Version ranges come from this package's own requirements (its installed metadata, or
@@ -20,7 +23,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import TextIO
+from typing import Any, TextIO
 
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
@@ -151,6 +154,63 @@ def check_devices() -> Check:
     return Check("devices", True, f"{cpus} CPUs, {torch.cuda.device_count()} GPU(s): {', '.join(names)}")
 
 
+SGLANG_IMPORT_TIMEOUT_S = 180.0
+_SGLANG_PROBE = "import sglang, sglang.srt.entrypoints.http_server; print(sglang.__version__)"
+
+
+def import_sglang(timeout_s: float = SGLANG_IMPORT_TIMEOUT_S) -> tuple[bool, str]:
+    """Import SGLang's server in a child process: (ok, version or the last error line)."""
+    try:
+        proc = subprocess.run([sys.executable, "-c", _SGLANG_PROBE], capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return False, f"import did not finish within {timeout_s:g}s"
+    if proc.returncode != 0:
+        return False, (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return True, proc.stdout.strip().splitlines()[-1]
+
+
+def check_gpu_stack(torch_module: Any = None) -> list[Check]:
+    """CUDA, NCCL, GPU count and SGLang on a GPU host; nothing on a CPU host (the CPU path needs none of them)."""
+    torch = torch_module
+    if torch is None:
+        try:
+            import torch
+        except ImportError:
+            return []
+    if not torch.cuda.is_available():
+        return []
+    checks = []
+    try:
+        value = torch.ones(4, device="cuda:0").sum().item()
+        ok = value == 4.0
+        checks.append(
+            Check("cuda", ok, f"CUDA {torch.version.cuda}: a kernel on cuda:0 {'ran' if ok else 'gave ' + str(value)}")
+        )
+    except Exception as exc:  # a broken driver raises anything from RuntimeError to AssertionError
+        checks.append(Check("cuda", False, f"CUDA {torch.version.cuda}: a kernel on cuda:0 failed ({exc})"))
+    if torch.distributed.is_available() and torch.distributed.is_nccl_available():
+        version = ".".join(str(v) for v in torch.cuda.nccl.version())
+        checks.append(Check("nccl", True, f"NCCL {version} (multi-GPU trainer ranks and weight broadcast)"))
+    else:
+        checks.append(Check("nccl", False, "torch was built without NCCL: multi-GPU training cannot run"))
+    count = torch.cuda.device_count()
+    checks.append(
+        Check(
+            "gpu count",
+            count >= 1,
+            f"{count} GPU(s) visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})",
+        )
+    )
+    ok, detail = import_sglang()
+    if ok and not SGLANG_PIN.contains(detail, prereleases=True):
+        checks.append(Check("sglang import", False, f"sglang {detail} imports, but the engines need {SGLANG_PIN}"))
+    elif ok:
+        checks.append(Check("sglang import", True, f"sglang {detail} imports (engines.backend=sglang)"))
+    else:
+        checks.append(Check("sglang import", False, f"sglang does not import: {detail}"))
+    return checks
+
+
 def check_ray(timeout_s: float = RAY_START_TIMEOUT_S) -> Check:
     """Start Ray on loopback in a child process, run one task, shut it down."""
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
@@ -177,6 +237,7 @@ def run_doctor(stream: TextIO | None = None) -> int:
     print(f"{DIST_NAME} doctor", file=out, flush=True)
     checks: list[Check] = [check_python(), *check_packages(), check_patch(verl_patch.patch_status())]
     checks.append(check_devices())
+    checks += check_gpu_stack()
     for check in checks:
         print(check.line(), file=out, flush=True)
     started = time.monotonic()

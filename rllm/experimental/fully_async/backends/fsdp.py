@@ -246,8 +246,9 @@ class FSDPPolicyBackend:
     # Weights out: HF folder for the engines, state dicts for checkpoints
     # ------------------------------------------------------------------------------------------------------------
 
-    def save_hf(self, path: str | os.PathLike[str]) -> None:
-        """Write the current weights as an HF safetensors folder (config, weights, tokenizer files if any).
+    def save_hf(self, path: str | os.PathLike[str], dtype: str | None = None) -> None:
+        """Write the current weights as an HF safetensors folder (config, weights, tokenizer files if any), with
+        floating-point tensors cast to `dtype` (e.g. "bfloat16", param_sync.dtype) when given.
 
         Collective at world size > 1 (every rank must call it); rank 0 writes.
         """
@@ -256,6 +257,9 @@ class FSDPPolicyBackend:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(self.model, options=options)
         if self.rank == 0:
+            if dtype is not None:
+                target = getattr(torch, dtype)
+                state = {k: v.to(target) if v.is_floating_point() else v for k, v in state.items()}
             out = Path(path)
             out.mkdir(parents=True, exist_ok=True)
             self.model.save_pretrained(out, state_dict=state, safe_serialization=True)

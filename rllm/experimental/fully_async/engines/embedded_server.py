@@ -34,6 +34,7 @@ from rllm.experimental.fully_async.engines.weights import WeightLoader
 logger = logging.getLogger(__name__)
 
 SCHEDULER_KEY = web.AppKey("scheduler", Scheduler)
+API_KEY = web.AppKey("api_key", str)
 ARGS_KEY = web.AppKey("args", argparse.Namespace)
 
 
@@ -143,7 +144,6 @@ async def pause_generation(request: web.Request) -> web.Response:
 
 
 async def continue_generation(request: web.Request) -> web.Response:
-    """POST /continue_generation."""
     request.app[SCHEDULER_KEY].resume()
     return web.json_response({"message": "Generation continued successfully."})
 
@@ -252,15 +252,27 @@ async def get_server_info(request: web.Request) -> web.Response:
     scheduler = request.app[SCHEDULER_KEY]
     args = request.app[ARGS_KEY]
     stats = scheduler.snapshot()
-    server_args = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))}
+    scalar = (str, int, float, bool, type(None))
+    server_args = {k: v for k, v in vars(args).items() if k != "api_key" and isinstance(v, scalar)}
     return web.json_response(
         {**server_args, "engine": "rllm-embedded", "internal_states": [stats], "engine_stats": stats}
     )
 
 
+@web.middleware
+async def _require_api_key(request: web.Request, handler: Any) -> web.StreamResponse:
+    """SGLang's add_api_key_middleware: with --api-key, all but /health* and /metrics need the key."""
+    key = request.app[API_KEY]
+    exempt = request.method == "OPTIONS" or request.path.startswith(("/health", "/metrics"))
+    if key and not exempt and request.headers.get("Authorization") != "Bearer " + key:
+        return web.json_response({"error": "Unauthorized"}, status=401)
+    return await handler(request)
+
+
 def build_app(scheduler: Scheduler, args: argparse.Namespace) -> web.Application:
     """The aiohttp application for one engine (routes as SGLang names them)."""
-    app = web.Application(client_max_size=1 << 30)
+    app = web.Application(client_max_size=1 << 30, middlewares=[_require_api_key])
+    app[API_KEY] = getattr(args, "api_key", None) or ""
     app[SCHEDULER_KEY] = scheduler
     app[ARGS_KEY] = args
     for path, handler in [
@@ -302,6 +314,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--num-threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (SGLang's --api-key)")
     parser.add_argument(
         "--parent-check-s", type=float, default=2.0, help="exit when the parent dies; checked this often (0: never)"
     )

@@ -157,6 +157,8 @@ class EngineLauncher:
         self.stop_timeout_s = stop_timeout_s
         self.log_dir = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="rllm-engines-"))
         self.processes: list[EngineProcess] = []
+        # The secret engines require (`--api-key`, set by engines.from_config beyond loopback); None: no key.
+        self.api_key: str | None = None
         self._spawns: dict[int, int] = {}  # starts per engine index (port-race retries)
 
     @property

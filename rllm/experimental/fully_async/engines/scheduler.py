@@ -221,6 +221,10 @@ class Scheduler:
                 count += 1
         return count
 
+    def waiting_rids(self) -> set[str]:
+        """Requests queued but not yet prefilled (SGLang's waiting queue); held requests are not among them."""
+        return {req.rid for req in self._waiting if not req.done}
+
     def _abandon(self, req: _Request) -> None:
         """The caller went away (HTTP disconnect): free its slot without resolving anything."""
         if not req.done:

@@ -33,6 +33,7 @@ class SGLangEngineCommand:
     weight_version: str = "0"
     log_level: str = "info"
     skip_server_warmup: bool = False
+    api_key: str | None = None  # per-run secret for engines reachable beyond loopback (`--api-key`)
     extra_args: tuple[str, ...] = ()  # anything else, passed through verbatim
     python: str = sys.executable
 
@@ -72,6 +73,8 @@ class SGLangEngineCommand:
             cmd += ["--context-length", str(self.context_length)]
         if self.skip_server_warmup:
             cmd.append("--skip-server-warmup")
+        if self.api_key:
+            cmd += ["--api-key", self.api_key]
         return cmd + list(self.extra_args)
 
     def gpus_for(self, index: int) -> list[int]:

@@ -56,6 +56,7 @@ class RolloutExecutorActor:
         self.client = EngineClient(
             engine_urls,
             request_timeout_s=float(c.engines.request_timeout_s),
+            partial_rollout=bool(c.async_training.partial_rollout),
             wait_for_engine_s=float(c.engines.startup_timeout_s) + 30.0 if restarting else 0.0,
         )
         # The journal (every sample's issue and end, for the exactly-once audit) lives in the run dir. A relative
@@ -189,7 +190,7 @@ class FullyAsyncTrainerActor:
         from rllm.experimental.fully_async.algorithms.corrections import build_correction
         from rllm.experimental.fully_async.backends.fsdp import FSDPPolicyBackend
         from rllm.experimental.fully_async.runtime.fully_async_trainer import FullyAsyncTrainer, TrainerSettings
-        from rllm.experimental.fully_async.runtime.param_sync import DiskTransport, ParamSync
+        from rllm.experimental.fully_async.runtime.param_sync import DiskTransport, ParamSync, resolve_sync_dtype
         from rllm.experimental.fully_async.verl_patch import require_patched_verl
 
         logging.basicConfig(level=os.environ.get("RLLM_LOG_LEVEL", "WARNING"))
@@ -211,6 +212,9 @@ class FullyAsyncTrainerActor:
             pause_timeout_s=timeout_s,
             update_timeout_s=timeout_s,
             continue_timeout_s=timeout_s,
+            weights_dtype=resolve_sync_dtype(
+                str(c.param_sync.dtype), str(c.trainer.device), str(next(backend.model.parameters()).dtype)
+            ),
         )
         settings = TrainerSettings(
             required_samples=int(at.required_samples),

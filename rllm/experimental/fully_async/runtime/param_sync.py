@@ -3,8 +3,14 @@
     sync(write_weights, v):  stage (trainer writes weights; engines keep generating)
                              -> pause(mode=abort) all engines   (in-flight requests return; clients re-send,
                                                                  engines hold the re-sent requests)
-                             -> each engine loads the staged weights as weight_version str(v)
+                             -> each engine loads the staged weights,
+                                then /update_weight_version str(v), then /get_weight_version must read str(v)
                              -> continue all engines             (held requests start on version v)
+
+Why the version is set separately and read back: SGLang 0.5.6's `/update_weights_from_disk` returns early when
+the engine is paused, WITHOUT applying its `weight_version` (`tokenizer_manager.update_weights_from_disk`), so a
+version passed with the load alone never reaches a real engine. An engine that does not read back the pushed
+version fails the sync with a SyncError naming it (DESIGN rule 4: read back, never assumed).
 
 The paused window (`SyncReport.pause_s`) is only the load, because writing happens before the pause. Engines are
 always continued, also when a load fails or an engine is dead, so nothing stays paused; the failure is then
@@ -29,46 +35,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
-import shutil
 import threading
 import time
-import uuid
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
-from rllm.experimental.fully_async.engines.client import EngineClient, EngineConnectionError
+from rllm.experimental.fully_async.engines.client import EngineClient, EngineConnectionError, EngineError
+from rllm.experimental.fully_async.runtime.weight_transport import (  # re-exported: the transports' home
+    DiskTransport,
+    StagedWeights,
+    WeightTransport,
+)
+
+__all__ = ["DiskTransport", "ParamSync", "StagedWeights", "SyncError", "SyncReport", "WeightTransport"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class StagedWeights:
-    """Weights ready to be loaded by engines: where they are and how big (for the transfer-rate metrics)."""
-
-    version: int
-    location: str  # disk: the folder engines load; other transports: whatever their load step needs
-    nbytes: int
-
-
-class WeightTransport(Protocol):
-    """How new weights get from the trainer to the engines (the seam for an NCCL transport)."""
-
-    def stage(self, write_weights: Callable[[str], None], version: int) -> StagedWeights:
-        """Trainer side, before engines pause: make `version` loadable (e.g. write it to disk)."""
-        ...
-
-    async def load(self, client: EngineClient, url: str, staged: StagedWeights, *, timeout_s: float) -> None:
-        """Engine side, while paused: make engine `url` serve `staged` as weight_version str(version)."""
-        ...
-
-    def release(self, staged: StagedWeights, engine_versions: dict[str, int | None]) -> None:
-        """After the sync: free what no engine needs any more (`engine_versions`: what each engine serves)."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -101,63 +85,17 @@ class SyncError(RuntimeError):
         self.unreachable = unreachable or []
 
 
-_VERSION_DIR = re.compile(r"^v(\d+)$")
+SYNC_DTYPES = ("float32", "bfloat16")
 
 
-@dataclass
-class DiskTransport:
-    """Weights as HF safetensors folders `<root>/v<version>` that every engine can read (shared filesystem).
-
-    Folders are written under a temporary name and renamed, so an engine never sees a half-written folder.
-    After each sync the newest `keep` folders and any folder an engine still serves are kept; older ones are
-    deleted. On a multi-host cluster `root` must be on storage all engine hosts mount.
-    """
-
-    root: Path
-    keep: int = 2
-
-    def __post_init__(self) -> None:
-        self.root = Path(self.root)
-        if self.keep < 1:
-            raise ValueError(f"keep must be >= 1, got {self.keep}")
-        self.root.mkdir(parents=True, exist_ok=True)
-
-    def path_for(self, version: int) -> Path:
-        return self.root / f"v{version}"
-
-    def stage(self, write_weights: Callable[[str], None], version: int) -> StagedWeights:
-        final = self.path_for(version)
-        tmp = self.root / f".tmp-v{version}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
-        try:
-            write_weights(str(tmp))
-            files = [p for p in tmp.rglob("*") if p.is_file()]
-            if not any(p.suffix == ".safetensors" for p in files):
-                raise ValueError(f"write_weights wrote no .safetensors file into {tmp} for version {version}")
-            nbytes = sum(p.stat().st_size for p in files)
-            if final.exists():  # re-pushing a version (e.g. after a failed sync): replace it
-                shutil.rmtree(final)
-            tmp.rename(final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return StagedWeights(version=version, location=str(final), nbytes=nbytes)
-
-    async def load(self, client: EngineClient, url: str, staged: StagedWeights, *, timeout_s: float) -> None:
-        await client.update_weights_from_disk(
-            url, staged.location, weight_version=str(staged.version), flush_cache=True, timeout_s=timeout_s
-        )
-
-    def release(self, staged: StagedWeights, engine_versions: dict[str, int | None]) -> None:
-        versions = sorted(
-            (int(m.group(1)) for p in self.root.iterdir() if p.is_dir() and (m := _VERSION_DIR.match(p.name))),
-            reverse=True,
-        )
-        in_use = {v for v in engine_versions.values() if v is not None}
-        for version in versions[self.keep :]:
-            if version not in in_use:
-                shutil.rmtree(self.path_for(version), ignore_errors=True)
-                logger.debug("deleted weight folder %s", self.path_for(version))
+def resolve_sync_dtype(setting: str, trainer_device: str, param_dtype: str) -> str:
+    """The dtype weights travel in (`param_sync.dtype`): auto is bfloat16 when the trainer runs on CUDA (the
+    engines serve bf16; fp32 would double every sync's bytes), else the trainer's parameter dtype."""
+    if setting == "auto":
+        return "bfloat16" if trainer_device.startswith(("cuda", "gpu")) else param_dtype.removeprefix("torch.")
+    if setting not in SYNC_DTYPES:
+        raise ValueError(f"param_sync.dtype={setting!r}: use auto, float32 or bfloat16")
+    return setting
 
 
 @dataclass
@@ -186,11 +124,15 @@ class ParamSync:
         update_timeout_s: float = 600.0,
         continue_timeout_s: float = 60.0,
         connect_retries: int = 2,
+        api_key: str | None = None,
+        weights_dtype: str | None = None,
     ) -> None:
         if not engine_urls:
             raise ValueError("ParamSync needs at least one engine URL")
         self.engine_urls = [u.rstrip("/") for u in engine_urls]
         self.transport = transport
+        # Passed to write_weights(path, dtype=...) when set (`resolve_sync_dtype`); None: the writer's own dtype.
+        self.weights_dtype = weights_dtype
         self.pause_timeout_s = pause_timeout_s
         self.update_timeout_s = update_timeout_s
         self.continue_timeout_s = continue_timeout_s
@@ -205,6 +147,7 @@ class ParamSync:
             connect_retries=connect_retries,
             # ParamSync addresses each engine itself; dead-marking is the rollout client's business.
             dead_after_failures=1 << 30,
+            api_key=api_key,
         )
         self._closed = False
         self._sync_lock = threading.Lock()  # one sync or replacement at a time: versions reach engines in order
@@ -268,8 +211,17 @@ class ParamSync:
     async def _load_into(self, old_url: str, new_url: str, staged: StagedWeights | None) -> int:
         self._client.replace_engine(old_url, new_url)
         if staged is not None:
-            await self.transport.load(self._client, new_url, staged, timeout_s=self.update_timeout_s)
+            await self._load_and_verify(new_url, staged)
         return int(await self._client.get_weight_version(new_url, timeout_s=self.pause_timeout_s))
+
+    async def _load_and_verify(self, url: str, staged: StagedWeights) -> None:
+        """Load `staged` into engine `url`, set its weight version, and read it back (see the module docstring)."""
+        await self.transport.load(self._client, url, staged, timeout_s=self.update_timeout_s)
+        expected = str(staged.version)
+        await self._client.update_weight_version(url, expected, timeout_s=self.pause_timeout_s)
+        reported = await self._client.get_weight_version(url, timeout_s=self.pause_timeout_s)
+        if reported != expected:
+            raise EngineError(f"{url} reports weight_version {reported!r} after being set to {expected!r}")
 
     def close(self) -> None:
         """Close the HTTP session and stop the private event loop (idempotent)."""
@@ -302,6 +254,9 @@ class ParamSync:
         if self._closed:
             raise RuntimeError("ParamSync is closed")
         start = time.perf_counter()
+        if self.weights_dtype is not None:
+            dtype, write = self.weights_dtype, write_weights
+            write_weights = lambda path: write(path, dtype=dtype)  # noqa: E731
         staged = self.transport.stage(write_weights, new_version)
         self._last_staged = staged
         write_s = time.perf_counter() - start
@@ -341,9 +296,7 @@ class ParamSync:
                 self.engine_urls, lambda u: client.pause_generation(u, "abort", timeout_s=self.pause_timeout_s), out
             )
             load_start = time.perf_counter()
-            out.updated = await self._on_all(
-                paused, lambda u: self.transport.load(client, u, staged, timeout_s=self.update_timeout_s), out
-            )
+            out.updated = await self._on_all(paused, lambda u: self._load_and_verify(u, staged), out)
             out.update_s = time.perf_counter() - load_start
             for url in out.updated:
                 self.engine_versions[url] = staged.version

@@ -21,6 +21,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from rllm.experimental.fully_async.engines.from_config import engine_launcher
 from rllm.experimental.fully_async.observe.reporting import (
     MetricsSink,
     RunSummary,
@@ -117,34 +118,6 @@ def check_data(cfg: DictConfig) -> int:
 
         raise DataError(f"{cfg.data.train_files}: no prompt left after filtering (data.max_prompt_length?)")
     return len(train)
-
-
-def engine_launcher(cfg: DictConfig, log_dir: Path) -> Any:
-    """An EngineLauncher for the configured backend (a context manager whose `.urls` are the engines)."""
-    from rllm.experimental.fully_async.engines.launcher import EmbeddedEngineCommand, EngineLauncher
-
-    e = cfg.engines
-    model_path = str(cfg.actor_rollout_ref.model.path)
-    if e.backend == "embedded":
-        command: Any = EmbeddedEngineCommand(
-            model_path=model_path,
-            max_running_requests=int(e.max_running_requests),
-            dtype=str(e.dtype),
-            seed=int(cfg.run.seed),
-            num_threads=int(e.torch_threads),
-            log_level=str(cfg.run.log_level),
-        )
-    else:
-        from rllm.experimental.fully_async.engines.sglang import SGLangEngineCommand
-
-        command = SGLangEngineCommand(
-            model_path=model_path,
-            dtype=str(e.dtype),
-            max_running_requests=int(e.max_running_requests),
-            seed=int(cfg.run.seed),
-            extra_args=tuple(f"--{k.replace('_', '-')}={v}" for k, v in e.extra_args.items()),
-        )
-    return EngineLauncher(command, int(e.num_engines), startup_timeout_s=float(e.startup_timeout_s), log_dir=log_dir)
 
 
 def init_ray(num_cpus: int | None = None) -> None:

@@ -293,6 +293,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "engines.dtype": ("float32", "bfloat16"),
     "engines.on_engine_failure": ("restart", "continue", "stop"),
     "param_sync.transport": ("disk", "nccl"),
+    "param_sync.dtype": ("auto", "float32", "bfloat16"),
     "actor_rollout_ref.rollout.name": ("embedded", "sglang"),
     "actor_rollout_ref.actor.loss_agg_mode": (
         "token-mean",

@@ -70,6 +70,9 @@ class ParamSyncConfig:
     transport: str = "disk"  # disk (HF safetensors folder + /update_weights_from_disk) | nccl (GPU clusters)
     weights_dir: str | None = None  # shared folder for the disk transport; null: RUN_DIR/weights
     timeout_s: float = 300.0  # each of pause, update and resume, per engine
+    # dtype of the weights pushed to engines: auto (bfloat16 when the trainer runs on CUDA, else the trainer's
+    # parameter dtype) | float32 | bfloat16. fp32 doubles the bytes written and loaded at every sync.
+    dtype: str = "auto"
 
 
 @dataclass

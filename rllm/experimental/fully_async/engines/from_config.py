@@ -1,0 +1,115 @@
+"""Build the engine launcher a run's configuration asks for (moved from runtime/run.py).
+
+Keys honoured here, for `engines.backend=sglang`:
+- `actor_rollout_ref.rollout.tensor_model_parallel_size` -> `--tp-size` (GPUs per engine);
+- `actor_rollout_ref.rollout.gpu_memory_utilization` -> `--mem-fraction-static`;
+- `engines.dtype`, `engines.max_running_requests`, `run.seed` (engine i samples with seed + i);
+- `engines.extra_args` -> extra `sglang.launch_server` flags: `{enable_foo: true}` becomes the bare `--enable-foo`
+  (SGLang's argparse rejects `--enable-foo=True`), false or null omits the flag, a list becomes
+  `--flag v1 v2`, anything else `--flag=value`. A flag this module already sets is refused.
+Engines that listen beyond loopback get a per-run secret (`--api-key`, sent as `Authorization: Bearer` by the
+client and ParamSync); on loopback no key is needed and none is set.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import secrets
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from rllm.experimental.fully_async.engines.launcher import EmbeddedEngineCommand, EngineLauncher
+
+# Flags the SGLang command sets from the config itself; extra_args may not set them a second time.
+MANAGED_SGLANG_FLAGS = frozenset(
+    {
+        "model-path",
+        "host",
+        "port",
+        "tp-size",
+        "tensor-parallel-size",
+        "dtype",
+        "random-seed",
+        "weight-version",
+        "log-level",
+        "mem-fraction-static",
+        "max-running-requests",
+        "api-key",
+    }
+)
+
+
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and "localhost"."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def api_key_for(host: str) -> str | None:
+    """A fresh per-run secret when engines listen on `host` beyond loopback, else None."""
+    return None if is_loopback(host) else secrets.token_urlsafe(32)
+
+
+def sglang_extra_args(extra: dict[str, Any]) -> tuple[str, ...]:
+    """`engines.extra_args` as `sglang.launch_server` flags (see the module docstring)."""
+    args: list[str] = []
+    for key, value in extra.items():
+        flag = str(key).replace("_", "-").lstrip("-")
+        if flag in MANAGED_SGLANG_FLAGS:
+            raise ValueError(
+                f"engines.extra_args.{key}: --{flag} is set from the config already; use the config key instead"
+            )
+        if value is None or value is False:
+            continue
+        if value is True:
+            args.append(f"--{flag}")
+        elif isinstance(value, (list, tuple)) or OmegaConf.is_list(value):
+            args += [f"--{flag}", *(str(v) for v in value)]
+        else:
+            args.append(f"--{flag}={value}")
+    return tuple(args)
+
+
+def engine_launcher(cfg: DictConfig, log_dir: Path, *, host: str = "127.0.0.1") -> Any:
+    """An EngineLauncher for the configured backend (a context manager whose `.urls` are the engines, and whose
+    `.api_key` is the secret clients must send, or None)."""
+    e = cfg.engines
+    model_path = str(cfg.actor_rollout_ref.model.path)
+    api_key = api_key_for(host)
+    if e.backend == "embedded":
+        command: Any = EmbeddedEngineCommand(
+            model_path=model_path,
+            max_running_requests=int(e.max_running_requests),
+            dtype=str(e.dtype),
+            seed=int(cfg.run.seed),
+            num_threads=int(e.torch_threads),
+            log_level=str(cfg.run.log_level),
+            extra_args=("--api-key", api_key) if api_key else (),
+        )
+    else:
+        from rllm.experimental.fully_async.engines.sglang import SGLangEngineCommand
+
+        rollout = cfg.actor_rollout_ref.rollout
+        tp_size = OmegaConf.select(rollout, "tensor_model_parallel_size", default=None)
+        mem_fraction = OmegaConf.select(rollout, "gpu_memory_utilization", default=None)
+        command = SGLangEngineCommand(
+            model_path=model_path,
+            tp_size=int(tp_size) if tp_size is not None else 1,
+            dtype=str(e.dtype),
+            mem_fraction_static=float(mem_fraction) if mem_fraction is not None else None,
+            max_running_requests=int(e.max_running_requests),
+            seed=int(cfg.run.seed),
+            api_key=api_key,
+            extra_args=sglang_extra_args(dict(e.extra_args or {})),
+        )
+    launcher = EngineLauncher(
+        command, int(e.num_engines), host=host, startup_timeout_s=float(e.startup_timeout_s), log_dir=log_dir
+    )
+    launcher.api_key = api_key
+    return launcher

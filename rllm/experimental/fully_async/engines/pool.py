@@ -1,0 +1,282 @@
+"""The engine pool: THE registry of which engines a process talks to, their health, load and weight versions.
+
+- Membership: `urls`, `replace_engine` (a restarted engine takes a dead one's place), `remove_engine`.
+- Health: consecutive connection failures past `dead_after_failures` mark an engine dead (routed around); a
+  successful call or `/health` probe revives it. When every engine is dead a request waits up to
+  `wait_for_engine_s` for one to come back or be replaced, then raises `NoHealthyEngineError`.
+- Routing: `post_generate` sends one `/generate` to the live engine with the fewest requests in flight from this
+  pool, failing over to another engine on connection errors with bounded exponential back-off.
+- Versions: `read_weight_version` asks an engine (`/get_weight_version`) and records the answer; a version is
+  never assumed (DESIGN rule 4).
+- Admin calls address one engine by URL and retry connection failures (`call`).
+One long-lived pooled aiohttp session serves every engine; it belongs to the event loop of the first call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import aiohttp
+
+from rllm.experimental.fully_async.engines.http import (
+    CONNECTION_ERRORS,
+    EngineConnectionError,
+    EngineError,
+    EngineHTTP,
+    new_session,
+)
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class NoHealthyEngineError(EngineError):
+    """Every engine of the pool is marked dead."""
+
+
+@dataclass
+class EngineState:
+    """What the pool knows about one engine."""
+
+    http: EngineHTTP
+    in_flight: int = 0
+    consecutive_failures: int = 0
+    dead: bool = False
+    last_error: str = ""
+    weight_version: str | None = None  # as last read back from the engine (None: not read yet)
+
+    @property
+    def url(self) -> str:
+        return self.http.url
+
+
+class EnginePool:
+    """Engines at `urls` (e.g. ["http://127.0.0.1:30000"]); see the module docstring for the policies.
+
+    `api_key`: sent as `Authorization: Bearer` to every engine (engines started with SGLang's `--api-key`).
+    """
+
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        api_key: str | None = None,
+        connect_timeout_s: float = 5.0,
+        connect_retries: int = 3,
+        dead_after_failures: int = 3,
+        backoff_base_s: float = 0.05,
+        backoff_max_s: float = 2.0,
+        max_connections: int = 1024,
+        wait_for_engine_s: float = 0.0,
+    ) -> None:
+        if not urls:
+            raise ValueError("an engine pool needs at least one engine URL")
+        self.api_key = api_key
+        self.connect_timeout_s = connect_timeout_s
+        self.connect_retries = connect_retries
+        self.dead_after_failures = dead_after_failures
+        self.backoff_base_s = backoff_base_s
+        self.backoff_max_s = backoff_max_s
+        self.max_connections = max_connections
+        self.wait_for_engine_s = wait_for_engine_s
+        self._engines: dict[str, EngineState] = {}
+        for url in urls:
+            self._add(url)
+        # Set whenever an engine becomes usable (replaced, or found alive again): wakes requests waiting for one.
+        # Created lazily, in the event loop that uses the pool.
+        self._engine_usable: asyncio.Event | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._tie_breaker = itertools.count()
+
+    # ---------------------------------------------------------------- membership and state
+    def _add(self, url: str) -> EngineState:
+        http = EngineHTTP(url, self._get_session, api_key=self.api_key, connect_timeout_s=self.connect_timeout_s)
+        state = self._engines[http.url] = EngineState(http)
+        return state
+
+    @property
+    def urls(self) -> list[str]:
+        return list(self._engines)
+
+    @property
+    def alive_urls(self) -> list[str]:
+        return [e.url for e in self._engines.values() if not e.dead]
+
+    def in_flight(self) -> dict[str, int]:
+        """Requests this pool has in flight, per engine."""
+        return {e.url: e.in_flight for e in self._engines.values()}
+
+    def weight_versions(self) -> dict[str, str | None]:
+        """Each engine's weight version as last read back from it (None: not read yet)."""
+        return {e.url: e.weight_version for e in self._engines.values()}
+
+    def engine(self, url: str) -> EngineState:
+        state = self._engines.get(url.rstrip("/"))
+        if state is None:
+            raise ValueError(f"{url} is not one of this pool's engines {self.urls}")
+        return state
+
+    def replace_engine(self, old_url: str, new_url: str) -> None:
+        """Route to `new_url` (a restarted engine) instead of `old_url` from now on. Requests still running on the
+        old one keep their bookkeeping and fail over as usual; requests waiting for an engine wake up.
+
+        Call it from the event loop that uses the pool.
+        """
+        old_url, new_url = old_url.rstrip("/"), new_url.rstrip("/")
+        if new_url in self._engines and new_url != old_url:
+            raise ValueError(f"{new_url} is already one of this pool's engines")
+        self._engines.pop(old_url, None)
+        self._add(new_url)
+        logger.info("engine %s replaced by %s; %d engine(s) alive", old_url, new_url, len(self.alive_urls))
+        self._signal_engine_usable()
+
+    def remove_engine(self, url: str) -> None:
+        """Stop routing to `url` (idempotent)."""
+        self._engines.pop(url.rstrip("/"), None)
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = new_session(self.max_connections)
+        return self._session
+
+    async def aclose(self) -> None:
+        """Close the pooled session (idempotent)."""
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+        self._session = None
+
+    # ---------------------------------------------------------------- health bookkeeping
+    def _signal_engine_usable(self) -> None:
+        if self._engine_usable is not None:
+            self._engine_usable.set()
+
+    def record_failure(self, engine: EngineState, exc: BaseException) -> None:
+        engine.consecutive_failures += 1
+        engine.last_error = f"{type(exc).__name__}: {exc}"
+        if not engine.dead and engine.consecutive_failures >= self.dead_after_failures:
+            engine.dead = True
+            logger.warning(
+                "engine %s marked dead after %d consecutive connection failures (%s); %d engine(s) left",
+                engine.url,
+                engine.consecutive_failures,
+                engine.last_error,
+                len(self.alive_urls),
+            )
+
+    def record_success(self, engine: EngineState) -> None:
+        engine.consecutive_failures = 0
+        if engine.dead:
+            logger.info("engine %s is reachable again", engine.url)
+            engine.dead = False
+            self._signal_engine_usable()
+
+    def backoff(self, attempt: int) -> float:
+        return min(self.backoff_base_s * (2**attempt), self.backoff_max_s)
+
+    async def health(self, timeout_s: float) -> dict[str, bool]:
+        """Probe /health of every engine; a healthy answer revives an engine marked dead, a failure kills it."""
+
+        async def probe(engine: EngineState) -> bool:
+            try:
+                await engine.http.health(timeout_s)
+            except (*CONNECTION_ERRORS, EngineError) as exc:
+                engine.dead = True
+                engine.last_error = f"health check failed: {exc}"
+                return False
+            self.record_success(engine)
+            return True
+
+        engines = list(self._engines.values())
+        results = await asyncio.gather(*(probe(e) for e in engines))
+        return {e.url: ok for e, ok in zip(engines, results, strict=True)}
+
+    # ---------------------------------------------------------------- routing
+    async def _wait_for_live_engine(self) -> list[EngineState]:
+        """The live engines; when there is none, wait up to `wait_for_engine_s` for one to be replaced."""
+        alive = [e for e in self._engines.values() if not e.dead]
+        if alive or self.wait_for_engine_s <= 0:
+            return alive
+        if self._engine_usable is None:
+            self._engine_usable = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.wait_for_engine_s
+        logger.warning("no live inference engine; waiting up to %.0fs for a restarted one", self.wait_for_engine_s)
+        while not alive and (remaining := deadline - loop.time()) > 0:
+            self._engine_usable.clear()
+            try:
+                await asyncio.wait_for(self._engine_usable.wait(), timeout=remaining)
+            except TimeoutError:
+                break
+            alive = [e for e in self._engines.values() if not e.dead]
+        return alive
+
+    async def pick(self, avoid: set[str]) -> EngineState:
+        """The least-loaded live engine, preferring ones that have not failed this call."""
+        alive = await self._wait_for_live_engine()
+        if not alive:
+            details = "; ".join(f"{e.url}: {e.last_error or 'dead'}" for e in self._engines.values())
+            waited = f", none restarted within {self.wait_for_engine_s:g}s" if self.wait_for_engine_s > 0 else ""
+            raise NoHealthyEngineError(f"no healthy inference engine left{waited} ({details})")
+        candidates = [e for e in alive if e.url not in avoid] or alive
+        low = min(e.in_flight for e in candidates)
+        tied = [e for e in candidates if e.in_flight == low]
+        return tied[next(self._tie_breaker) % len(tied)]
+
+    async def post_generate(self, payload: dict[str, Any], rid: str, timeout_s: float) -> tuple[str, Any, int]:
+        """POST one /generate to the least-loaded engine, retrying connection failures elsewhere.
+
+        Returns (engine URL, response body, connection failures survived).
+        """
+        failed_on: set[str] = set()
+        max_attempts = self.connect_retries * len(self._engines) + 1
+        for attempt in range(max_attempts):
+            engine = await self.pick(failed_on)
+            engine.in_flight += 1
+            try:
+                data = await engine.http.generate({**payload, "rid": f"{rid}-{attempt}"}, timeout_s)
+            except CONNECTION_ERRORS as exc:
+                self.record_failure(engine, exc)
+                failed_on.add(engine.url)
+                # Every request on a dead engine passes here: the one warning is the engine's "marked dead".
+                logger.info("generate on %s failed (%s); retrying", engine.url, engine.last_error)
+                await asyncio.sleep(self.backoff(min(attempt, 10)))
+                continue
+            finally:
+                engine.in_flight -= 1
+            self.record_success(engine)
+            return engine.url, data, attempt
+        raise EngineConnectionError(
+            f"/generate failed {max_attempts} times on engines {sorted(failed_on)}; last errors: "
+            + "; ".join(f"{u}: {self._engines[u].last_error}" for u in sorted(failed_on) if u in self._engines)
+        )
+
+    # ---------------------------------------------------------------- admin calls (one engine each)
+    async def call(self, url: str, what: str, fn: Callable[[EngineHTTP], Awaitable[T]]) -> T:
+        """`fn(engine.http)` on engine `url`, retrying connection failures with back-off; `what` names the call."""
+        engine = self.engine(url)
+        for attempt in range(self.connect_retries + 1):
+            try:
+                result = await fn(engine.http)
+            except CONNECTION_ERRORS as exc:
+                self.record_failure(engine, exc)
+                if attempt == self.connect_retries:
+                    raise EngineConnectionError(
+                        f"{engine.url}{what}: engine unreachable after {attempt + 1} attempts ({engine.last_error})"
+                    ) from exc
+                await asyncio.sleep(self.backoff(attempt))
+            else:
+                self.record_success(engine)
+                return result
+        raise AssertionError("unreachable")
+
+    async def read_weight_version(self, url: str, timeout_s: float) -> str:
+        """Ask engine `url` which weight version it serves, and remember the answer."""
+        version = await self.call(url, "/get_weight_version", lambda h: h.get_weight_version(timeout_s))
+        self.engine(url).weight_version = version
+        return version

@@ -1,0 +1,174 @@
+"""Resumable generation: one sequence generated across weight updates, as a plain async function.
+
+When a piece comes back with finish reason `abort` (a weight sync paused the engine), `generate_resumable`
+re-sends prompt + tokens so far with the remaining token budget - the engine holds it until
+`/continue_generation` - and stitches the pieces. Every token carries the policy version the engine reported for
+its piece (`meta_info.weight_version`, as int), so a resumed sequence holds segments of several versions.
+The pool's failover covers an engine that dies mid-request: tokens already received are kept and the rest is
+generated elsewhere. To stop a generation, cancel the task that awaits it; the closed connection makes the
+engine drop the request.
+
+Two SGLang 0.5.6 facts shape the parsing (`tokenizer_manager._handle_abort_req`): a request aborted while still in
+the engine's waiting queue comes back with no `weight_version` and no `prompt_tokens`; it produced no token, so it
+is an unstarted piece and is simply re-sent.
+
+`partial_rollout=False` (verl/rLLM's `async_training.partial_rollout: false`): a generation interrupted by a weight
+sync is not continued with the new weights. Its tokens are discarded and it is regenerated from the prompt (held
+by the paused engine, so it starts on the new weights); every finished sequence therefore carries exactly one
+weight version. The discarded tokens are counted in `GenerationResult.discarded_tokens`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from rllm.experimental.fully_async.core.protocol import Sequence
+from rllm.experimental.fully_async.engines.http import EngineError
+from rllm.experimental.fully_async.engines.pool import EnginePool
+
+logger = logging.getLogger(__name__)
+
+SGLANG_DEFAULT_MAX_NEW_TOKENS = 128  # what SGLang uses when sampling_params has no max_new_tokens
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """One generation, stitched across resumes; the three per-token lists have equal length."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]  # policy version (engine weight_version) that produced each token
+    finish_reason: str  # stop | length (abort never survives: the client resumes it)
+    num_resumes: int  # pieces that ended in abort (weight updates) and were continued
+    prompt_tokens: int
+    num_retries: int = 0  # connection failures survived (engine down, request re-sent)
+    discarded_tokens: int = 0  # tokens thrown away by restarts from the prompt (partial_rollout=False)
+
+    def to_sequence(self, prompt_ids: list[int]) -> Sequence:
+        """The protocol message the trainer consumes."""
+        return Sequence(
+            prompt_ids=list(prompt_ids),
+            response_ids=list(self.output_ids),
+            response_logprobs=list(self.logprobs),
+            response_versions=list(self.versions),
+            finish_reason=self.finish_reason,
+            num_resumes=self.num_resumes,
+        )
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What one /generate call returned."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    version: int | None  # None: an unstarted piece (aborted in the waiting queue, no token)
+    finish_type: str
+    prompt_tokens: int
+
+
+def parse_piece(url: str, data: Any) -> Piece:
+    """Read one /generate body; raises EngineError naming the engine when it is not what SGLang returns."""
+    try:
+        output_ids = [int(t) for t in data["output_ids"]]
+        meta = data["meta_info"]
+        finish = meta["finish_reason"]
+        finish_type = finish["type"] if isinstance(finish, dict) else str(finish)
+        entries = meta["output_token_logprobs"]
+        raw_version = meta.get("weight_version")
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise EngineError(f"{url}/generate returned an unexpected body ({exc!r}): {str(data)[:300]}") from exc
+    if raw_version is None:
+        if finish_type == "abort" and not output_ids:  # aborted in the waiting queue: nothing happened
+            return Piece([], [], None, finish_type, 0)
+        raise EngineError(f"{url}/generate returned tokens without a weight_version: {str(data)[:300]}")
+    try:
+        version = int(raw_version)
+    except (TypeError, ValueError) as exc:
+        raise EngineError(
+            f"{url} reports weight_version {raw_version!r}, which is not an integer policy version; "
+            "launch it with --weight-version 0 and update weights with integer versions"
+        ) from exc
+    logprobs = [float(e[0]) for e in entries]
+    token_ids = [int(e[1]) for e in entries]
+    if finish_type == "abort" and len(token_ids) != len(output_ids):
+        # An abort can cut the logprob stream one token short; keep only tokens that have a log-prob.
+        n = min(len(token_ids), len(output_ids))
+        output_ids, token_ids, logprobs = output_ids[:n], token_ids[:n], logprobs[:n]
+    if token_ids != output_ids:
+        raise EngineError(f"{url}/generate: output_token_logprobs do not match output_ids")
+    return Piece(output_ids, logprobs, version, finish_type, int(meta.get("prompt_tokens", 0)))
+
+
+async def generate_resumable(
+    pool: EnginePool,
+    input_ids: list[int],
+    sampling_params: dict[str, Any] | None = None,
+    *,
+    rid: str | None = None,
+    request_timeout_s: float = 600.0,
+    max_resumes: int = 64,
+    partial_rollout: bool = True,
+) -> GenerationResult:
+    """Generate from `input_ids` on `pool`, resuming across weight updates; see the module docstring.
+
+    `partial_rollout=False`: an interrupted generation restarts from the prompt instead of being continued.
+    """
+    params = dict(sampling_params or {})
+    max_new = int(params.get("max_new_tokens", SGLANG_DEFAULT_MAX_NEW_TOKENS))
+    rid = rid or uuid.uuid4().hex
+    prompt = list(input_ids)
+    out_ids: list[int] = []
+    logprobs: list[float] = []
+    versions: list[int] = []
+    num_resumes = retries = discarded = 0
+    for piece_index in itertools.count():
+        payload = {
+            "input_ids": prompt + out_ids,
+            "sampling_params": {**params, "max_new_tokens": max_new - len(out_ids)},
+            "return_logprob": True,
+        }
+        url, data, failures = await pool.post_generate(payload, f"{rid}-{piece_index}", request_timeout_s)
+        piece = parse_piece(url, data)
+        retries += failures
+        if piece.finish_type == "abort" and not partial_rollout and (out_ids or piece.output_ids):
+            # Not continued on new weights: start over from the prompt (one version per sequence).
+            discarded += len(out_ids) + len(piece.output_ids)
+            out_ids, logprobs, versions = [], [], []
+            num_resumes += 1
+            if num_resumes > max_resumes:
+                raise EngineError(f"request {rid} was interrupted {num_resumes} times without finishing")
+            logger.debug("request %s aborted; regenerating from the prompt (partial_rollout=False)", rid)
+            continue
+        out_ids += piece.output_ids
+        logprobs += piece.logprobs
+        if piece.output_ids:
+            assert piece.version is not None  # parse_piece guarantees a version for any token
+            versions += [piece.version] * len(piece.output_ids)
+        if piece.finish_type != "abort":
+            finish = piece.finish_type
+            break
+        if len(out_ids) >= max_new:
+            finish = "length"  # the budget ran out exactly as the pause came
+            break
+        num_resumes += 1
+        if num_resumes > max_resumes:
+            raise EngineError(
+                f"request {rid} was aborted {num_resumes} times without finishing; an engine is aborting it "
+                "repeatedly (is someone calling /abort_request?)"
+            )
+        logger.debug("request %s aborted after %d tokens; resuming", rid, len(out_ids))
+    return GenerationResult(
+        output_ids=out_ids,
+        logprobs=logprobs,
+        versions=versions,
+        finish_reason=finish,
+        num_resumes=num_resumes,
+        prompt_tokens=len(prompt),
+        num_retries=retries,
+        discarded_tokens=discarded,
+    )

@@ -1,0 +1,362 @@
+"""A stand-in for SGLang 0.5.6's HTTP server, written from its source, generating with the embedded engine.
+
+SGLang cannot be installed on CPU machines, so the client, ParamSync and the end-to-end loop are also tested
+against this server. Its HTTP layer reproduces what `sglang/srt/entrypoints/http_server.py` and
+`sglang/srt/managers/tokenizer_manager.py` (0.5.6) do, quirks included; generation reuses the embedded engine's
+`Scheduler` and `ModelRunner` underneath. Behaviour reproduced (source functions in brackets):
+- `weight_version` is the server's string (`--weight-version`, default "default"); `/generate` reports the
+  version current when the response is built (`_handle_batch_output`: `self.server_args.weight_version`).
+- `/update_weights_from_disk` while paused loads and returns WITHOUT applying `weight_version`; only the unpaused
+  path (which waits for running requests: model_update_lock.writer_lock) sets it (`update_weights_from_disk`).
+- `/update_weight_version` (`new_version`, `abort_all_requests` defaulting to TRUE) sets it at any time;
+  `/get_weight_version` and `/weight_version` read it.
+- Requests arriving while paused are held before they reach the scheduler, not refused (`is_pause_cond`); aborts
+  do not touch them. Pause modes: abort (abort everything in the scheduler, return once no request holds the
+  model-update reader lock), in_place and retract (the scheduler stops stepping and keeps its requests).
+- A request aborted in the waiting queue returns `meta_info` with `id`, `finish_reason {type: abort, message}`,
+  `completion_tokens` and the log-prob lists, but no `weight_version` and no `prompt_tokens` (`_handle_abort_req`).
+- HTTP codes: body validation fails with 422 `{"detail": [...]}` (FastAPI); `/generate` ValueErrors 400
+  `{"error": {"message"}}`; failed weight loads 400 with `success: false`; `/abort_request` 200 with an empty body;
+  `/flush_cache` 400 while requests run; with `--api-key`, every path but /health* and /metrics needs
+  `Authorization: Bearer <key>` or gets 401 `{"error": "Unauthorized"}` (`add_api_key_middleware`).
+`/get_server_info` carries `internal_states: [<embedded scheduler stats>]` (SGLang's shape; the keys inside are
+the embedded engine's, which the tests read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import uuid
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from rllm.experimental.fully_async.engines.model_runner import ModelRunner, load_model
+from rllm.experimental.fully_async.engines.sampling import SamplingParams
+from rllm.experimental.fully_async.engines.scheduler import PAUSE_MODES, Scheduler, WeightUpdateError
+from rllm.experimental.fully_async.engines.weights import WeightLoader
+
+logger = logging.getLogger("sglang_standin")
+
+STATE = web.AppKey("state", object)
+SGLANG_DTYPES = {"auto": "float32", "float": "float32", "float32": "float32", "bfloat16": "bfloat16"}
+
+
+def _detail(loc: str, msg: str) -> web.Response:
+    return web.json_response({"detail": [{"type": "value_error", "loc": ["body", loc], "msg": msg}]}, status=422)
+
+
+class StandinState:
+    """The TokenizerManager's state that matters here: pause flag and condition, version, model-update lock."""
+
+    def __init__(self, scheduler: Scheduler, args: argparse.Namespace) -> None:
+        self.scheduler = scheduler
+        self.args = args
+        self.weight_version: str = args.weight_version
+        self.model_path: str = args.model_path
+        self.is_pause = False
+        self.pause_mode: str | None = None  # for /get_server_info only
+        self.is_pause_cond = asyncio.Condition()
+        self.readers = 0  # generate requests holding model_update_lock.reader_lock
+        self.readers_cond = asyncio.Condition()
+        self.writer = False
+        self.waiting_aborted: set[str] = set()
+
+    def abort_all(self, message: str) -> int:
+        """AbortReq(abort_all): the scheduler aborts its requests; waiting-queue ones answer without a version."""
+        self.waiting_aborted |= self.scheduler.waiting_rids()
+        return self.scheduler.abort_all(message, include_held=False)
+
+    async def reader_enter(self) -> None:
+        async with self.readers_cond:
+            await self.readers_cond.wait_for(lambda: not self.writer)
+            self.readers += 1
+
+    async def reader_exit(self) -> None:
+        async with self.readers_cond:
+            self.readers -= 1
+            self.readers_cond.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def writer_lock(self) -> Any:
+        async with self.readers_cond:
+            await self.readers_cond.wait_for(lambda: not self.writer)
+            self.writer = True
+            await self.readers_cond.wait_for(lambda: self.readers == 0)
+        try:
+            yield
+        finally:
+            async with self.readers_cond:
+                self.writer = False
+                self.readers_cond.notify_all()
+
+
+async def _body(request: web.Request) -> dict[str, Any] | None:
+    if not request.can_read_body:
+        return {}
+    try:
+        body = await request.json()
+    except ValueError:
+        return None
+    return body if isinstance(body, dict) else None
+
+
+@web.middleware
+async def api_key_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    key = request.app[STATE].args.api_key
+    exempt = request.method == "OPTIONS" or request.path.startswith(("/health", "/metrics"))
+    if key and not exempt and request.headers.get("Authorization") != "Bearer " + key:
+        return web.json_response({"error": "Unauthorized"}, status=401)
+    return await handler(request)
+
+
+async def generate(request: web.Request) -> web.Response:
+    st: StandinState = request.app[STATE]
+    body = await _body(request)
+    if body is None:
+        return _detail("", "Input should be a valid dictionary")
+    input_ids = body.get("input_ids")
+    if not isinstance(input_ids, list) or not input_ids or isinstance(input_ids[0], list):
+        # SGLang tokenizes text; a CPU stand-in without a tokenizer serves single token-id prompts only.
+        return web.json_response({"error": {"message": "the stand-in serves one input_ids prompt"}}, status=400)
+    try:
+        params = SamplingParams.from_json(body.get("sampling_params"))
+    except (ValueError, TypeError) as exc:
+        return web.json_response({"error": {"message": str(exc)}}, status=400)
+    rid = str(body.get("rid") or uuid.uuid4().hex)
+    async with st.is_pause_cond:  # held while paused (generate_request)
+        await st.is_pause_cond.wait_for(lambda: not st.is_pause)
+    await st.reader_enter()
+    try:
+        out = await st.scheduler.generate(list(input_ids), params, rid)
+    except ValueError as exc:
+        return web.json_response({"error": {"message": str(exc)}}, status=400)
+    finally:
+        await st.reader_exit()
+    finish = out.finish_reason
+    meta: dict[str, Any] = {"id": rid, "finish_reason": finish}
+    if body.get("return_logprob"):
+        pairs = zip(out.output_logprobs, out.output_ids, strict=True)
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in pairs]
+    meta["completion_tokens"] = len(out.output_ids)
+    if not (finish.get("type") == "abort" and rid in st.waiting_aborted):
+        meta.update(prompt_tokens=out.prompt_tokens, weight_version=st.weight_version, total_retractions=0)
+    st.waiting_aborted.discard(rid)
+    return web.json_response({"text": "", "output_ids": out.output_ids, "meta_info": meta})
+
+
+async def pause_generation(request: web.Request) -> web.Response:
+    st: StandinState = request.app[STATE]
+    body = await _body(request)
+    mode = (body or {}).get("mode", "abort")
+    if mode not in PAUSE_MODES:
+        return _detail("mode", f"Invalid mode: {mode!r}. Expected one of {list(PAUSE_MODES)}.")
+    async with st.is_pause_cond:
+        st.is_pause, st.pause_mode = True, mode
+        if mode != "abort":
+            st.scheduler.pause(mode)
+        else:
+            st.abort_all("Abort in waiting queue")
+            async with st.readers_cond:  # until no request holds the reader lock
+                await st.readers_cond.wait_for(lambda: st.readers == 0)
+    return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+
+async def continue_generation(request: web.Request) -> web.Response:
+    st: StandinState = request.app[STATE]
+    async with st.is_pause_cond:
+        st.is_pause, st.pause_mode = False, None
+        if st.scheduler.paused:
+            st.scheduler.resume()
+        st.is_pause_cond.notify_all()
+    return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    st: StandinState = request.app[STATE]
+    body = await _body(request) or {}
+    if body.get("abort_all"):
+        st.abort_all("Abort in waiting queue")
+    elif body.get("rid"):
+        rid = str(body["rid"])
+        if rid in st.scheduler.waiting_rids():
+            st.waiting_aborted.add(rid)
+        st.scheduler.abort(rid, "Abort in waiting queue")
+    return web.Response(status=200)
+
+
+async def update_weights_from_disk(request: web.Request) -> web.Response:
+    st: StandinState = request.app[STATE]
+    body = await _body(request)
+    if body is None or not isinstance(body.get("model_path"), str):
+        return _detail("model_path", "Field required")
+    if body.get("abort_all_requests"):
+        st.abort_all("Abort in waiting queue")
+    version = body.get("weight_version")
+
+    async def load() -> tuple[bool, str]:
+        try:
+            await st.scheduler.update_weights_from_disk(
+                body["model_path"], None, abort_all_requests=False, drain_timeout_s=600.0
+            )
+        except WeightUpdateError as exc:
+            return False, f"Failed to update weights: {exc}."
+        st.model_path = body["model_path"]
+        return True, "Succeeded to update model weights."
+
+    async with st.is_pause_cond:
+        if st.is_pause:  # SGLang returns here, before the weight version is applied
+            success, message = await load()
+            return _update_answer(success, message)
+    async with st.writer_lock():
+        success, message = await load()
+    if success and version is not None:
+        st.weight_version = str(version)
+        message += f" Weight version updated to {version}."
+    return _update_answer(success, message)
+
+
+def _update_answer(success: bool, message: str) -> web.Response:
+    body = {"success": success, "message": message, "num_paused_requests": 0}
+    return web.json_response(body, status=200 if success else 400)
+
+
+async def update_weight_version(request: web.Request) -> web.Response:
+    st: StandinState = request.app[STATE]
+    body = await _body(request)
+    if body is None or body.get("new_version") is None:
+        return _detail("new_version", "Field required")
+    if body.get("abort_all_requests", True):  # SGLang's default is True
+        st.abort_all("Abort in waiting queue")
+    st.weight_version = str(body["new_version"])
+    return web.json_response(
+        {"success": True, "message": f"Weight version updated to {st.weight_version}", "new_version": st.weight_version}
+    )
+
+
+async def weight_version(request: web.Request) -> web.Response:
+    return web.json_response({"weight_version": request.app[STATE].weight_version})
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    ok = request.app[STATE].scheduler.flush_cache()
+    text = (
+        "Cache flushed.\nPlease check backend logs for more details. "
+        "(When there are running or waiting requests, the operation will not be performed.)\n"
+    )
+    return web.Response(text=text, status=200 if ok else 400)
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(status=200 if request.app[STATE].scheduler.alive else 503)
+
+
+async def model_info(request: web.Request) -> web.Response:
+    st: StandinState = request.app[STATE]
+    return web.json_response(
+        {
+            "model_path": st.model_path,
+            "tokenizer_path": st.args.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": st.weight_version,
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+        }
+    )
+
+
+async def server_info(request: web.Request) -> web.Response:
+    st: StandinState = request.app[STATE]
+    args = {k: v for k, v in vars(st.args).items() if isinstance(v, (str, int, float, bool, type(None)))}
+    args.pop("api_key", None)
+    stats = {**st.scheduler.snapshot(), "paused": st.pause_mode}
+    return web.json_response({**args, "internal_states": [stats], "version": "0.5.6-standin"})
+
+
+def build_app(scheduler: Scheduler, args: argparse.Namespace) -> web.Application:
+    app = web.Application(client_max_size=1 << 30, middlewares=[api_key_middleware])
+    app[STATE] = StandinState(scheduler, args)
+    for path, handler, methods in [
+        ("/generate", generate, ("POST", "PUT")),
+        ("/pause_generation", pause_generation, ("POST",)),
+        ("/continue_generation", continue_generation, ("POST",)),
+        ("/abort_request", abort_request, ("POST",)),
+        ("/update_weights_from_disk", update_weights_from_disk, ("POST",)),
+        ("/update_weight_version", update_weight_version, ("POST",)),
+        ("/flush_cache", flush_cache, ("GET", "POST")),
+        ("/health", health, ("GET",)),
+        ("/health_generate", health, ("GET",)),
+        ("/get_weight_version", weight_version, ("GET",)),
+        ("/weight_version", weight_version, ("GET",)),
+        ("/get_model_info", model_info, ("GET",)),
+        ("/model_info", model_info, ("GET",)),
+        ("/get_server_info", server_info, ("GET",)),
+        ("/server_info", server_info, ("GET",)),
+    ]:
+        for method in methods:
+            app.router.add_route(method, path, handler)
+    return app
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """`sglang.launch_server`'s flags that the project's launcher emits (names, types and defaults as 0.5.6)."""
+    p = argparse.ArgumentParser(prog="sglang.launch_server (stand-in)")
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--dtype", default="auto", choices=["auto", "half", "float16", "bfloat16", "float", "float32"])
+    p.add_argument("--random-seed", type=int, default=None)
+    p.add_argument("--weight-version", default="default")
+    p.add_argument("--log-level", default="info")
+    p.add_argument("--mem-fraction-static", type=float, default=None)
+    p.add_argument("--max-running-requests", type=int, default=None)
+    p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--skip-server-warmup", action="store_true")
+    p.add_argument("--api-key", default=None)
+    args = p.parse_args(argv)
+    if args.tp_size != 1:
+        p.error("the CPU stand-in runs tp_size 1 only")
+    if args.dtype in ("half", "float16"):
+        p.error("the CPU stand-in runs float32 or bfloat16")
+    return args
+
+
+async def serve(args: argparse.Namespace) -> None:
+    dtype = SGLANG_DTYPES[args.dtype]
+    model, info = await asyncio.to_thread(load_model, args.model_path, dtype)
+    runner = ModelRunner(model, info, seed=args.random_seed or 0)
+    scheduler = Scheduler(
+        runner, max_running_requests=args.max_running_requests or 256, weight_loader=WeightLoader(dtype)
+    )
+    scheduler.start()
+    app_runner = web.AppRunner(build_app(scheduler, args), handler_cancellation=True, access_log=None)
+    await app_runner.setup()
+    await web.TCPSite(app_runner, args.host, args.port).start()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    logger.info("SGLang stand-in ready on http://%s:%d", args.host, args.port)
+    try:
+        await stop.wait()
+    finally:
+        await scheduler.stop()
+        with contextlib.suppress(Exception):
+            await app_runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s standin:{args.port} %(message)s")
+    torch.set_num_threads(int(os.environ.get("SGLANG_STANDIN_THREADS", "1")))
+    torch.manual_seed(args.random_seed or 0)
+    asyncio.run(serve(args))
+    logging.shutdown()
+    os._exit(0)
