@@ -96,7 +96,7 @@ def test_plan_prints_every_engine_command_with_its_own_gpus(capsys):
     assert "trainer 0: node 0 GPU 7" in out
     engine_lines = [line for line in out.splitlines() if "sglang.launch_server" in line]
     assert len(engine_lines) == 2
-    assert engine_lines[1].lstrip().startswith("engine 1 on node 0: CUDA_VISIBLE_DEVICES=2,3 ")
+    assert engine_lines[1].lstrip().startswith("engine 1: CUDA_VISIBLE_DEVICES=2,3 ")
     assert "--tp-size 2" in engine_lines[1]
 
 

@@ -16,7 +16,7 @@ import sys
 
 from omegaconf import DictConfig
 
-from rllm.experimental.fully_async.core.placement import PlacementError, PlacementPlan, plan_placement
+from rllm.experimental.fully_async.core.placement import PlacementError, plan_placement
 
 PLACEHOLDER_HOST = "127.0.0.1"
 PLACEHOLDER_PORT = 30000  # the launcher picks free ports at start; engine i is shown on PLACEHOLDER_PORT + i
@@ -50,49 +50,25 @@ def engine_tp_size(cfg: DictConfig) -> int:
     return int(cfg.actor_rollout_ref.rollout.tensor_model_parallel_size or 1)
 
 
-def sglang_commands(cfg: DictConfig, plan: PlacementPlan) -> list[tuple[dict[str, str], list[str]]]:
-    """(environment, argv) of every SGLang engine the plan places."""
-    from rllm.experimental.fully_async.engines.sglang import SGLangEngineCommand
+def engine_lines(cfg: DictConfig, slots: list[tuple[int, dict[str, str]]]) -> list[str]:
+    """`engine i: ENV argv` for each (index, environment), built by the runtime's own `engine_command`."""
+    from rllm.experimental.fully_async.engines.from_config import engine_command
 
-    e = cfg.engines
-    rollout = cfg.actor_rollout_ref.rollout
-    command = SGLangEngineCommand(
-        model_path=str(cfg.actor_rollout_ref.model.path),
-        tp_size=engine_tp_size(cfg),
-        dtype=str(e.dtype),
-        mem_fraction_static=float(rollout.gpu_memory_utilization) if rollout.gpu_memory_utilization else 0.8,
-        max_running_requests=int(e.max_running_requests),
-        seed=int(cfg.run.seed),
-    )
-    out = []
-    for slot in plan.engines:
-        env = {"CUDA_VISIBLE_DEVICES": slot.cuda_visible_devices}
-        out.append((env, command.build(PLACEHOLDER_HOST, PLACEHOLDER_PORT + slot.index, slot.index)))
-    return out
-
-
-def describe_cpu_run(cfg: DictConfig) -> list[str]:
-    from rllm.experimental.fully_async.engines.launcher import EmbeddedEngineCommand
-
-    e = cfg.engines
-    command = EmbeddedEngineCommand(
-        model_path=str(cfg.actor_rollout_ref.model.path or "<task model, prepared at start>"),
-        max_running_requests=int(e.max_running_requests),
-        dtype=str(e.dtype),
-        seed=int(cfg.run.seed),
-        num_threads=int(e.torch_threads),
-    )
-    lines = [f"CPU run: {int(e.num_engines)} embedded engine process(es) on loopback, 1 trainer rank; no GPU needed"]
-    for index in range(int(e.num_engines)):
+    command = engine_command(cfg)
+    lines = []
+    for index, env in slots:
+        prefix = "".join(f"{k}={v} " for k, v in env.items())
         argv = command.build(PLACEHOLDER_HOST, PLACEHOLDER_PORT + index, index)
-        lines.append(f"  engine {index}: {shlex.join(argv)}")
+        lines.append(f"  engine {index}: {prefix}{shlex.join(argv)}")
     return lines
 
 
 def run_plan(cfg: DictConfig, gpus_per_node: list[int] | None = None, source: str = "flags") -> int:
     """Print the plan; returns the exit code (0 fits, 1 does not)."""
     if str(cfg.engines.backend) == "embedded":
-        print("\n".join(describe_cpu_run(cfg)))
+        num_engines = int(cfg.engines.num_engines)
+        print(f"CPU run: {num_engines} embedded engine process(es) on loopback, 1 trainer rank; no GPU needed")
+        print("\n".join(engine_lines(cfg, [(i, {}) for i in range(num_engines)])))
         return 0
     if gpus_per_node is None:
         gpus_per_node, source = detect_gpus_per_node()
@@ -104,9 +80,8 @@ def run_plan(cfg: DictConfig, gpus_per_node: list[int] | None = None, source: st
         return 1
     print(f"GPUs from {source}: {gpus_per_node} per node")
     print("\n".join(plan.describe()))
-    for slot, (env, argv) in zip(plan.engines, sglang_commands(cfg, plan), strict=True):
-        prefix = " ".join(f"{k}={v}" for k, v in env.items())
-        print(f"  engine {slot.index} on node {slot.node}: {prefix} {shlex.join(argv)}")
+    slots = [(slot.index, {"CUDA_VISIBLE_DEVICES": slot.cuda_visible_devices}) for slot in plan.engines]
+    print("\n".join(engine_lines(cfg, slots)))
     return 0
 
 

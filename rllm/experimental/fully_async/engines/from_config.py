@@ -76,14 +76,12 @@ def sglang_extra_args(extra: dict[str, Any]) -> tuple[str, ...]:
     return tuple(args)
 
 
-def engine_launcher(cfg: DictConfig, log_dir: Path, *, host: str = "127.0.0.1") -> Any:
-    """An EngineLauncher for the configured backend (a context manager whose `.urls` are the engines, and whose
-    `.api_key` is the secret clients must send, or None)."""
+def engine_command(cfg: DictConfig, api_key: str | None = None) -> Any:
+    """The `EngineCommand` (embedded or SGLang) that starts each engine of the configured backend."""
     e = cfg.engines
     model_path = str(cfg.actor_rollout_ref.model.path)
-    api_key = api_key_for(host)
     if e.backend == "embedded":
-        command: Any = EmbeddedEngineCommand(
+        return EmbeddedEngineCommand(
             model_path=model_path,
             max_running_requests=int(e.max_running_requests),
             dtype=str(e.dtype),
@@ -92,22 +90,29 @@ def engine_launcher(cfg: DictConfig, log_dir: Path, *, host: str = "127.0.0.1") 
             log_level=str(cfg.run.log_level),
             extra_args=("--api-key", api_key) if api_key else (),
         )
-    else:
-        from rllm.experimental.fully_async.engines.sglang import SGLangEngineCommand
+    from rllm.experimental.fully_async.engines.sglang import SGLangEngineCommand
 
-        rollout = cfg.actor_rollout_ref.rollout
-        tp_size = OmegaConf.select(rollout, "tensor_model_parallel_size", default=None)
-        mem_fraction = OmegaConf.select(rollout, "gpu_memory_utilization", default=None)
-        command = SGLangEngineCommand(
-            model_path=model_path,
-            tp_size=int(tp_size) if tp_size is not None else 1,
-            dtype=str(e.dtype),
-            mem_fraction_static=float(mem_fraction) if mem_fraction is not None else None,
-            max_running_requests=int(e.max_running_requests),
-            seed=int(cfg.run.seed),
-            api_key=api_key,
-            extra_args=sglang_extra_args(dict(e.extra_args or {})),
-        )
+    rollout = cfg.actor_rollout_ref.rollout
+    tp_size = OmegaConf.select(rollout, "tensor_model_parallel_size", default=None)
+    mem_fraction = OmegaConf.select(rollout, "gpu_memory_utilization", default=None)
+    return SGLangEngineCommand(
+        model_path=model_path,
+        tp_size=int(tp_size) if tp_size is not None else 1,
+        dtype=str(e.dtype),
+        mem_fraction_static=float(mem_fraction) if mem_fraction is not None else None,
+        max_running_requests=int(e.max_running_requests),
+        seed=int(cfg.run.seed),
+        api_key=api_key,
+        extra_args=sglang_extra_args(dict(e.extra_args or {})),
+    )
+
+
+def engine_launcher(cfg: DictConfig, log_dir: Path, *, host: str = "127.0.0.1") -> Any:
+    """An EngineLauncher for the configured backend (a context manager whose `.urls` are the engines, and whose
+    `.api_key` is the secret clients must send, or None)."""
+    e = cfg.engines
+    api_key = api_key_for(host)
+    command = engine_command(cfg, api_key)
     launcher = EngineLauncher(
         command, int(e.num_engines), host=host, startup_timeout_s=float(e.startup_timeout_s), log_dir=log_dir
     )
