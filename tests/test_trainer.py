@@ -23,7 +23,8 @@ from rllm.experimental.fully_async.runtime.fully_async_trainer import (
     QueueTimeoutError,
     TrainerSettings,
 )
-from rllm.experimental.fully_async.runtime.message_queue import GetResult, GroupBuffer
+from rllm.experimental.fully_async.core.buffer import GroupBuffer
+from rllm.experimental.fully_async.runtime.message_queue import GetResult
 from rllm.experimental.fully_async.settings.loader import verl_base_config
 
 GROUPS = 4

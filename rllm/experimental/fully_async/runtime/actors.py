@@ -39,9 +39,10 @@ class RolloutExecutorActor:
         from transformers import AutoTokenizer
 
         from rllm.experimental.fully_async.algorithms.filters import build_group_filter
-        from rllm.experimental.fully_async.core.ledger import SampleLedger
+        from rllm.experimental.fully_async.core.ids import rejected_prompt_uid
         from rllm.experimental.fully_async.data import PromptIterator
         from rllm.experimental.fully_async.engines.client import EngineClient
+        from rllm.experimental.fully_async.runtime.ledger_journal import journaled_ledger
         from rllm.experimental.fully_async.runtime.rollout_executor import ExecutorSettings, RolloutExecutor
         from rllm.experimental.fully_async.workflows import build_workflow, load_reward_fn
 
@@ -61,12 +62,12 @@ class RolloutExecutorActor:
         # The journal (every sample's issue and end, for the exactly-once audit) lives in the run dir. A relative
         # run.dir is resolved against this worker's cwd, which Ray gives the driver's. A fresh run starts it empty
         # at its first record; a resume cuts it back to the checkpoint (`SampleLedger.load_state_dict`).
-        self.ledger = SampleLedger(journal_path=Path(c.run.dir).absolute() / "ledger.jsonl")
+        self.ledger = journaled_ledger(Path(c.run.dir).absolute() / "ledger.jsonl")
         train, val = load_prompt_datasets(c, self.tokenizer)
         if state is None:  # a resumed ledger has them already
             for rejected in train.rejected:
                 # Left out before any rollout, yet still a prompt the user gave: the ledger accounts for it.
-                uid = f"prompt/{rejected.index}"
+                uid = rejected_prompt_uid(rejected.index)
                 self.ledger.issue([uid])
                 self.ledger.mark_filtered([uid], rejected.reason)
         self.val: list = []

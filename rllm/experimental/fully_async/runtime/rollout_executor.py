@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from rllm.experimental.fully_async.core.ids import SampleId, prompt_uid
 from rllm.experimental.fully_async.core.ledger import SampleLedger
 from rllm.experimental.fully_async.core.protocol import Trajectory, TrajectoryGroup, TrajectoryStatus
 from rllm.experimental.fully_async.core.staleness import StalenessManager
@@ -171,7 +172,7 @@ class RolloutExecutor:
 
     def _start_group(self, datum: Any, indexes: list[int], *, issue: bool = True) -> None:
         if issue:
-            self.ledger.issue([f"{datum.prompt_uid}/{i}" for i in indexes])
+            self.ledger.issue([str(SampleId(datum.epoch, datum.record.index, i)) for i in indexes])
         self.staleness.on_start()
         self._running_samples += len(indexes)
         self.stats.groups_started += 1
@@ -205,7 +206,7 @@ class RolloutExecutor:
             self._state_changed.set()
 
     def _as_trajectory(self, datum: Any, index: int, result: Any) -> Trajectory:
-        uid = f"{datum.prompt_uid}/{index}"
+        uid = str(SampleId(datum.epoch, datum.record.index, index))
         if isinstance(result, Trajectory):
             self.stats.samples_resumed += int(result.num_resumes > 0)
             return result
@@ -288,18 +289,17 @@ class RolloutExecutor:
         self.prompts.load_state_dict(state["prompts"])
         self.staleness.load_state_dict(state["staleness"])
         queued_uids = {t.uid for g in queued or [] for t in g.trajectories}
-        by_prompt: dict[str, list[int]] = {}
+        by_prompt: dict[tuple[int, int], list[int]] = {}
         for uid in self.ledger.in_flight_uids():
             if uid in queued_uids:
                 continue
-            prompt_uid, _, index = uid.rpartition("/")
-            by_prompt.setdefault(prompt_uid, []).append(int(index))
+            sample = SampleId.parse(uid)
+            by_prompt.setdefault((sample.epoch, sample.record), []).append(sample.index)
         records = {record.index: record for record in self.prompts.dataset}
         from rllm.experimental.fully_async.data import PromptDatum
 
-        for prompt_uid, indexes in sorted(by_prompt.items()):
-            epoch, _, record_index = prompt_uid.partition("/")
-            datum = PromptDatum(prompt_uid=prompt_uid, epoch=int(epoch[1:]), record=records[int(record_index)])
+        for (epoch, record), indexes in sorted(by_prompt.items()):
+            datum = PromptDatum(prompt_uid=prompt_uid(epoch, record), epoch=epoch, record=records[record])
             self._reissue.append((datum, sorted(indexes)))
         if self._reissue:
             logger.info("re-issuing %d prompts that were in flight at the checkpoint", len(self._reissue))
