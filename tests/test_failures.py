@@ -33,13 +33,13 @@ from engine_helpers import wait_for_decoding
 
 from rllm.experimental.fully_async.algorithms.advantages import AdvantageConfig
 from rllm.experimental.fully_async.core.batch import groups_to_dataproto
+from rllm.experimental.fully_async.core.buffer import GroupBuffer
 from rllm.experimental.fully_async.core.ledger import SampleLedger, SampleState, history_counts
-from rllm.experimental.fully_async.runtime.ledger_journal import journaled_ledger, read_journal
 from rllm.experimental.fully_async.core.protocol import TrajectoryGroup
 from rllm.experimental.fully_async.data import DataError, PromptDataset, PromptIterator
 from rllm.experimental.fully_async.engines import EmbeddedEngineCommand, EngineLauncher
 from rllm.experimental.fully_async.engines.client import EngineClient, GenerationResult
-from rllm.experimental.fully_async.core.buffer import GroupBuffer
+from rllm.experimental.fully_async.runtime.ledger_journal import journaled_ledger, read_journal
 from rllm.experimental.fully_async.runtime.message_queue import PutResult
 from rllm.experimental.fully_async.runtime.rollout_executor import (
     EnginesExhaustedError,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rllm.experimental.fully_async.core.protocol import Sequence, Trajectory, TrajectoryGroup, TrajectoryStatus
 from rllm.experimental.fully_async.core.buffer import GroupBuffer
+from rllm.experimental.fully_async.core.protocol import Sequence, Trajectory, TrajectoryGroup, TrajectoryStatus
 from rllm.experimental.fully_async.runtime.message_queue import GetResult, MessageQueue, PutResult
 
 RAY_TIMEOUT_S = 60  # generous: the machine is shared; a hang still fails instead of blocking the suite

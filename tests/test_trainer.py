@@ -17,13 +17,13 @@ from omegaconf import OmegaConf
 from rllm.experimental.fully_async.algorithms.advantages import AdvantageConfig
 from rllm.experimental.fully_async.backends.fsdp import FSDPPolicyBackend, build_actor_config
 from rllm.experimental.fully_async.core.batch import groups_to_dataproto
+from rllm.experimental.fully_async.core.buffer import GroupBuffer
 from rllm.experimental.fully_async.core.protocol import Sequence, Trajectory, TrajectoryGroup
 from rllm.experimental.fully_async.runtime.fully_async_trainer import (
     FullyAsyncTrainer,
     QueueTimeoutError,
     TrainerSettings,
 )
-from rllm.experimental.fully_async.core.buffer import GroupBuffer
 from rllm.experimental.fully_async.runtime.message_queue import GetResult
 from rllm.experimental.fully_async.settings.loader import verl_base_config
 
