@@ -7,7 +7,7 @@ The rollout service's `runtime/message_queue.py` adds the waiting around it.
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rllm.experimental.fully_async.core.protocol import TrajectoryGroup
@@ -50,6 +50,15 @@ class GroupBuffer:
         out = [self._groups.popleft() for _ in range(n)]
         self.total_got += n
         return out
+
+    def remove_if(self, predicate: Callable[[TrajectoryGroup], bool]) -> list[TrajectoryGroup]:
+        """Remove and return the groups for which predicate holds (oldest first); the others keep their order."""
+        kept: deque[TrajectoryGroup] = deque()
+        removed: list[TrajectoryGroup] = []
+        for group in self._groups:
+            (removed if predicate(group) else kept).append(group)
+        self._groups = kept
+        return removed
 
     def close(self) -> None:
         self.closed = True
