@@ -88,6 +88,7 @@ class FullyAsyncTrainerActor:
             pad_token_id=int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0),
             queue_get_timeout_s=float(at.queue_get_timeout_s),
             on_engine_failure=str(c.engines.on_engine_failure),
+            max_response_length=int(c.data.max_response_length),
         )
         critic = None
         if c.algorithm.adv_estimator == "gae":

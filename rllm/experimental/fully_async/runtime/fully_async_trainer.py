@@ -48,6 +48,7 @@ class TrainerSettings:
     pad_token_id: int
     queue_get_timeout_s: float
     on_engine_failure: str = "continue"  # engines.on_engine_failure: restart | continue | stop
+    max_response_length: int | None = None  # data.max_response_length, in the batch's meta_info (Dr.GRPO)
 
 
 class FullyAsyncTrainer:
@@ -122,7 +123,10 @@ class FullyAsyncTrainer:
             return None
         clock = _Stopwatch()
         data = groups_to_dataproto(
-            groups, pad_token_id=self.settings.pad_token_id, temperature=self.settings.temperature
+            groups,
+            pad_token_id=self.settings.pad_token_id,
+            temperature=self.settings.temperature,
+            max_response_length=self.settings.max_response_length,
         )
         metrics["timing/assemble_s"] = clock.lap()
         if self.critic is not None:
@@ -238,7 +242,12 @@ def _batch_metrics(groups: list[TrajectoryGroup], data: Any) -> dict[str, float]
     versions = data.batch["response_versions"]
     lengths = mask.sum(-1)
     resumed = sum(t.num_resumes > 0 for g in groups for t in g.trajectories)
-    mixed = int(sum(int(torch.unique(v[v != PAD_VERSION]).numel() > 1) for v in versions))
+    # A row mixes versions when its newest and oldest real token differ: two reductions for the batch, not a
+    # torch.unique per row.
+    real = versions != PAD_VERSION
+    newest = torch.where(real, versions, torch.iinfo(versions.dtype).min).amax(-1)
+    oldest = torch.where(real, versions, torch.iinfo(versions.dtype).max).amin(-1)
+    mixed = int(((newest != oldest) & real.any(-1)).sum())
     return {
         "reward/mean": float(np.mean(rewards)) if rewards else 0.0,
         "batch/groups": float(len(groups)),
