@@ -210,3 +210,39 @@ def test_a_request_the_queue_can_never_fill_is_refused(n):
     service, _ = make_service(2)
     with pytest.raises(ValueError, match=r"must ask for 1\.\.100"):
         run(service.take_batch(BatchRequest(n, 0)))
+
+
+def test_a_filter_that_drops_groups_still_yields_full_batches_and_reports_what_it_dropped():
+    from omegaconf import OmegaConf
+
+    from rllm.experimental.fully_async.algorithms.filters import build_group_filter
+
+    async def scenario():
+        service, workflow = make_service(30, max_staleness=0, batch_groups=2)
+        # Every third prompt gets equal rewards: the zero-variance filter drops it, and its budget slot comes back.
+        original = workflow.run
+
+        async def run_with_equal_rewards(client, tokenizer, datum, sample_index):
+            trajectory = await original(client, tokenizer, datum, sample_index)
+            if datum.record.index % 3 == 0:
+                trajectory.reward = 1.0
+            return trajectory
+
+        workflow.run = run_with_equal_rewards
+        config = OmegaConf.create({"algorithm": {"group_filter": {"drop_zero_variance": True}}})
+        service.executor.group_filter = build_group_filter(config)
+        rollouts = asyncio.create_task(service.run())
+        batches = []
+        for version in range(3):
+            workflow.engine_version = version  # the engines hold the trainer's weights (a sync per step)
+            batch = await service.take_batch(BatchRequest(2, version, Ack.of(batches[-1].groups) if batches else Ack()))
+            batches.append(batch)
+        service.stop()
+        await rollouts
+        return batches, service.ledger.counts()
+
+    batches, counts = run(scenario())
+    assert [len(b.groups) for b in batches] == [2, 2, 2]
+    assert all(len(set(g.rewards)) > 1 for b in batches for g in b.groups)
+    dropped = sum(b.metrics.get("filter/dropped_trajectories/zero_reward_variance", 0.0) for b in batches)
+    assert dropped == counts["filtered/zero_reward_variance"] > 0

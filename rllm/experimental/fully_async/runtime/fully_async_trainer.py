@@ -248,7 +248,7 @@ def _batch_metrics(groups: list[TrajectoryGroup], data: Any) -> dict[str, float]
     newest = torch.where(real, versions, torch.iinfo(versions.dtype).min).amax(-1)
     oldest = torch.where(real, versions, torch.iinfo(versions.dtype).max).amin(-1)
     mixed = int(((newest != oldest) & real.any(-1)).sum())
-    return {
+    return _advantage_metrics(data) | {
         "reward/mean": float(np.mean(rewards)) if rewards else 0.0,
         "batch/groups": float(len(groups)),
         "batch/samples": float(len(rewards)),
@@ -256,4 +256,24 @@ def _batch_metrics(groups: list[TrajectoryGroup], data: Any) -> dict[str, float]
         "response_length/mean": float(lengths.float().mean().item()),
         "partial/resumed_samples": float(resumed),
         "partial/mixed_version_samples": float(mixed),
+    }
+
+
+def _advantage_metrics(data: Any) -> dict[str, float]:
+    """advantage/*: mean, std, min, max over trained tokens, and the share of samples whose advantage is zero
+    (a group with equal rewards teaches nothing under group-relative estimators)."""
+    if "advantages" not in data.batch.keys():  # noqa: SIM118 (a TensorDict)
+        return {}
+    mask = data.batch["response_mask"].bool()
+    values = data.batch["advantages"][mask]
+    if values.numel() == 0:
+        return {}
+    rows = mask.any(-1)
+    per_sample = (data.batch["advantages"].abs() * mask).amax(-1)[rows]
+    return {
+        "advantage/mean": float(values.mean()),
+        "advantage/std": float(values.std()) if values.numel() > 1 else 0.0,
+        "advantage/min": float(values.min()),
+        "advantage/max": float(values.max()),
+        "advantage/zero_sample_frac": float((per_sample == 0).float().mean()),
     }

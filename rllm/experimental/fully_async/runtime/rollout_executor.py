@@ -53,6 +53,9 @@ class ExecutorStats:
     groups_queued: int = 0
     samples_failed: int = 0
     samples_resumed: int = 0  # samples whose generation was interrupted by a weight update and resumed
+    filter_input_groups: int = 0  # groups offered to the group filter (algorithm.group_filter)
+    filter_kept_groups: int = 0
+    filter_dropped: dict[str, int] = field(default_factory=dict)  # trajectories dropped, by the ledger's reason
     started_at: float = field(default_factory=time.monotonic)
 
 
@@ -230,9 +233,16 @@ class RolloutExecutor:
         if not ok:
             return False
         if self.group_filter is not None:
+            # A dropped group frees its budget slot (on_finish(accepted=False)), so a replacement starts at once:
+            # the budget itself over-samples, and the trainer's batches stay full whatever the filter drops.
             kept, dropped = self.group_filter([group])
+            self.stats.filter_input_groups += 1
+            self.stats.filter_kept_groups += len(kept)
             for dropped_group, reason in dropped:
                 self.ledger.mark_filtered([t.uid for t in dropped_group.trajectories], reason)
+                self.stats.filter_dropped[reason] = self.stats.filter_dropped.get(reason, 0) + len(
+                    dropped_group.trajectories
+                )
             if not kept:
                 return False
             group = kept[0]  # may hold fewer trajectories than the input (trajectory-level length drops)

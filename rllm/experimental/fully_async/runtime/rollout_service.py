@@ -46,6 +46,7 @@ class RolloutService:
         self.queue = queue
         self.max_staleness = max_staleness
         self.ledger = executor.ledger
+        self._filter_seen: dict[str, float] = {}  # the executor's cumulative filter counts at the last batch
 
     async def run(self) -> dict[str, Any]:
         """Run the executor until the data is exhausted or `stop()`; then close the queue so the trainer drains it."""
@@ -88,7 +89,18 @@ class RolloutService:
             # Woken by every change; a group that arrives stale is dropped at the top of the loop.
             await self.queue.wait_for(lambda: len(self.queue) >= n or self.queue.closed, remaining)
         wait_s = time.monotonic() - started
-        return Batch(groups, status, stale, wait_s, self.metrics())  # type: ignore[arg-type]
+        metrics = self.metrics() | self._filter_metrics()
+        return Batch(groups, status, stale, wait_s, metrics)  # type: ignore[arg-type]
+
+    def _filter_metrics(self) -> dict[str, float]:
+        """filter/*: the group filter's work since the previous batch (groups in and kept, trajectories dropped by
+        reason), so each step reports what was filtered while its batch was being made."""
+        stats = self.executor.stats
+        totals = {"input_groups": float(stats.filter_input_groups), "kept_groups": float(stats.filter_kept_groups)}
+        totals |= {f"dropped_trajectories/{k}": float(v) for k, v in stats.filter_dropped.items()}
+        delta = {f"filter/{k}": v - self._filter_seen.get(k, 0.0) for k, v in totals.items()}
+        self._filter_seen = totals
+        return delta
 
     def _drop_stale(self, version: int) -> int:
         """Remove every queued group older than max_staleness at `version`; ledger it and free its budget slot."""
