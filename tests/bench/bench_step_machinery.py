@@ -8,7 +8,7 @@ Issue 11 §1: of each trainer step, how much is spent outside the update, the wa
 Two arms, run one after the other in one invocation, both the default CLI with
 `trainer.total_training_steps=N trainer.test_freq=0`:
 - before: commit 1f9167e (the layout move, before this work), checked out with `git worktree add` into a
-  temporary folder and run with PYTHONPATH pointing at it;
+  temporary folder and run from it (cwd and PYTHONPATH: `python -m` imports from the cwd first);
 - after: this tree.
 Printed per arm: median machinery share, median machinery seconds, median step time, training wall time
 (`_runs.summarize_metrics`: first step's start to the last step's log line), and process wall time.
@@ -102,7 +102,10 @@ def main() -> None:
     load_before = os.getloadavg()
     results = {}
     with before_tree(args.before) as tree, pythonpath(tree):
-        results["before"] = launch("before", overrides, out / "before", timeout_s=timeout_s, echo=not args.quiet)
+        # cwd too: `python -m` puts the working directory ahead of PYTHONPATH on sys.path.
+        results["before"] = launch(
+            "before", overrides, out / "before", timeout_s=timeout_s, echo=not args.quiet, cwd=tree
+        )
     with pythonpath(REPO_ROOT):
         results["after"] = launch("after", overrides, out / "after", timeout_s=timeout_s, echo=not args.quiet)
     load_after = os.getloadavg()
@@ -112,6 +115,7 @@ def main() -> None:
     print(f"{'':28}{'before':>12}{'after':>12}")
     rows = {}
     for name, result in results.items():
+        # The before arm has timing/report_s (its report_consumed call); the after arm has timing/take_overhead_s.
         share, seconds, step = machinery(read_metrics(result.run_dir / "metrics.jsonl"))
         rows[name] = (share, seconds, step, result.metrics.train_wall_s, result.wall_s, result.ok)
     labels = ("median machinery share", "median machinery s", "median step s", "training wall s", "process wall s")
