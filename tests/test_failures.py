@@ -3,7 +3,7 @@
 Real components throughout: embedded engine processes on 127.0.0.1 serving a random-init addition model, the
 `EngineClient`, the `RolloutExecutor` core driven in the test's own event loop, `SingleTurnWorkflow` with the
 addition task's reward, `PromptDataset`/`PromptIterator` over real parquet, the `SampleLedger`, and the
-MessageQueue's `GroupBuffer` behind a local async `put_batch` (the Ray actor minus Ray). Nothing of ours is mocked;
+rollout service's in-process `MessageQueue`. Nothing of ours is mocked;
 the injected faults are reward functions that misbehave for chosen prompts, SIGKILLed engines, sampling settings
 that end a generation at once, and broken parquet files.
 
@@ -19,7 +19,6 @@ import math
 import os
 import signal
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,12 +32,13 @@ from engine_helpers import wait_for_decoding
 
 from rllm.experimental.fully_async.algorithms.advantages import AdvantageConfig
 from rllm.experimental.fully_async.core.batch import groups_to_dataproto
-from rllm.experimental.fully_async.core.ledger import SampleLedger, SampleState, history_counts, read_journal
+from rllm.experimental.fully_async.core.ledger import SampleLedger, SampleState, history_counts
 from rllm.experimental.fully_async.core.protocol import TrajectoryGroup
 from rllm.experimental.fully_async.data import DataError, PromptDataset, PromptIterator
 from rllm.experimental.fully_async.engines import EmbeddedEngineCommand, EngineLauncher
 from rllm.experimental.fully_async.engines.client import EngineClient, GenerationResult
-from rllm.experimental.fully_async.runtime.message_queue import GroupBuffer, PutResult
+from rllm.experimental.fully_async.runtime.ledger_journal import journaled_ledger, read_journal
+from rllm.experimental.fully_async.runtime.message_queue import MessageQueue
 from rllm.experimental.fully_async.runtime.rollout_executor import (
     EnginesExhaustedError,
     ExecutorSettings,
@@ -95,30 +95,19 @@ def engine_urls(model_dir, tmp_path_factory) -> list[str]:
         yield engines.urls
 
 
-class LocalQueue:
-    """The executor's queue without Ray: MessageQueue's GroupBuffer behind the adapter's `async put_batch`."""
+class LocalQueue(MessageQueue):
+    """The rollout service's real queue, with two helpers for the tests that play the trainer."""
 
     def __init__(self, max_groups: int = 10_000) -> None:
-        self.buffer = GroupBuffer(max_groups)
-        self._put = asyncio.Event()
-
-    async def put_batch(self, groups: list[TrajectoryGroup], timeout_s: float) -> PutResult:
-        accepted = self.buffer.push(groups)
-        self._put.set()
-        return PutResult(accepted, self.buffer.closed, timed_out=accepted < len(groups))
+        super().__init__(max_groups)
 
     async def wait_for_total(self, n: int, timeout_s: float) -> None:
-        """Wait until n groups have been put in total (an event per put: no polling)."""
-        deadline = time.monotonic() + timeout_s
-        while self.buffer.total_put < n:
-            self._put.clear()
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"only {self.buffer.total_put} of {n} groups queued after {timeout_s:g}s")
-            await asyncio.wait_for(self._put.wait(), remaining)
+        """Wait until n groups have been put in total (woken by each put: no polling)."""
+        if not await self.wait_for(lambda: self.buffer.total_put >= n, timeout_s):
+            raise TimeoutError(f"only {self.buffer.total_put} of {n} groups queued after {timeout_s:g}s")
 
     def drain(self) -> list[TrajectoryGroup]:
-        return self.buffer.pop(len(self.buffer)) if len(self.buffer) else []
+        return self.pop(len(self.buffer)) if len(self.buffer) else []
 
 
 def make_executor(
@@ -140,7 +129,7 @@ def make_executor(
         batch_groups=10_000,
         max_concurrent_rollouts=max_concurrent_rollouts,
     )
-    queue, ledger = LocalQueue(), SampleLedger(journal)
+    queue, ledger = LocalQueue(), (journaled_ledger(journal) if journal is not None else SampleLedger())
     executor = RolloutExecutor(settings, prompts, workflow, client, tokenizer, queue, ledger=ledger)
     return executor, queue, ledger
 

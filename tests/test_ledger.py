@@ -14,13 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rllm.experimental.fully_async.core.ledger import (
-    LedgerError,
-    SampleLedger,
-    SampleState,
-    history_counts,
-    read_journal,
-)
+from rllm.experimental.fully_async.core.ledger import LedgerError, SampleLedger, SampleState, history_counts
+from rllm.experimental.fully_async.runtime.ledger_journal import journaled_ledger, read_journal
 
 END_STATES = ["trained", "filtered", "dropped_stale", "failed"]
 
@@ -52,7 +47,7 @@ def finals(history: dict[str, tuple[SampleState, str | None]]) -> dict[str, tupl
 
 def test_every_state_is_counted_with_reasons_and_the_journal_has_each_end(tmp_path):
     journal = tmp_path / "ledger.jsonl"
-    ledger = SampleLedger(journal)
+    ledger = journaled_ledger(journal)
     ledger.issue([f"e0/{i}" for i in range(8)])
     ledger.mark_trained(["e0/0", "e0/1"])
     ledger.mark_filtered(["e0/2"], "all_rewards_equal")
@@ -94,7 +89,7 @@ def test_a_ledger_without_a_journal_keeps_exact_counts():
 @pytest.mark.parametrize("first", END_STATES)
 @pytest.mark.parametrize("second", END_STATES)
 def test_ending_a_sample_twice_raises_and_keeps_the_first_end(first, second, tmp_path):
-    ledger = SampleLedger(tmp_path / "ledger.jsonl")
+    ledger = journaled_ledger(tmp_path / "ledger.jsonl")
     ledger.issue(["a"])
     end(ledger, ["a"], first)
     before = ledger.counts()
@@ -112,7 +107,7 @@ def test_ending_an_unissued_sample_raises(state):
 
 def test_a_failing_call_changes_nothing_in_memory_or_in_the_journal(tmp_path):
     journal = tmp_path / "ledger.jsonl"
-    ledger = SampleLedger(journal)
+    ledger = journaled_ledger(journal)
     ledger.issue(["a", "b"])
     size, counts = journal.stat().st_size, ledger.counts()
     with pytest.raises(LedgerError):
@@ -143,7 +138,7 @@ def test_issuing_twice_and_bad_arguments_raise():
 def test_reissuing_an_ended_sample_is_not_seen_in_memory_but_the_audit_catches_it(tmp_path):
     """Ended uids are forgotten (that is what bounds the memory), so only the journal can tell."""
     journal = tmp_path / "ledger.jsonl"
-    ledger = SampleLedger(journal)
+    ledger = journaled_ledger(journal)
     ledger.issue(["a"])
     ledger.mark_trained(["a"])
     ledger.issue(["a"])  # accepted: the bug this would be upstream is the audit's to find
@@ -156,7 +151,7 @@ def test_reissuing_an_ended_sample_is_not_seen_in_memory_but_the_audit_catches_i
 
 def test_memory_holds_only_the_samples_in_flight_after_100k_samples(tmp_path):
     journal = tmp_path / "ledger.jsonl"
-    ledger = SampleLedger(journal)
+    ledger = journaled_ledger(journal)
     in_flight = 64
     for group in range(100_000 // 8):
         ledger.issue([f"e0/{group}/{i}" for i in range(8)])
@@ -180,13 +175,13 @@ def test_memory_holds_only_the_samples_in_flight_after_100k_samples(tmp_path):
 
 def test_state_dict_round_trips_through_json_and_resume_reissues_in_flight_in_order(tmp_path):
     journal = tmp_path / "ledger.jsonl"
-    ledger = SampleLedger(journal)
+    ledger = journaled_ledger(journal)
     ledger.issue(["x", "y", "z", "w"])
     ledger.mark_trained(["y"])
     ledger.mark_failed(["w"], "engine_error")
     state = json.loads(json.dumps(ledger.state_dict()))
     assert state["version"] == 2 and state["in_flight"] == ["x", "z"] and state["issued"] == 4
-    restored = SampleLedger(journal)
+    restored = journaled_ledger(journal)
     restored.load_state_dict(state)
     assert restored.counts() == ledger.counts()
     assert restored.in_flight_uids() == ["x", "z"]
@@ -203,7 +198,7 @@ def test_state_dict_round_trips_through_json_and_resume_reissues_in_flight_in_or
 def test_resume_truncates_the_journal_to_the_checkpoint_so_replayed_work_is_recorded_once(tmp_path):
     """What happened after the checkpoint happens again after the resume: the journal must not hold it twice."""
     journal = tmp_path / "ledger.jsonl"
-    first = SampleLedger(journal)
+    first = journaled_ledger(journal)
     first.issue(["a", "b", "c"])
     first.mark_trained(["a"])
     state = first.state_dict()
@@ -212,7 +207,7 @@ def test_resume_truncates_the_journal_to_the_checkpoint_so_replayed_work_is_reco
     first.issue(["d"])  # the prompt iterator rewinds too: d will be issued again
     assert journal.stat().st_size > state["journal_bytes"]
 
-    resumed = SampleLedger(journal)
+    resumed = journaled_ledger(journal)
     resumed.load_state_dict(state)
     assert journal.stat().st_size == state["journal_bytes"]
     assert resumed.in_flight_uids() == ["b", "c"]
@@ -231,10 +226,10 @@ def test_resume_truncates_the_journal_to_the_checkpoint_so_replayed_work_is_reco
 
 def test_a_new_ledger_starts_its_journal_empty_over_a_leftover_file(tmp_path):
     journal = tmp_path / "ledger.jsonl"
-    old = SampleLedger(journal)
+    old = journaled_ledger(journal)
     old.issue(["a"])
     old.close()
-    fresh = SampleLedger(journal)  # a fresh run in the same dir: "a" is not this run's
+    fresh = journaled_ledger(journal)  # a fresh run in the same dir: "a" is not this run's
     fresh.issue(["a"])
     assert finals(read_journal(journal)) == {"a": ("in_flight", None)}
     fresh.close()
@@ -245,7 +240,7 @@ def test_a_new_ledger_starts_its_journal_empty_over_a_leftover_file(tmp_path):
 @pytest.mark.parametrize("damage", ["shorter", "missing", "moved"])
 def test_a_journal_that_is_not_the_checkpoints_is_restarted_with_a_warning(tmp_path, caplog, damage):
     journal = tmp_path / "ledger.jsonl"
-    ledger = SampleLedger(journal)
+    ledger = journaled_ledger(journal)
     ledger.issue(["a", "b", "c"])
     ledger.mark_trained(["a"])
     state = ledger.state_dict()
@@ -257,7 +252,7 @@ def test_a_journal_that_is_not_the_checkpoints_is_restarted_with_a_warning(tmp_p
         journal.unlink()
     else:
         target = tmp_path / "elsewhere" / "ledger.jsonl"  # a resume from another run dir's checkpoint
-    resumed = SampleLedger(target)
+    resumed = journaled_ledger(target)
     with caplog.at_level(logging.WARNING, logger="rllm.experimental.fully_async.core.ledger"):
         resumed.load_state_dict(state)
     assert "is not the checkpoint's" in caplog.text
@@ -271,7 +266,7 @@ def test_a_checkpoint_without_a_journal_loads_into_a_ledger_with_one(tmp_path, c
     plain = SampleLedger()
     plain.issue(["a", "b"])
     plain.mark_dropped_stale(["a"])
-    resumed = SampleLedger(tmp_path / "ledger.jsonl")
+    resumed = journaled_ledger(tmp_path / "ledger.jsonl")
     with caplog.at_level(logging.WARNING, logger="rllm.experimental.fully_async.core.ledger"):
         resumed.load_state_dict(plain.state_dict())
     assert "is not the checkpoint's" in caplog.text
@@ -291,7 +286,7 @@ def test_a_version_1_state_loads_and_rebuilds_the_journal(tmp_path):
     }
     journal = tmp_path / "ledger.jsonl"
     journal.write_text("left over from the crashed run\n")
-    ledger = SampleLedger(journal)
+    ledger = journaled_ledger(journal)
     ledger.load_state_dict(v1)
     assert ledger.in_flight_uids() == ["p3", "p6"]
     assert ledger.counts() == {
@@ -349,7 +344,7 @@ def _v2_state() -> dict:
 )
 def test_an_inconsistent_version_2_state_is_rejected_and_changes_nothing(tmp_path, change, message):
     journal = tmp_path / "ledger.jsonl"
-    ledger = SampleLedger(journal)
+    ledger = journaled_ledger(journal)
     ledger.issue(["z"])
     size, counts = journal.stat().st_size, ledger.counts()
     with pytest.raises(LedgerError, match=message):
@@ -466,7 +461,7 @@ def test_random_operations_with_crashes_keep_ledger_and_journal_equal_to_a_refer
     and in-flight order match the model, and at the end the replayed journal holds exactly the model's history."""
     with tempfile.TemporaryDirectory() as tmp:
         journal = Path(tmp) / "ledger.jsonl"
-        ledger, model = SampleLedger(journal), Model()
+        ledger, model = journaled_ledger(journal), Model()
         checkpoint: tuple[dict, Model] | None = None
         for op, ids, reason in ops:
             uids = [f"u{i}" for i in ids]
@@ -474,7 +469,7 @@ def test_random_operations_with_crashes_keep_ledger_and_journal_equal_to_a_refer
                 checkpoint = (json.loads(json.dumps(ledger.state_dict())), copy.deepcopy(model))
             elif op == "restore" and checkpoint is not None:
                 ledger.close()
-                ledger = SampleLedger(journal)
+                ledger = journaled_ledger(journal)
                 ledger.load_state_dict(checkpoint[0])
                 model = copy.deepcopy(checkpoint[1])
             elif op not in ("checkpoint", "restore"):

@@ -1,13 +1,17 @@
-"""MessageQueue on a real Ray actor: batched put/get, back-pressure, timeouts, close, stats, snapshot."""
+"""MessageQueue, the rollout service's in-process queue: FIFO, backlog instead of eviction, waits woken by changes
+(never polling), close that drains, removal of stale groups wherever they wait, stats and snapshot."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
+from rllm.experimental.fully_async.core.buffer import GroupBuffer
 from rllm.experimental.fully_async.core.protocol import Sequence, Trajectory, TrajectoryGroup, TrajectoryStatus
-from rllm.experimental.fully_async.runtime.message_queue import GetResult, GroupBuffer, MessageQueue, PutResult
+from rllm.experimental.fully_async.runtime.message_queue import GetResult, MessageQueue
 
-RAY_TIMEOUT_S = 60  # generous: the machine is shared; a hang still fails instead of blocking the suite
+WAIT_S = 30.0  # generous: the machine is shared; a hang still fails instead of blocking the suite
 
 
 def make_group(i: int, version: int = 0, failed: bool = False) -> TrajectoryGroup:
@@ -23,102 +27,88 @@ def uids(groups: list[TrajectoryGroup]) -> list[str]:
     return [g.prompt_uid for g in groups]
 
 
-@pytest.fixture
-def queue(ray_session):
-    handle = MessageQueue.remote(max_groups=4)
-    yield handle
-    ray_session.kill(handle)
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, WAIT_S))
 
 
-def call(ray, ref):
-    return ray.get(ref, timeout=RAY_TIMEOUT_S)
+def test_put_and_get_are_fifo_and_counted():
+    async def scenario():
+        queue = MessageQueue(max_groups=4)
+        queue.put([make_group(i) for i in range(3)])
+        first = await queue.get_batch(2, timeout_s=5)
+        assert (uids(first.groups), first.status) == (["p0", "p1"], "ok")
+        stats = queue.stats()
+        assert (stats["size"], stats["total_put"], stats["total_got"], stats["backlog"]) == (1, 3, 2, 0)
+
+    run(scenario())
 
 
-def test_batched_put_and_get_are_fifo_and_counted(ray_session, queue):
-    assert call(ray_session, queue.put_batch.remote([make_group(i) for i in range(3)], timeout_s=5)) == PutResult(
-        accepted=3, closed=False, timed_out=False
-    )
-    first = call(ray_session, queue.get_batch.remote(2, timeout_s=5))
-    assert (uids(first.groups), first.status) == (["p0", "p1"], "ok")
-    assert first.groups[0].trajectories[1].sequences[0].response_versions == [0, 0]  # payload crossed Ray intact
-    stats = call(ray_session, queue.stats.remote())
-    assert (stats["size"], stats["total_put"], stats["total_got"]) == (1, 3, 2)
+def test_a_full_queue_keeps_the_rest_in_a_backlog_in_order_never_evicting():
+    queue = MessageQueue(max_groups=2)
+    woken = []
+    queue.subscribe(lambda: woken.append(queue.backlog))
+    queue.put([make_group(i) for i in range(5)])
+    assert (len(queue), queue.backlog) == (2, 3)
+    assert uids(queue.pop(2)) == ["p0", "p1"]
+    assert (len(queue), queue.backlog) == (2, 1)  # space freed: the backlog moved in, oldest first
+    assert uids(queue.snapshot()) == ["p2", "p3", "p4"]
+    assert woken == [3, 1]  # subscribers hear every change (the executor restarts when the backlog shrinks)
 
 
-def test_put_on_a_full_queue_waits_until_a_get_frees_space(ray_session, queue):
-    call(ray_session, queue.put_batch.remote([make_group(i) for i in range(4)], timeout_s=5))
-    pending_put = queue.put_batch.remote([make_group(4), make_group(5)], timeout_s=RAY_TIMEOUT_S)
-    ready, _ = ray_session.wait([pending_put], timeout=0.5)
-    assert not ready, "a put on a full queue must wait, not evict or fail"
-    got = call(ray_session, queue.get_batch.remote(2, timeout_s=5))
-    assert uids(got.groups) == ["p0", "p1"]
-    assert call(ray_session, pending_put) == PutResult(accepted=2, closed=False, timed_out=False)
-    snapshot = call(ray_session, queue.snapshot.remote())
-    assert uids(snapshot) == ["p2", "p3", "p4", "p5"]  # nothing was evicted, order kept
+def test_a_waiting_get_wakes_on_put_and_a_timeout_takes_nothing():
+    async def scenario():
+        queue = MessageQueue(max_groups=4)
+        assert await queue.get_batch(2, timeout_s=0.1) == GetResult([], "timeout")
+        queue.put([make_group(0)])
+        waiting = asyncio.create_task(queue.get_batch(2, timeout_s=WAIT_S))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        queue.put([make_group(1)])
+        assert uids((await waiting).groups) == ["p0", "p1"]
+        assert await queue.get_batch(1, timeout_s=0) == GetResult([], "timeout")  # zero timeout: no wait
+
+    run(scenario())
 
 
-def test_put_timeout_reports_how_many_groups_got_in(ray_session, queue):
-    call(ray_session, queue.put_batch.remote([make_group(i) for i in range(3)], timeout_s=5))
-    result = call(ray_session, queue.put_batch.remote([make_group(i) for i in range(3, 6)], timeout_s=0.2))
-    assert result == PutResult(accepted=1, closed=False, timed_out=True)
-    assert uids(call(ray_session, queue.snapshot.remote())) == ["p0", "p1", "p2", "p3"]
+def test_close_drains_the_backlog_then_reports_closed():
+    async def scenario():
+        queue = MessageQueue(max_groups=2)
+        queue.put([make_group(i) for i in range(3)])
+        waiting = asyncio.create_task(queue.get_batch(2, timeout_s=WAIT_S))
+        await asyncio.sleep(0)
+        assert uids((await waiting).groups) == ["p0", "p1"]
+        queue.close()
+        queue.put([make_group(9)])  # refused after close, and counted
+        drained = await queue.get_batch(2, timeout_s=WAIT_S)  # returns at once: closed, one left
+        assert (uids(drained.groups), drained.status) == (["p2"], "ok")
+        assert await queue.get_batch(2, timeout_s=WAIT_S) == GetResult([], "closed")
+        stats = queue.stats()
+        assert (stats["closed"], stats["total_rejected_closed"], stats["size"]) == (True, 1, 0)
+
+    run(scenario())
 
 
-def test_get_timeout_returns_nothing_and_removes_nothing(ray_session, queue):
-    assert call(ray_session, queue.get_batch.remote(2, timeout_s=0.2)) == GetResult([], "timeout")
-    call(ray_session, queue.put_batch.remote([make_group(0)], timeout_s=5))
-    assert call(ray_session, queue.get_batch.remote(2, timeout_s=0.2)) == GetResult([], "timeout")
-    assert call(ray_session, queue.stats.remote())["size"] == 1
+def test_remove_if_takes_groups_from_the_buffer_and_the_backlog():
+    queue = MessageQueue(max_groups=2)
+    queue.put([make_group(0, version=0), make_group(1, version=5), make_group(2, version=0), make_group(3, version=5)])
+    removed = queue.remove_if(lambda g: g.min_version == 0)
+    assert uids(removed) == ["p0", "p2"]
+    assert uids(queue.snapshot()) == ["p1", "p3"] and queue.backlog == 0
 
 
-def test_a_zero_timeout_get_takes_groups_already_queued(ray_session, queue):
-    call(ray_session, queue.put_batch.remote([make_group(0), make_group(1)], timeout_s=5))
-    assert uids(call(ray_session, queue.get_batch.remote(2, timeout_s=0)).groups) == ["p0", "p1"]
-
-
-def test_close_wakes_a_waiting_get_which_drains_then_reports_closed(ray_session, queue):
-    call(ray_session, queue.put_batch.remote([make_group(0)], timeout_s=5))
-    waiting_get = queue.get_batch.remote(3, timeout_s=RAY_TIMEOUT_S * 10)
-    ready, _ = ray_session.wait([waiting_get], timeout=0.5)
-    assert not ready
-    call(ray_session, queue.close.remote())
-    drained = call(ray_session, waiting_get)  # returns well before its own 600 s timeout: close woke it
-    assert (uids(drained.groups), drained.status) == (["p0"], "ok")
-    assert call(ray_session, queue.get_batch.remote(3, timeout_s=5)) == GetResult([], "closed")
-    assert call(ray_session, queue.put_batch.remote([make_group(9)], timeout_s=5)) == PutResult(0, True, False)
-    stats = call(ray_session, queue.stats.remote())
-    assert (stats["closed"], stats["total_rejected_closed"], stats["size"]) == (True, 1, 0)
-
-
-def test_close_wakes_a_waiting_put(ray_session, queue):
-    call(ray_session, queue.put_batch.remote([make_group(i) for i in range(4)], timeout_s=5))
-    waiting_put = queue.put_batch.remote([make_group(4)], timeout_s=RAY_TIMEOUT_S * 10)
-    ready, _ = ray_session.wait([waiting_put], timeout=0.5)
-    assert not ready
-    call(ray_session, queue.close.remote())
-    assert call(ray_session, waiting_put) == PutResult(accepted=0, closed=True, timed_out=False)
-
-
-def test_a_get_larger_than_the_queue_is_refused_at_once(ray_session, queue):
+def test_a_get_larger_than_the_queue_is_refused_at_once():
     with pytest.raises(ValueError, match=r"must ask for 1\.\.4 groups"):
-        call(ray_session, queue.get_batch.remote(5, timeout_s=RAY_TIMEOUT_S))
+        run(MessageQueue(max_groups=4).get_batch(5, timeout_s=WAIT_S))
 
 
-def test_stats_report_oldest_version_and_trajectory_states(ray_session, queue):
+def test_stats_report_oldest_version_and_trajectory_states():
+    queue = MessageQueue(max_groups=4)
     groups = [make_group(0, version=3), make_group(1, version=1, failed=True), make_group(2, version=2)]
-    call(ray_session, queue.put_batch.remote(groups, timeout_s=5))
-    stats = call(ray_session, queue.stats.remote())
+    queue.put(groups)
+    stats = queue.stats()
     assert stats["oldest_min_version"] == 1
     assert stats["trajectories_by_status"] == {"ok": 4, "failed": 2}
     assert stats["oldest_created_at"] == groups[0].created_at
-    assert (stats["max_size"], stats["waiting_puts"], stats["waiting_gets"]) == (4, 0, 0)
-
-
-def test_snapshot_copies_the_queue_without_consuming_it(ray_session, queue):
-    groups = [make_group(0, version=5), make_group(1)]
-    call(ray_session, queue.put_batch.remote(groups, timeout_s=5))
-    assert call(ray_session, queue.snapshot.remote()) == groups
-    assert call(ray_session, queue.get_batch.remote(2, timeout_s=5)).groups == groups
 
 
 def test_group_buffer_accepts_what_fits_and_refuses_impossible_pops():

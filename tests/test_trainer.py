@@ -1,8 +1,8 @@
 """FullyAsyncTrainer: on-policy equivalence, stale-group handling, short last batch, weight-sync cadence, and the
 decoupled loss whose proximal policy comes from the update itself (equal to recomputing it).
 
-The trainer runs with the real patched verl backend and the real queue bookkeeping (GroupBuffer); only the
-executor is a recorder of what the trainer reports (its Protocol is two methods).
+The trainer runs with the real patched verl backend; the rollout side is its one-call contract over the real queue
+bookkeeping (GroupBuffer), recording each request (version, acknowledgement).
 """
 
 from __future__ import annotations
@@ -17,48 +17,51 @@ from omegaconf import OmegaConf
 from rllm.experimental.fully_async.algorithms.advantages import AdvantageConfig
 from rllm.experimental.fully_async.backends.fsdp import FSDPPolicyBackend, build_actor_config
 from rllm.experimental.fully_async.core.batch import groups_to_dataproto
+from rllm.experimental.fully_async.core.buffer import GroupBuffer
+from rllm.experimental.fully_async.core.messages import Ack, Batch, BatchRequest
 from rllm.experimental.fully_async.core.protocol import Sequence, Trajectory, TrajectoryGroup
 from rllm.experimental.fully_async.runtime.fully_async_trainer import (
     FullyAsyncTrainer,
     QueueTimeoutError,
     TrainerSettings,
 )
-from rllm.experimental.fully_async.runtime.message_queue import GetResult, GroupBuffer
 from rllm.experimental.fully_async.settings.loader import verl_base_config
 
 GROUPS = 4
 SAMPLES = 4
 
 
-class LocalQueue:
-    """The MessageQueue's get contract over its real bookkeeping class, without Ray."""
+class LocalRollouts:
+    """The rollout side's one-call contract (core.messages.RolloutSource) over a queue of groups, recording every
+    request and acknowledgement. Stale-group handling is the service's, tested in test_rollout_service.py."""
 
     def __init__(self, groups: list[TrajectoryGroup], closed: bool = False) -> None:
         self.buffer = GroupBuffer(max_groups=1000)
         self.buffer.push(groups)
         if closed:
             self.buffer.close()
-
-    def get_batch(self, n: int, timeout_s: float) -> GetResult:
-        if len(self.buffer) >= n:
-            return GetResult(self.buffer.pop(n), "ok")
-        if self.buffer.closed:
-            return GetResult(self.buffer.pop(len(self.buffer)), "ok") if len(self.buffer) else GetResult([], "closed")
-        return GetResult([], "timeout")
-
-
-class RecordingExecutor:
-    def __init__(self) -> None:
+        self.requests: list[BatchRequest] = []
         self.trained: list[str] = []
-        self.stale: list[str] = []
-        self.versions: list[int] = []
+        self.acked_groups = 0
 
-    def report_consumed(self, trained_uids, trained_groups, stale_uids, stale_groups) -> None:
-        self.trained += trained_uids
-        self.stale += stale_uids
+    def take_batch(self, request: BatchRequest) -> Batch:
+        self.requests.append(request)
+        self.acknowledge(request.ack)
+        n = request.n_groups
+        if len(self.buffer) >= n:
+            return Batch(self.buffer.pop(n), "ok", 0, 0.0)
+        if self.buffer.closed:
+            left = len(self.buffer)
+            return Batch(self.buffer.pop(left), "ok", 0, 0.0) if left else Batch([], "closed", 0, 0.0)
+        return Batch([], "timeout", 0, 0.0)
 
-    def set_version(self, version: int) -> None:
-        self.versions.append(version)
+    def acknowledge(self, ack: Ack) -> None:
+        self.trained += ack.sample_ids
+        self.acked_groups += ack.groups
+
+    @property
+    def versions(self) -> list[int]:
+        return [r.version for r in self.requests]
 
 
 def _actor_cfg(lr: float = 1e-3):
@@ -119,10 +122,8 @@ def _advantages() -> AdvantageConfig:
 def test_staleness_zero_trigger_one_equals_a_synchronous_verl_step(tiny_model_dir):
     fully_async = FSDPPolicyBackend(tiny_model_dir, _actor_cfg())
     groups = _groups(fully_async, version=0, seed=1)
-    executor = RecordingExecutor()
-    trainer = FullyAsyncTrainer(
-        _settings(), fully_async, LocalQueue(groups), executor, param_sync=None, advantages=_advantages()
-    )
+    rollouts = LocalRollouts(groups)
+    trainer = FullyAsyncTrainer(_settings(), fully_async, rollouts, param_sync=None, advantages=_advantages())
     trainer.train_step()
 
     # Reference: verl's own synchronous on-policy step (flag off, one mini-batch = the batch, one micro-batch):
@@ -146,60 +147,60 @@ def test_staleness_zero_trigger_one_equals_a_synchronous_verl_step(tiny_model_di
         not torch.equal(a, b) for a, b in zip(start.model.parameters(), fully_async.model.parameters(), strict=True)
     )
     assert moved  # the comparison is not vacuous: the step changed the weights
-    assert executor.versions == [1]
-    assert sorted(executor.trained) == sorted(t.uid for g in groups for t in g.trajectories)
+    assert trainer.version == 1 and rollouts.versions == [0]
+    assert rollouts.trained == []  # the acknowledgement waits for the next request ...
+    trainer.flush_ack()  # ... or a checkpoint
+    assert sorted(rollouts.trained) == sorted(t.uid for g in groups for t in g.trajectories)
+    assert rollouts.acked_groups == GROUPS
+    trainer.flush_ack()
+    assert rollouts.acked_groups == GROUPS  # delivered once
 
 
-def test_stale_groups_are_dropped_reported_and_replaced(tiny_model_dir):
+def test_one_request_per_step_carries_the_version_and_the_previous_acknowledgement(tiny_model_dir):
     backend = FSDPPolicyBackend(tiny_model_dir, _actor_cfg())
-    stale = _groups(None, version=1, seed=2, prefix="old")  # 2 versions behind trainer version 3
-    fresh = _groups(None, version=2, seed=3, prefix="new")  # 1 behind: allowed with max_staleness 1
-    executor = RecordingExecutor()
+    first, second = _groups(None, version=2, seed=2, prefix="a"), _groups(None, version=3, seed=3, prefix="b")
+    rollouts = LocalRollouts(first + second)
     trainer = FullyAsyncTrainer(
-        _settings(max_staleness=1),
-        backend,
-        LocalQueue(stale[:2] + fresh[:2] + stale[2:] + fresh[2:]),
-        executor,
-        param_sync=None,
-        advantages=_advantages(),
-        version=3,
+        _settings(max_staleness=1), backend, rollouts, param_sync=None, advantages=_advantages(), version=3
     )
     metrics = trainer.train_step()
-    assert metrics["staleness/dropped_groups"] == GROUPS
-    assert metrics["staleness/max"] == 1
-    assert sorted(executor.stale) == sorted(t.uid for g in stale for t in g.trajectories)
-    assert sorted(executor.trained) == sorted(t.uid for g in fresh for t in g.trajectories)
+    assert metrics["staleness/max"] == 1 and metrics["staleness/dropped_groups"] == 0
+    # GRPO advantages of rewards alternating 0/1 within each group: centred, spread, none zero
+    assert metrics["advantage/mean"] == pytest.approx(0.0, abs=1e-5) and metrics["advantage/max"] > 0
+    assert metrics["advantage/zero_sample_frac"] == 0.0
+    trainer.train_step()
+    assert len(rollouts.requests) == 2  # one call per step
+    assert rollouts.requests[0].ack == Ack() and rollouts.versions == [3, 4]
+    assert sorted(rollouts.requests[1].ack.sample_ids) == sorted(t.uid for g in first for t in g.trajectories)
+    assert rollouts.requests[1].ack.groups == GROUPS
 
 
 def test_a_closed_queue_gives_a_short_last_batch_then_none(tiny_model_dir):
     backend = FSDPPolicyBackend(tiny_model_dir, _actor_cfg())
     groups = _groups(backend, version=0, seed=4)[:3]  # fewer than required_samples
-    executor = RecordingExecutor()
-    trainer = FullyAsyncTrainer(
-        _settings(), backend, LocalQueue(groups, closed=True), executor, param_sync=None, advantages=_advantages()
-    )
+    rollouts = LocalRollouts(groups, closed=True)
+    trainer = FullyAsyncTrainer(_settings(), backend, rollouts, param_sync=None, advantages=_advantages())
     metrics = trainer.train_step()
     assert metrics["batch/groups"] == 3
     assert trainer.train_step() is None
-    assert len(executor.trained) == 3 * SAMPLES
+    assert len(rollouts.trained) == 3 * SAMPLES  # acknowledged by the request that found the rollouts ended
 
 
 def test_weights_sync_every_k_steps_and_a_stalled_queue_times_out_with_a_message(tiny_model_dir):
     backend = FSDPPolicyBackend(tiny_model_dir, _actor_cfg())
     groups = _groups(backend, version=0, seed=5) + _groups(backend, version=0, seed=6, prefix="q")
-    executor = RecordingExecutor()
+    rollouts = LocalRollouts(groups)
     trainer = FullyAsyncTrainer(
         _settings(trigger_parameter_sync_step=2, max_staleness=1),
         backend,
-        LocalQueue(groups),
-        executor,
+        rollouts,
         param_sync=None,
         advantages=_advantages(),
     )
     trainer.train_step()
-    assert executor.versions == []
+    assert trainer.version == 0
     trainer.train_step()
-    assert executor.versions == [1]
+    assert trainer.version == 1 and rollouts.versions == [0, 0]
     with pytest.raises(QueueTimeoutError, match="queue_get_timeout_s"):
         trainer.train_step()
 
@@ -230,8 +231,7 @@ def _trained_with(tiny_model_dir, groups, correction_section: dict):
     trainer = FullyAsyncTrainer(
         _settings(),
         backend,
-        LocalQueue(copy.deepcopy(groups)),
-        RecordingExecutor(),
+        LocalRollouts(copy.deepcopy(groups)),
         param_sync=None,
         advantages=_advantages(),
         correction=correction,
@@ -295,10 +295,9 @@ def test_a_sync_finding_every_engine_dead_goes_on_only_when_a_restart_will_bring
 
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there: a killed engine
     backend = FSDPPolicyBackend(tiny_model_dir, _actor_cfg())
-    executor = RecordingExecutor()
     with ParamSync([dead], DiskTransport(tmp_path / "weights"), pause_timeout_s=5) as param_sync:
         trainer = FullyAsyncTrainer(
-            _settings(on_engine_failure=policy), backend, LocalQueue([]), executor, param_sync, _advantages()
+            _settings(on_engine_failure=policy), backend, LocalRollouts([]), param_sync, _advantages()
         )
         if policy != "restart":
             with pytest.raises(SyncError, match=dead):
@@ -307,5 +306,5 @@ def test_a_sync_finding_every_engine_dead_goes_on_only_when_a_restart_will_bring
             return
         assert trainer.sync_weights() == {"sync/engines_lost": 1.0}
         # The version moves on and its weights are staged for the restarted engine to load.
-        assert trainer.version == 1 and executor.versions == [1]
+        assert trainer.version == 1
         assert param_sync.engine_urls == [] and (tmp_path / "weights" / "v1" / "model.safetensors").exists()

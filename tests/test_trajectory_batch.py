@@ -76,3 +76,13 @@ def test_multi_step_trajectory_gives_one_row_per_step_with_step_rewards_and_stat
     assert data.batch["token_level_scores"][1, 1].item() == pytest.approx(0.8)
     # tool/environment tokens (loss_mask 0) are conditioned on but not trained
     assert data.batch["response_mask"][1].tolist() == [1.0, 0.0]
+
+
+def test_the_configured_response_length_travels_in_meta_info_for_a_constant_normaliser():
+    # R is the batch's longest response (2 here); Dr.GRPO divides by the configured maximum, which must reach the
+    # loss unchanged whatever the batch holds.
+    group = TrajectoryGroup("a", [_traj("a/0", [5], [8, 9], [0, 0], 1.0), _traj("a/1", [5], [8], [0], 0.0)])
+    data = groups_to_dataproto([group], pad_token_id=PAD, temperature=1.0, max_response_length=48)
+    assert data.batch["responses"].shape[1] == 2
+    assert data.meta_info == {"temperature": 1.0, "max_response_length": 48}
+    assert "max_response_length" not in groups_to_dataproto([group], pad_token_id=PAD, temperature=1.0).meta_info

@@ -309,11 +309,13 @@ def launch(
     timeout_s: float,
     config: str | None = None,
     echo: bool = True,
+    cwd: Path = REPO_ROOT,
 ) -> RunResult:
     """Run one training to completion (or `timeout_s`) and summarise it. Never leaves a process behind.
 
     `overrides` are `key=value` strings given after `run.dir=RUN_DIR`, so a later one wins over an earlier one.
     Ctrl-C (or SIGTERM with `install_stop_handlers`) stops the run the same way as the timeout, then re-raises.
+    `cwd` is where the run starts: `python -m` imports the package from there first (before PYTHONPATH).
     """
     run_dir = fresh_run_dir(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -331,7 +333,7 @@ def launch(
         # A new session: Ctrl-C in this terminal reaches only this script, which then stops the run in order.
         proc = subprocess.Popen(
             command,
-            cwd=REPO_ROOT,
+            cwd=cwd,
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,

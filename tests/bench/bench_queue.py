@@ -1,103 +1,92 @@
-"""Benchmark (a script, not a test): MessageQueue throughput, batched Ray calls against one call per trajectory.
+"""Benchmark (a script, not a test): the rollout side's queue and the one call per trainer step.
 
-Run from the repository root: `.venv/bin/python tests/bench/bench_queue.py [--batch 64] [--seconds 5]` (the package
-must be importable: installed by install/install_cpu.sh, or with PYTHONPATH=.).
+Run from the repository root: `PYTHONPATH=. .venv/bin/python tests/bench/bench_queue.py [--groups 16] [--seconds 5]`.
 
-A producer (the driver) puts one-trajectory groups while a consumer thread gets them, both through the real
-MessageQueue actor, with a few calls in flight each (as the executor and trainer would). Each mode runs for about
-`--seconds` and the script prints trajectories/s for both modes and their ratio side by side. Numbers depend on
-the machine's load: compare the two modes of one run, not runs with each other.
+Two figures, side by side:
+- in-process: groups/s through the rollout service's MessageQueue (put by the executor, pop by take_batch), which
+  no longer crosses a process (issue 11: the separate MessageQueue actor is gone);
+- one take_batch over Ray: a Batch of `--groups` groups of `--samples` one-trajectory samples (the addition task's
+  shape) returned by an async actor, as the trainer's one call per step does; calls/s and ms per call.
+Numbers depend on the machine's load: compare figures of one invocation, not invocations with each other.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
+import asyncio
 import os
-import threading
 import time
-from collections import deque
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # bind loopback only (ENVIRONMENT.md)
 
 import ray  # after the variables above, so every Ray code path sees them
 
+from rllm.experimental.fully_async.core.messages import Batch, BatchRequest
 from rllm.experimental.fully_async.core.protocol import Sequence, Trajectory, TrajectoryGroup
 from rllm.experimental.fully_async.runtime.message_queue import MessageQueue
 
-logger = logging.getLogger(__name__)
-IN_FLIGHT = 4  # calls each side keeps outstanding: enough to hide one round trip, as an async caller would
 CALL_TIMEOUT_S = 60
 
 
-def make_group(i: int) -> TrajectoryGroup:
-    """One trajectory of a 6-token prompt and a 4-token answer, the addition task's shape."""
-    seq = Sequence(
-        prompt_ids=[3, 4, 13, 5, 6, 14],
-        response_ids=[3, 7, 9, 1],
-        response_logprobs=[-0.5] * 4,
-        response_versions=[0] * 4,
-    )
-    return TrajectoryGroup(f"p{i}", [Trajectory(uid=f"p{i}/0", prompt_uid=f"p{i}", sequences=[seq])])
+def make_group(i: int, samples: int) -> TrajectoryGroup:
+    """`samples` trajectories of a 6-token prompt and a 4-token answer, the addition task's shape."""
+    seq = Sequence([3, 4, 13, 5, 6, 14], [3, 7, 9, 1], [-0.5] * 4, [0] * 4)
+    return TrajectoryGroup(f"e0/{i}", [Trajectory(f"e0/{i}/{k}", f"e0/{i}", [seq]) for k in range(samples)])
 
 
-def run_mode(per_call: int, seconds: float) -> tuple[int, float]:
-    """Move trajectories through a fresh queue for ~`seconds`; return (trajectories moved, elapsed seconds)."""
-    queue = MessageQueue.remote(max_groups=max(1024, 8 * per_call))
-    ray.get(queue.stats.remote(), timeout=CALL_TIMEOUT_S)  # actor started before the clock starts
-    batches = [[make_group(i * per_call + k) for k in range(per_call)] for i in range(256)]
-    got = 0
-    stop = threading.Event()
+def in_process(groups_per_batch: int, samples: int, seconds: float) -> float:
+    async def loop() -> float:
+        queue = MessageQueue(max_groups=4 * groups_per_batch)
+        batch = [make_group(i, samples) for i in range(groups_per_batch)]
+        moved, started = 0, time.monotonic()
+        while time.monotonic() - started < seconds:
+            for group in batch:
+                queue.put([group])  # the executor puts each group as it finishes
+            moved += len((await queue.get_batch(groups_per_batch, CALL_TIMEOUT_S)).groups)
+        return moved / (time.monotonic() - started)
 
-    def consume() -> None:
-        nonlocal got
-        pending: deque = deque()
-        while not (stop.is_set() and not pending):
-            while not stop.is_set() and len(pending) < IN_FLIGHT:
-                pending.append(queue.get_batch.remote(per_call, timeout_s=1.0))
-            result = ray.get(pending.popleft(), timeout=CALL_TIMEOUT_S)
-            got += len(result.groups)
+    return asyncio.run(loop())
 
-    consumer = threading.Thread(target=consume, daemon=True)
-    start = time.perf_counter()
-    consumer.start()
-    pending: deque = deque()
-    i = 0
-    while time.perf_counter() - start < seconds:
-        pending.append(queue.put_batch.remote(batches[i % len(batches)], timeout_s=CALL_TIMEOUT_S))
-        i += 1
-        if len(pending) >= IN_FLIGHT:
-            ray.get(pending.popleft(), timeout=CALL_TIMEOUT_S)
-    ray.get(list(pending), timeout=CALL_TIMEOUT_S)
-    # Let the consumer drain what was put, then stop it.
-    while got < i * per_call and time.perf_counter() - start < seconds + CALL_TIMEOUT_S:
-        time.sleep(0.01)
-    elapsed = time.perf_counter() - start
-    stop.set()
-    consumer.join(timeout=CALL_TIMEOUT_S)
-    ray.kill(queue)
-    return got, elapsed
+
+@ray.remote(num_cpus=0)
+class _Serve:
+    def __init__(self, groups: int, samples: int) -> None:
+        self.groups = [make_group(i, samples) for i in range(groups)]
+
+    async def take_batch(self, request: BatchRequest) -> Batch:
+        return Batch(self.groups[: request.n_groups], "ok", 0, 0.0, {"queue/size": 0.0})
+
+
+def over_ray(groups_per_batch: int, samples: int, seconds: float) -> float:
+    actor = _Serve.remote(groups_per_batch, samples)
+    try:
+        request = BatchRequest(groups_per_batch, 0)
+        ray.get(actor.take_batch.remote(request), timeout=CALL_TIMEOUT_S)  # warm up
+        calls, started = 0, time.monotonic()
+        while time.monotonic() - started < seconds:
+            ray.get(actor.take_batch.remote(request), timeout=CALL_TIMEOUT_S)
+            calls += 1
+        return calls / (time.monotonic() - started)
+    finally:
+        ray.kill(actor)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=64, help="trajectories per Ray call in the batched mode")
-    parser.add_argument("--seconds", type=float, default=5.0, help="duration of each mode")
+    parser.add_argument("--groups", type=int, default=16, help="groups per batch (required_samples)")
+    parser.add_argument("--samples", type=int, default=4, help="samples per group (rollout.n)")
+    parser.add_argument("--seconds", type=float, default=5.0, help="duration of each measurement")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING)
-    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=1_000_000_000, configure_logging=False)
+    groups_per_s = in_process(args.groups, args.samples, args.seconds)
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
     try:
-        single_n, single_s = run_mode(1, args.seconds)
-        batched_n, batched_s = run_mode(args.batch, args.seconds)
+        calls_per_s = over_ray(args.groups, args.samples, args.seconds)
     finally:
         ray.shutdown()
-    single_rate, batched_rate = single_n / single_s, batched_n / batched_s
-    # The result table is this script's output, so it goes to stdout rather than a logger.
-    print(f"{'mode':<24}{'trajectories':>14}{'seconds':>10}{'traj/s':>12}")
-    print(f"{'1 per call':<24}{single_n:>14}{single_s:>10.2f}{single_rate:>12.0f}")
-    print(f"{f'{args.batch} per call':<24}{batched_n:>14}{batched_s:>10.2f}{batched_rate:>12.0f}")
-    print(f"batched / single = {batched_rate / single_rate:.1f}x")
+    print(f"in-process queue: {groups_per_s:,.0f} groups/s")
+    print(f"take_batch over Ray ({args.groups} groups x {args.samples}): {calls_per_s:,.0f} calls/s")
+    print(f"                  = {1000 / calls_per_s:.2f} ms per trainer step")
 
 
 if __name__ == "__main__":

@@ -388,7 +388,8 @@ class JournalAudit:
 
 
 def audit_journal(run_dir: Path) -> JournalAudit:
-    from rllm.experimental.fully_async.core.ledger import LedgerError, history_counts, read_journal
+    from rllm.experimental.fully_async.core.ledger import LedgerError, history_counts
+    from rllm.experimental.fully_async.runtime.ledger_journal import read_journal
 
     path = run_dir / "ledger.jsonl"
     if not path.is_file():

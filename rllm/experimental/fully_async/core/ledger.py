@@ -15,7 +15,9 @@ What is kept where, and why. A run issues samples without end (the 30-minute CPU
 holds only what a long run needs to go on: the in-flight uids in issue order (bounded by the staleness budget),
 the number issued, and one counter per ended state and per `state/reason`. The per-sample history, the proof that
 every sample ended exactly once, goes to an optional append-only *journal* (JSON lines, one line per call, e.g.
-`{"event":"failed","reason":"reward_error","uids":["e0/3/1"]}`), which `read_journal` replays and audits.
+`{"event":"failed","reason":"reward_error","uids":["e0/3/1"]}`), which `replay_journal` replays and audits.
+The state machine and the line format live here (pure); the file that holds the lines is a `LedgerJournal`
+given by the runtime (`runtime/ledger_journal.py`: `JournalFile`, `read_journal`, `journaled_ledger`).
 
 Checks. Ending a sample that is not in flight (never issued, or already ended) and issuing one that is in flight
 raise `LedgerError`: each is a bookkeeping bug upstream. Issuing a uid that has already *ended* cannot be seen in
@@ -33,18 +35,17 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from enum import Enum
-from pathlib import Path
-from typing import IO, Any
+from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
 
 STATE_DICT_VERSION = 2
 ISSUED = "issued"  # the journal's event for an issue; ends use the SampleState values
-_REWRITE_CHUNK = 1000  # uids per line when a journal is rebuilt from a checkpoint (keeps lines short)
+REWRITE_CHUNK = 1000  # uids per line when a journal is rebuilt from a checkpoint (keeps lines short)
+JournalRecord = tuple[str, str | None, list[str]]  # (event, reason, uids)
 
 
 class SampleState(str, Enum):
@@ -64,24 +65,43 @@ class LedgerError(ValueError):
     checkpointed state or journal that is malformed or inconsistent."""
 
 
-class SampleLedger:
-    """In-flight uids (in issue order) and counters in memory; the full history in an optional journal file.
+class LedgerJournal(Protocol):
+    """Where the ledger's history goes: an append-only sequence of `journal_line`s (a file in the runtime)."""
 
-    `journal_path=None` keeps no history (pure tests): the counts stay exact, per-sample end states are not kept.
-    With a path, the journal is started at the first record (or `state_dict()`): a new ledger starts it empty,
-    overwriting a file left in the same place by an earlier run; `load_state_dict` instead keeps the checkpoint's
-    part of the file and appends after it. Each call's record is written with one write and flushed to the OS, so
-    a killed process loses none of it; only `state_dict()` pays for an fsync.
+    path: Any  # what the checkpoint records to recognise its journal (a file path), or None
+
+    def append(self, line: bytes) -> None:
+        """Add one record; it must survive the process being killed right after (flushed to the OS)."""
+
+    def sync(self) -> int:
+        """Make every record durable and return the journal's size in bytes (what a checkpoint records)."""
+
+    def restore(self, recorded_path: Any, recorded_bytes: Any) -> bool:
+        """Cut the journal back to a checkpoint's size; False when it is not that checkpoint's journal."""
+
+    def rewrite(self, lines: Iterable[bytes]) -> None:
+        """Replace the whole journal with `lines`."""
+
+    def close(self) -> None: ...
+
+
+class SampleLedger:
+    """In-flight uids (in issue order) and counters in memory; the full history in an optional journal.
+
+    `journal=None` keeps no history (pure tests): the counts stay exact, per-sample end states are not kept.
+    With a journal, every call's record is appended as one line before the state changes; a new ledger's journal
+    starts empty, `load_state_dict` instead keeps the checkpoint's part and appends after it.
     """
 
-    def __init__(self, journal_path: str | os.PathLike[str] | None = None) -> None:
-        # Absolute, so a checkpoint can tell whether the journal it recorded is the one this ledger writes.
-        self.journal_path = Path(journal_path).absolute() if journal_path is not None else None
+    def __init__(self, journal: LedgerJournal | None = None) -> None:
+        self.journal = journal
         self._in_flight: dict[str, None] = {}  # a dict keeps insertion (= issue) order; resume relies on it
         self._issued = 0
         self._ended: Counter[str] = Counter()  # keys: each ended state's value, and "<state>/<reason>"
-        self._file: IO[bytes] | None = None
-        self._journal_started = False  # False: the first open truncates (a new ledger has no history yet)
+
+    @property
+    def journal_path(self) -> Any:
+        return self.journal.path if self.journal is not None else None
 
     # ---- transitions ------------------------------------------------------------------------------------------
 
@@ -160,7 +180,7 @@ class SampleLedger:
             "issued": self._issued,
             "ended": dict(sorted(self._ended.items())),
             "journal_path": str(self.journal_path) if self.journal_path is not None else None,
-            "journal_bytes": self._sync_journal(),
+            "journal_bytes": self.journal.sync() if self.journal is not None else None,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -173,113 +193,67 @@ class SampleLedger:
         version = state.get("version")
         if version == STATE_DICT_VERSION:
             in_flight, issued, ended = _parse_v2(state)
-            history: list[tuple[str, str | None, list[str]]] | None = None
+            history: list[JournalRecord] | None = None
         elif version == 1:
             in_flight, issued, ended, history = _parse_v1(state)
         else:
             raise LedgerError(f"ledger state version {version!r} is not {STATE_DICT_VERSION} (or 1)")
-        if self.journal_path is not None:
+        if self.journal is not None:
             if history is not None:
                 # A version-1 state lists every sample's end: the journal is rebuilt from it, the audit covers all.
-                self._rewrite_journal(history)
-            else:
-                self._restore_journal(state.get("journal_path"), state.get("journal_bytes"), in_flight)
+                self.journal.rewrite(_chunked_lines(history))
+            elif not self.journal.restore(state.get("journal_path"), state.get("journal_bytes")):
+                logger.warning(
+                    "ledger journal %s is not the checkpoint's (%s, %s bytes): restarting it from the checkpoint; "
+                    "the samples that ended before it are only counted, not listed",
+                    self.journal.path,
+                    state.get("journal_path"),
+                    state.get("journal_bytes"),
+                )
+                self.journal.rewrite(_chunked_lines([(ISSUED, None, in_flight)]))
         self._in_flight = dict.fromkeys(in_flight)
         self._issued = issued
         self._ended = ended
 
     def close(self) -> None:
         """Flush and close the journal (later records reopen it and append)."""
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
-    # ---- the journal ------------------------------------------------------------------------------------------
-
-    def _handle(self) -> IO[bytes]:
-        assert self.journal_path is not None
-        if self._file is None:
-            self.journal_path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = self.journal_path.open("ab" if self._journal_started else "wb")
-            self._journal_started = True
-        return self._file
+        if self.journal is not None:
+            self.journal.close()
 
     def _record(self, event: str, reason: str | None, uids: list[str]) -> None:
-        if self.journal_path is None or not uids:
-            return
-        handle = self._handle()
-        handle.write(_journal_line(event, reason, uids))
-        handle.flush()  # to the OS: a SIGKILLed process keeps the record (state_dict fsyncs to the disk)
-
-    def _sync_journal(self) -> int | None:
-        if self.journal_path is None:
-            return None
-        handle = self._handle()
-        handle.flush()
-        os.fsync(handle.fileno())
-        return os.fstat(handle.fileno()).st_size
-
-    def _restore_journal(self, recorded_path: Any, recorded_bytes: Any, in_flight: list[str]) -> None:
-        assert self.journal_path is not None
-        self.close()
-        size = self.journal_path.stat().st_size if self.journal_path.exists() else 0
-        if recorded_path == str(self.journal_path) and isinstance(recorded_bytes, int) and size >= recorded_bytes:
-            with self.journal_path.open("r+b") as f:
-                f.truncate(recorded_bytes)  # later records: samples that will be issued or end again
-            self._journal_started = True
-            return
-        if recorded_path != str(self.journal_path):
-            why = f"the checkpoint's journal was {recorded_path}"
-        else:
-            why = f"it holds {size} bytes, the checkpoint recorded {recorded_bytes}"
-        logger.warning(
-            "ledger journal %s is not the checkpoint's (%s): restarting it from the checkpoint; the samples that "
-            "ended before it are only counted, not listed",
-            self.journal_path,
-            why,
-        )
-        self._rewrite_journal([(ISSUED, None, in_flight)])
-
-    def _rewrite_journal(self, records: list[tuple[str, str | None, list[str]]]) -> None:
-        assert self.journal_path is not None
-        self.close()
-        self._journal_started = False
-        handle = self._handle()
-        for event, reason, uids in records:
-            for start in range(0, len(uids), _REWRITE_CHUNK):
-                handle.write(_journal_line(event, reason, uids[start : start + _REWRITE_CHUNK]))
-        handle.flush()
+        if self.journal is not None and uids:
+            self.journal.append(journal_line(event, reason, uids))
 
 
-def read_journal(path: str | os.PathLike[str]) -> dict[str, tuple[SampleState, str | None]]:
-    """Replay a ledger journal: each sample's final (state, reason), in issue order.
+def replay_journal(lines: Iterable[bytes], name: str) -> dict[str, tuple[SampleState, str | None]]:
+    """Replay a ledger journal's lines (`name` is where they come from, for errors): each sample's final
+    (state, reason), in issue order.
 
     The audit: raises `LedgerError` (naming the line) if a sample was issued twice (including after it ended),
     ended twice, or ended without being issued, or if a line is malformed. A last line without its newline (the
     process died while writing it) is ignored with a warning.
     """
     history: dict[str, tuple[SampleState, str | None]] = {}
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
-            where = f"{path}:{number}"
-            if not raw.endswith(b"\n"):
-                logger.warning("%s: ignoring a torn last line (the writer died mid-record)", where)
-                break
-            event, reason, uids = _parse_line(raw, where)
-            if event == ISSUED:
-                for uid in uids:
-                    if uid in history:
-                        raise LedgerError(f"{where}: {uid!r} issued twice (it was {_describe(*history[uid])})")
-                    history[uid] = (SampleState.IN_FLIGHT, None)
-                continue
-            state = SampleState(event)
+    for number, raw in enumerate(lines, start=1):
+        where = f"{name}:{number}"
+        if not raw.endswith(b"\n"):
+            logger.warning("%s: ignoring a torn last line (the writer died mid-record)", where)
+            break
+        event, reason, uids = _parse_line(raw, where)
+        if event == ISSUED:
             for uid in uids:
-                entry = history.get(uid)
-                if entry is None:
-                    raise LedgerError(f"{where}: {uid!r} ended {state.value} without being issued")
-                if entry[0] is not SampleState.IN_FLIGHT:
-                    raise LedgerError(f"{where}: {uid!r} ended twice ({_describe(*entry)}, then {state.value})")
-                history[uid] = (state, reason)
+                if uid in history:
+                    raise LedgerError(f"{where}: {uid!r} issued twice (it was {_describe(*history[uid])})")
+                history[uid] = (SampleState.IN_FLIGHT, None)
+            continue
+        state = SampleState(event)
+        for uid in uids:
+            entry = history.get(uid)
+            if entry is None:
+                raise LedgerError(f"{where}: {uid!r} ended {state.value} without being issued")
+            if entry[0] is not SampleState.IN_FLIGHT:
+                raise LedgerError(f"{where}: {uid!r} ended twice ({_describe(*entry)}, then {state.value})")
+            history[uid] = (state, reason)
     return history
 
 
@@ -307,7 +281,8 @@ def _format_counts(issued: int, in_flight: int, ended: Mapping[str, int]) -> dic
     return result
 
 
-def _journal_line(event: str, reason: str | None, uids: list[str]) -> bytes:
+def journal_line(event: str, reason: str | None, uids: list[str]) -> bytes:
+    """One journal record: `{"event": ..., ["reason": ...,] "uids": [...]}` as a JSON line."""
     record: dict[str, Any] = {"event": event}
     if reason is not None:
         record["reason"] = reason
@@ -333,6 +308,14 @@ def _parse_line(raw: bytes, where: str) -> tuple[str, str | None, list[str]]:
     if len(set(uids)) != len(uids):
         raise LedgerError(f"{where}: a uid appears twice in one record")
     return event, reason, uids
+
+
+def _chunked_lines(records: Iterable[JournalRecord]) -> list[bytes]:
+    return [
+        journal_line(event, reason, uids[start : start + REWRITE_CHUNK])
+        for event, reason, uids in records
+        for start in range(0, len(uids), REWRITE_CHUNK)
+    ]
 
 
 def _parse_v2(state: Mapping[str, Any]) -> tuple[list[str], int, Counter[str]]:
@@ -363,7 +346,7 @@ def _parse_v2(state: Mapping[str, Any]) -> tuple[list[str], int, Counter[str]]:
 
 def _parse_v1(
     state: Mapping[str, Any],
-) -> tuple[list[str], int, Counter[str], list[tuple[str, str | None, list[str]]]]:
+) -> tuple[list[str], int, Counter[str], list[JournalRecord]]:
     """A version-1 state (every uid by state, and `issue_order`) as in-flight uids, counters and a history."""
     assigned: dict[str, tuple[SampleState, str | None]] = {}
 

@@ -3,11 +3,9 @@
 Pure code (no Ray, no asyncio, no I/O): the RolloutExecutor, the trainer, the simulator and the tests call the
 same functions (DESIGN rule 1). Modelled on AReaL's staleness manager.
 
-Units. Everything counts **groups** (one prompt's n samples, a `TrajectoryGroup`), and **versions count optimizer
-steps**: the trainer's version is the number of steps it has taken, and ParamSync tags the engines with the
-trainer's version when it pushes weights, so with a sync every K steps the engine version jumps by K (0, K, 2K, ...)
-and a token's version says which step's weights produced it. `B` is the number of groups one optimizer step
-consumes. (If a runtime counts versions per sync instead, pass B = groups per sync; the rule is the same.)
+Units (defined once in core/versions.py). Everything counts **groups** (one prompt's n samples, a
+`TrajectoryGroup`); a **version** is one weight sync (the trainer bumps it once per sync, not per optimizer step),
+and `B` is the number of groups consumed per version: required_samples × trigger_parameter_sync_step.
 
 The rule (AReaL; DESIGN rule 4) — a new rollout starts only while
 
@@ -243,9 +241,9 @@ class OldLogProbSource(str, Enum):
 class AsyncSettings:
     """This project's names for what rLLM's `async_training` section sets."""
 
-    max_staleness: int  # η, in versions (optimizer steps)
+    max_staleness: int  # η, in versions (weight syncs; core/versions.py)
     sync_every_steps: int  # K: push weights to the engines every K optimizer steps
-    batch_groups: int  # B: groups (prompts) per optimizer step
+    batch_groups: int  # groups (prompts) per optimizer step (rLLM's R; B per version = R · K, core/versions.py)
     resume_on_abort: bool  # a generation interrupted by a weight push resumes with the new weights
     old_log_prob_source: OldLogProbSource
 
@@ -276,7 +274,8 @@ def map_rllm_async_keys(async_training: Mapping[str, Any], ppo_mini_batch_size: 
 
     Mapping:
 
-        batch_groups      B = R (a verl/rLLM "sample" is one prompt with its n responses, i.e. one group)
+        batch_groups      R (a verl/rLLM "sample" is one prompt with its n responses, i.e. one group); the budget's
+                          B per version is R · K (core/versions.py)
         sync_every_steps  K = trigger_parameter_sync_step
         max_staleness     η = floor(M / B) − 1
                             AReaL's rule keeps started − consumed ≤ (η + 1)·B outstanding groups, verl keeps ≤ M;

@@ -1,8 +1,7 @@
-"""Ray actor shells: they build the asyncio/sync cores from the config and forward calls. No policy here.
+"""Ray actor shell of the trainer, and the prompt-data loading both actors share. No policy here.
 
-- `RolloutExecutorActor` (async actor): owns the engine client, data iterator, workflow, ledger and the
-  `RolloutExecutor` loop; also answers validation requests through the same engines.
-- `FullyAsyncTrainerActor`: owns the policy backend (patched verl actor), ParamSync and the `FullyAsyncTrainer`.
+- `FullyAsyncTrainerActor`: owns the policy backend (patched verl actor), ParamSync and the `FullyAsyncTrainer`;
+  it reaches the rollout side through one call per step (`runtime/rollout_service.py`).
 Configs cross the process boundary as plain containers and are rebuilt with OmegaConf inside.
 """
 
@@ -18,164 +17,30 @@ from omegaconf import DictConfig, OmegaConf
 
 logger = logging.getLogger(__name__)
 
-RAY_CALL_TIMEOUT_S = 120.0  # short control calls between actors (report, set_version)
+RAY_CALL_TIMEOUT_S = 120.0  # short control calls between actors (an acknowledgement before a checkpoint)
+RAY_TRANSFER_SLACK_S = 60.0  # on top of a take_batch's own wait: moving the groups between processes
 
 
-class _QueueAdapter:
-    """Async `put_batch` over the MessageQueue actor handle, for the executor's event loop."""
+class _RolloutServiceClient:
+    """The trainer's blocking view of the RolloutService actor (core.messages.RolloutSource), with timeouts."""
 
     def __init__(self, handle: Any) -> None:
         self.handle = handle
 
-    async def put_batch(self, groups: list, timeout_s: float) -> Any:
-        return await self.handle.put_batch.remote(groups, timeout_s)
+    def take_batch(self, request: Any) -> Any:
+        timeout_s = request.timeout_s + RAY_TRANSFER_SLACK_S
+        try:
+            return ray.get(self.handle.take_batch.remote(request), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError as exc:
+            raise TimeoutError(f"no answer from the rollout service's take_batch within {timeout_s:g}s") from exc
 
-
-@ray.remote(num_cpus=0)
-class RolloutExecutorActor:
-    def __init__(
-        self, cfg: dict, engine_urls: list[str], queue: Any, state: dict | None = None, queued: list | None = None
-    ) -> None:
-        from transformers import AutoTokenizer
-
-        from rllm.experimental.fully_async.algorithms.filters import build_group_filter
-        from rllm.experimental.fully_async.core.ledger import SampleLedger
-        from rllm.experimental.fully_async.data import PromptIterator
-        from rllm.experimental.fully_async.engines.client import EngineClient
-        from rllm.experimental.fully_async.runtime.rollout_executor import ExecutorSettings, RolloutExecutor
-        from rllm.experimental.fully_async.workflows import build_workflow, load_reward_fn
-
-        logging.basicConfig(level=os.environ.get("RLLM_LOG_LEVEL", "WARNING"))
-        self.cfg: DictConfig = OmegaConf.create(cfg)
-        c = self.cfg
-        self.tokenizer = AutoTokenizer.from_pretrained(c.actor_rollout_ref.model.path)
-        self.reward_fn = load_reward_fn(c)
-        # Under on_engine_failure=restart a request finding no live engine waits for a restarted one (the
-        # supervisor gives a restart startup_timeout_s) rather than failing its sample.
-        restarting = str(c.engines.on_engine_failure) == "restart"
-        self.client = EngineClient(
-            engine_urls,
-            request_timeout_s=float(c.engines.request_timeout_s),
-            partial_rollout=bool(c.async_training.partial_rollout),
-            wait_for_engine_s=float(c.engines.startup_timeout_s) + 30.0 if restarting else 0.0,
-        )
-        # The journal (every sample's issue and end, for the exactly-once audit) lives in the run dir. A relative
-        # run.dir is resolved against this worker's cwd, which Ray gives the driver's. A fresh run starts it empty
-        # at its first record; a resume cuts it back to the checkpoint (`SampleLedger.load_state_dict`).
-        self.ledger = SampleLedger(journal_path=Path(c.run.dir).absolute() / "ledger.jsonl")
-        train, val = load_prompt_datasets(c, self.tokenizer)
-        if state is None:  # a resumed ledger has them already
-            for rejected in train.rejected:
-                # Left out before any rollout, yet still a prompt the user gave: the ledger accounts for it.
-                uid = f"prompt/{rejected.index}"
-                self.ledger.issue([uid])
-                self.ledger.mark_filtered([uid], rejected.reason)
-        self.val: list = []
-        if val is not None:
-            self.val = list(PromptIterator(val, seed=0, num_epochs=1, shuffle=False))[: int(c.task.val_size)]
-        prompts = PromptIterator(
-            train,
-            seed=int(c.data.seed if c.data.seed is not None else c.run.seed),
-            num_epochs=int(c.trainer.total_epochs),
-            shuffle=bool(c.data.shuffle),
-        )
-        at = c.async_training
-        settings = ExecutorSettings(
-            samples_per_prompt=int(c.actor_rollout_ref.rollout.n),
-            max_staleness=int(at.max_staleness),
-            batch_groups=int(at.required_samples) * int(at.trigger_parameter_sync_step),
-            max_concurrent_rollouts=int(at.max_concurrent_rollouts),
-        )
-        self.executor = RolloutExecutor(
-            settings,
-            prompts,
-            build_workflow(c, self.reward_fn),
-            self.client,
-            self.tokenizer,
-            _QueueAdapter(queue),
-            group_filter=build_group_filter(c),
-            ledger=self.ledger,
-        )
-        self.queue = queue
-        if state is not None:
-            self.executor.load_state_dict(state, queued)
-
-    async def run(self) -> dict:
-        stats = await self.executor.run()
-        await self.queue.close.remote()  # rollouts ended: the trainer drains what is left, then stops
-        return dict(vars(stats))
-
-    async def checkpoint_state(self) -> tuple[dict, list]:
-        return await self.executor.checkpoint_state(lambda: self.queue.snapshot.remote())
-
-    def set_version(self, version: int) -> None:
-        self.executor.set_version(version)
-
-    def set_paused(self, paused: bool) -> None:
-        self.executor.set_paused(paused)
-
-    def report_consumed(
-        self, trained_uids: list[str], trained_groups: int, stale_uids: list[str], stale_groups: int
-    ) -> None:
-        self.executor.report_consumed(trained_uids, trained_groups, stale_uids, stale_groups)
-
-    def stop(self) -> None:
-        self.executor.stop()
-
-    def ledger_counts(self) -> dict:
-        return self.ledger.counts()
-
-    def replace_engine(self, old_url: str, new_url: str) -> None:
-        """Route rollouts to a restarted engine (already at the trainer's weights) instead of its dead predecessor."""
-        self.client.replace_engine(old_url, new_url)
-
-    def state_dict(self) -> dict:
-        return self.executor.state_dict()
-
-    def stats(self) -> dict:
-        return dict(vars(self.executor.stats)) | {"version": self.executor.version}
-
-    async def validate(self) -> dict:
-        from rllm.experimental.fully_async.runtime.validation import evaluate
-
-        if not self.val:
-            return {}
-        result = await evaluate(
-            self.client,
-            self.tokenizer,
-            self.val,
-            self.reward_fn,
-            max_new_tokens=int(self.cfg.data.max_response_length),
-            reward_timeout_s=float(self.cfg.workflow.reward_timeout_s),
-        )
-        return {
-            "val/accuracy": result.accuracy,
-            "val/num_prompts": float(result.num_prompts),
-            "val/num_failed": float(result.num_failed),
-            "val/version": float(max(result.versions, default=-1)),
-        }
-
-    async def aclose(self) -> None:
-        await self.client.aclose()
-
-
-class _SyncHandle:
-    """Blocking calls on an actor handle with a timeout, for the trainer's synchronous loop."""
-
-    def __init__(self, handle: Any, timeout_s: float) -> None:
-        self.handle = handle
-        self.timeout_s = timeout_s
-
-    def __getattr__(self, name: str):
-        method = getattr(self.handle, name)
-
-        def call(*args: Any) -> Any:
-            try:
-                return ray.get(method.remote(*args), timeout=self.timeout_s)
-            except ray.exceptions.GetTimeoutError as exc:
-                raise TimeoutError(f"no answer from {name}() within {self.timeout_s:g}s") from exc
-
-        return call
+    def acknowledge(self, ack: Any) -> None:
+        try:
+            ray.get(self.handle.acknowledge.remote(ack), timeout=RAY_CALL_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError as exc:
+            raise TimeoutError(
+                f"no answer from the rollout service's acknowledge within {RAY_CALL_TIMEOUT_S:g}s"
+            ) from exc
 
 
 # `replace_engine` has a thread of its own: it must not wait behind a `train_step` that waits for rollouts from the
@@ -183,7 +48,7 @@ class _SyncHandle:
 # `state_dict` never runs beside an update.
 @ray.remote(num_cpus=1, concurrency_groups={"engines": 1})
 class FullyAsyncTrainerActor:
-    def __init__(self, cfg: dict, engine_urls: list[str], queue: Any, executor: Any) -> None:
+    def __init__(self, cfg: dict, engine_urls: list[str], rollouts: Any) -> None:
         from transformers import AutoTokenizer
 
         from rllm.experimental.fully_async.algorithms.advantages import AdvantageConfig
@@ -226,6 +91,7 @@ class FullyAsyncTrainerActor:
             pad_token_id=int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0),
             queue_get_timeout_s=float(at.queue_get_timeout_s),
             on_engine_failure=str(c.engines.on_engine_failure),
+            max_response_length=int(c.data.max_response_length),
         )
         critic = None
         if c.algorithm.adv_estimator == "gae":
@@ -235,8 +101,7 @@ class FullyAsyncTrainerActor:
         self.trainer = FullyAsyncTrainer(
             settings,
             backend,
-            _QueueGetter(queue, float(at.queue_get_timeout_s)),
-            _SyncHandle(executor, RAY_CALL_TIMEOUT_S),
+            _RolloutServiceClient(rollouts),
             self.param_sync,
             advantages=AdvantageConfig.from_config(c),
             correction=correction,
@@ -252,6 +117,18 @@ class FullyAsyncTrainerActor:
     def state_dict(self) -> dict:
         return self.trainer.state_dict()
 
+    def write_checkpoint(self, directory: str) -> dict:
+        """Acknowledge the last batch to the rollout service, then write trainer.pt into a checkpoint's temporary
+        directory from this process (the weights never travel through the driver). Returns the manifest entry and
+        the version the checkpoint is at."""
+        from rllm.experimental.fully_async.runtime.checkpoint_codec import write_trainer_part
+
+        self.trainer.flush_ack()
+        return {
+            "files": write_trainer_part(Path(directory), self.trainer.state_dict()),
+            "version": self.trainer.version,
+        }
+
     def load_state_dict(self, state: dict) -> None:
         self.trainer.load_state_dict(state)
 
@@ -263,16 +140,6 @@ class FullyAsyncTrainerActor:
         """Load the current weights into a restarted engine and sync to it from now on; returns its version.
         Runs beside a `train_step` that waits for a batch; ParamSync's lock orders it with syncs."""
         return self.param_sync.replace_engine(old_url, new_url)
-
-
-class _QueueGetter:
-    def __init__(self, handle: Any, timeout_s: float) -> None:
-        self.handle = handle
-        self.timeout_s = timeout_s
-
-    def get_batch(self, n: int, timeout_s: float) -> list:
-        # The actor's own wait is bounded by timeout_s; the Ray get adds slack for transfer.
-        return ray.get(self.handle.get_batch.remote(n, timeout_s), timeout=timeout_s + 60)
 
 
 def _files(value: Any) -> list[str]:

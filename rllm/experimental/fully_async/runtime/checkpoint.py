@@ -72,16 +72,20 @@ from rllm.experimental.fully_async.core.protocol import TrajectoryGroup
 
 # capture_rng_state, restore_rng_state and config_hash are re-exported: the driver and the trainer import them here.
 from rllm.experimental.fully_async.runtime.checkpoint_codec import (
-    HashingWriter,
+    META_FILE,
+    QUEUE_FILE,
+    ROLLOUT_FILE,
+    TRAINER_FILE,
     capture_rng_state,
     check_torch_safe,
     config_hash,
+    encode_rollout_part,
     file_sha256,
     group_from_json,
-    group_to_json,
     json_bytes,
-    manifest_entry,
     restore_rng_state,
+    write_bytes,
+    write_torch,
 )
 
 __all__ = [
@@ -107,10 +111,6 @@ logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1  # bump when the layout or a part's encoding changes; load refuses newer formats
 COMPLETE_MARKER = "COMPLETE"
-TRAINER_FILE = "trainer.pt"
-ROLLOUT_FILE = "rollout.json"
-QUEUE_FILE = "queue.json"
-META_FILE = "meta.json"
 PART_FILES = (TRAINER_FILE, ROLLOUT_FILE, QUEUE_FILE, META_FILE)
 RESUME_MODES = ("auto", "disable", "resume_path")
 
@@ -178,35 +178,58 @@ class CheckpointManager:
         read back, or a rollout/queue/meta value JSON would not return unchanged (a tuple, a non-string key, an
         object), raises TypeError naming where it is.
         """
+        check_torch_safe(trainer, "trainer")
+        parts = encode_rollout_part(rollout, queue)
+        json_bytes(_meta_doc(step, meta), "meta")
+        tmp = self.begin(step)
+        try:
+            files = {TRAINER_FILE: write_torch(tmp / TRAINER_FILE, trainer)}
+            files |= {name: write_bytes(tmp / name, data) for name, data in parts.items()}
+            return self.commit(tmp, step, files, meta)
+        except BaseException:
+            self.abort(tmp)
+            raise
+
+    def begin(self, step: int) -> Path:
+        """Start saving `step`: clean up after crashed saves and return a fresh temporary directory.
+
+        The parts are written into it by their owners (the trainer's weights by the trainer's process, the
+        rollout state by the rollout service: `checkpoint_codec.write_trainer_part` / `write_rollout_part`), then
+        `commit` writes the meta and the manifest and renames it into place, or `abort` removes it.
+        """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an integer >= 0, got {step!r}")
-        check_torch_safe(trainer, "trainer")
-        rollout_bytes = json_bytes(rollout, "rollout")
-        queue_bytes = json_bytes([group_to_json(group) for group in queue], "queue")
-        meta_bytes = json_bytes(_meta_doc(step, meta), "meta")
-
         self.root.mkdir(parents=True, exist_ok=True)
         self._remove_debris()
         self._set_aside_newer_than(step)
         tmp = self.root / f"{_TMP_PREFIX}step_{step:08d}-{os.getpid()}-{secrets.token_hex(4)}"
         tmp.mkdir()
+        return tmp
+
+    def commit(self, tmp: Path, step: int, files: Mapping[str, Any], meta: dict[str, Any]) -> Path:
+        """Write meta.json and the COMPLETE manifest (the parts' entries in `files`), then commit `tmp` as step_N.
+        On any error `tmp` is removed and the previous checkpoint stays the latest."""
         try:
-            manifest = {
-                TRAINER_FILE: _write_torch(tmp / TRAINER_FILE, trainer),
-                ROLLOUT_FILE: _write_bytes(tmp / ROLLOUT_FILE, rollout_bytes),
-                QUEUE_FILE: _write_bytes(tmp / QUEUE_FILE, queue_bytes),
-                META_FILE: _write_bytes(tmp / META_FILE, meta_bytes),
+            missing = [name for name in PART_FILES if name != META_FILE and name not in files]
+            if missing:
+                raise ValueError(f"checkpoint parts missing before commit: {', '.join(missing)}")
+            manifest = dict(files) | {
+                META_FILE: write_bytes(tmp / META_FILE, json_bytes(_meta_doc(step, meta), "meta"))
             }
             marker = {"format_version": FORMAT_VERSION, "files": manifest}
-            _write_bytes(tmp / COMPLETE_MARKER, json.dumps(marker, indent=1).encode())  # last: the marker
+            write_bytes(tmp / COMPLETE_MARKER, json.dumps(marker, indent=1).encode())  # last: the marker
             _fsync_dir(tmp)
             final = self._commit(tmp, step)
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)  # a failed save leaves nothing behind
+            self.abort(tmp)
             raise
         self._apply_retention(step)
-        logger.info("checkpoint saved: %s (%d queued groups)", final, len(queue))
+        logger.info("checkpoint saved: %s", final)
         return final
+
+    def abort(self, tmp: Path) -> None:
+        """Remove a save in progress (a failed save leaves nothing behind)."""
+        shutil.rmtree(tmp, ignore_errors=True)
 
     def load(self, path: str | Path) -> Checkpoint:
         """Load and verify one checkpoint directory; anything missing or damaged raises CheckpointError."""
@@ -362,23 +385,6 @@ def _queue_from_json(doc: Any, file: Path) -> list[TrajectoryGroup]:
 
 
 # ---- file I/O ----------------------------------------------------------------------------------------------------
-
-
-def _write_torch(path: Path, value: dict[str, Any]) -> dict[str, Any]:
-    with open(path, "wb") as file:
-        writer = HashingWriter(file)
-        torch.save(value, writer)
-        file.flush()
-        os.fsync(file.fileno())
-    return writer.entry()
-
-
-def _write_bytes(path: Path, data: bytes) -> dict[str, Any]:
-    with open(path, "wb") as file:
-        file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
-    return manifest_entry(data)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -22,6 +22,7 @@ import hashlib
 import io
 import json
 import logging
+import os
 import random
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -228,3 +229,49 @@ def file_sha256(path: Path) -> str:
         while chunk := file.read(_HASH_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+# ---- part writers: each actor writes its own part into the step's temporary directory ----------------------------
+
+TRAINER_FILE = "trainer.pt"
+ROLLOUT_FILE = "rollout.json"
+QUEUE_FILE = "queue.json"
+META_FILE = "meta.json"
+
+
+def encode_rollout_part(rollout: dict[str, Any], queue: list[TrajectoryGroup]) -> dict[str, bytes]:
+    """The rollout part's files as bytes, checked (TypeError names a value JSON would not return unchanged)."""
+    return {
+        ROLLOUT_FILE: json_bytes(rollout, "rollout"),
+        QUEUE_FILE: json_bytes([group_to_json(group) for group in queue], "queue"),
+    }
+
+
+def write_rollout_part(directory: Path, rollout: dict[str, Any], queue: list[TrajectoryGroup]) -> dict[str, Any]:
+    """Write rollout.json and queue.json (fsynced) into `directory`; returns their manifest entries."""
+    return {
+        name: write_bytes(Path(directory) / name, data) for name, data in encode_rollout_part(rollout, queue).items()
+    }
+
+
+def write_trainer_part(directory: Path, trainer: dict[str, Any]) -> dict[str, Any]:
+    """Write trainer.pt (fsynced) into `directory` from the trainer's own process; returns its manifest entry."""
+    check_torch_safe(trainer, "trainer")
+    return {TRAINER_FILE: write_torch(Path(directory) / TRAINER_FILE, trainer)}
+
+
+def write_torch(path: Path, value: dict[str, Any]) -> dict[str, Any]:
+    with open(path, "wb") as file:
+        writer = HashingWriter(file)
+        torch.save(value, writer)
+        file.flush()
+        os.fsync(file.fileno())
+    return writer.entry()
+
+
+def write_bytes(path: Path, data: bytes) -> dict[str, Any]:
+    with open(path, "wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+    return manifest_entry(data)

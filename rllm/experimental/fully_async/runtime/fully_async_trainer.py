@@ -2,13 +2,17 @@
 
 One call of `train_step()` is exactly one optimizer step (the patched `update_policy` treats the whole batch as
 one mini-batch). Its guarantees:
-- it trains on `required_samples` prompt groups, none older than `max_staleness` versions: older ones are
-  dropped, reported to the executor (ledger: dropped_stale; their capacity is freed) and replaced from the queue;
+- it makes one call to the rollout side per step, `take_batch(BatchRequest)` (core/messages.py), which carries
+  its policy version and the acknowledgement of the previous batch; the service drops groups older than
+  `max_staleness` versions itself (ledger: dropped_stale), so the batch holds `required_samples` fresh groups;
+- the acknowledgement of the last batch is held until the next request, or delivered by `flush_ack()` (the
+  checkpoint flow calls it first, so every trained sample is ledgered trained in the checkpoint);
 - the old log-probs of the PPO ratio come from the batch: the engine's rollout log-probs, or proximal
   log-probs recomputed by the trainer with the weights it has before the step (decoupled PPO), per config;
-- every `trigger_parameter_sync_step` steps it pushes the weights (ParamSync), bumps the policy version and
-  tells the executor, so capacity for newer rollouts opens;
-- every wait (queue get, Ray calls, sync) has a timeout whose error says what was waited for.
+- every `trigger_parameter_sync_step` steps it pushes the weights (ParamSync) and bumps the policy version, the
+  one owner of it (core/versions.py); the next request tells the rollout side, so capacity for newer rollouts
+  opens;
+- every wait (the batch, Ray calls, sync) has a timeout whose error says what was waited for.
 With max_staleness 0 and trigger 1 this is exactly synchronous on-policy training.
 """
 
@@ -23,8 +27,8 @@ import numpy as np
 import torch
 
 from rllm.experimental.fully_async.core.batch import PAD_VERSION, groups_to_dataproto
+from rllm.experimental.fully_async.core.messages import Ack, BatchRequest, RolloutSource
 from rllm.experimental.fully_async.core.protocol import TrajectoryGroup, TrajectoryStatus
-from rllm.experimental.fully_async.core.staleness import split_by_staleness
 
 logger = logging.getLogger(__name__)
 
@@ -44,22 +48,21 @@ class TrainerSettings:
     pad_token_id: int
     queue_get_timeout_s: float
     on_engine_failure: str = "continue"  # engines.on_engine_failure: restart | continue | stop
+    max_response_length: int | None = None  # data.max_response_length, in the batch's meta_info (Dr.GRPO)
 
 
 class FullyAsyncTrainer:
     """The training loop's step. Collaborators come in as objects so a test can pass local ones.
 
-    `queue.get_batch(n, timeout_s) -> message_queue.GetResult` (fewer groups only when closed),
-    `executor.report_consumed(trained_uids, trained_groups, stale_uids, stale_groups)`, `executor.set_version(v)`,
-    `backend` (backends.fsdp.FSDPPolicyBackend), `param_sync.sync(write_weights, new_version)`.
+    `rollouts` (core.messages.RolloutSource: take_batch, acknowledge), `backend` (backends.fsdp.FSDPPolicyBackend),
+    `param_sync.sync(write_weights, new_version)`.
     """
 
     def __init__(
         self,
         settings: TrainerSettings,
         backend: Any,
-        queue: Any,
-        executor: Any,
+        rollouts: RolloutSource,
         param_sync: Any | None,
         advantages: Any,  # algorithms.advantages.AdvantageConfig
         correction: Any | None = None,
@@ -69,8 +72,8 @@ class FullyAsyncTrainer:
     ) -> None:
         self.settings = settings
         self.backend = backend
-        self.queue = queue
-        self.executor = executor
+        self.rollouts = rollouts
+        self._pending_ack = Ack()
         self.param_sync = param_sync
         self.advantages = advantages
         self.correction = correction
@@ -81,42 +84,35 @@ class FullyAsyncTrainer:
     # ------------------------------------------------------------------------------------------------------
 
     def take_batch(self) -> tuple[list[TrajectoryGroup], dict[str, float]]:
-        """Collect `required_samples` fresh groups; drop (and report) stale ones. Returns groups and metrics."""
+        """One request for `required_samples` fresh groups, acknowledging the previous batch. Returns the groups
+        (fewer only when the rollouts have ended) and metrics, including the rollout side's statistics."""
         need = self.settings.required_samples
-        fresh: list[TrajectoryGroup] = []
-        stale_groups = 0
-        wait_s = 0.0
-        while len(fresh) < need:
-            requested = need - len(fresh)
-            started = time.monotonic()
-            result = self.queue.get_batch(requested, self.settings.queue_get_timeout_s)
-            wait_s += time.monotonic() - started
-            got = result.groups
-            if not got and result.status == "timeout":
-                raise QueueTimeoutError(
-                    f"trainer waited {self.settings.queue_get_timeout_s:g}s for {requested} of {need} "
-                    f"groups at step {self.step + 1} and got none (rollouts stalled? raise "
-                    "async_training.queue_get_timeout_s or check the engines)"
-                )
-            kept, stale = split_by_staleness(got, self.version, self.settings.max_staleness)
-            fresh.extend(kept)
-            self._report_stale(stale)
-            stale_groups += len(stale)
-            if result.status == "closed" or len(got) < requested:
-                break  # rollouts ended (data exhausted): train what is left in a short last batch, never drop it
-        staleness = [g.staleness(self.version) for g in fresh]
-        metrics = {
-            "timing/wait_batch_s": wait_s,
+        request = BatchRequest(need, self.version, self._pending_ack, self.settings.queue_get_timeout_s)
+        started = time.monotonic()
+        batch = self.rollouts.take_batch(request)
+        call_s = time.monotonic() - started
+        self._pending_ack = Ack()  # delivered with the request
+        if batch.status == "timeout":
+            raise QueueTimeoutError(
+                f"trainer waited {self.settings.queue_get_timeout_s:g}s for {need} groups at step {self.step + 1} "
+                "and got none (rollouts stalled? raise async_training.queue_get_timeout_s or check the engines)"
+            )
+        staleness = [g.staleness(self.version) for g in batch.groups]
+        metrics = dict(batch.metrics)
+        metrics |= {
+            "timing/wait_batch_s": call_s,
+            "timing/take_overhead_s": max(0.0, call_s - batch.wait_s),  # the call minus the wait for groups
             "staleness/mean": float(np.mean(staleness)) if staleness else 0.0,
             "staleness/max": float(max(staleness, default=0)),
-            "staleness/dropped_groups": float(stale_groups),
+            "staleness/dropped_groups": float(batch.stale_groups),
         }
-        return fresh, metrics
+        return batch.groups, metrics
 
-    def _report_stale(self, stale: list[TrajectoryGroup]) -> None:
-        if stale:
-            stale_uids = [t.uid for g in stale for t in g.trajectories]
-            self.executor.report_consumed([], 0, stale_uids, len(stale))
+    def flush_ack(self) -> None:
+        """Deliver the last batch's acknowledgement now (before a checkpoint or at the end of a run)."""
+        if self._pending_ack:
+            self.rollouts.acknowledge(self._pending_ack)
+            self._pending_ack = Ack()
 
     def train_step(self) -> dict[str, float] | None:
         """One optimizer step on one batch, then a weight sync when due. Returns flat float metrics, or None
@@ -127,7 +123,10 @@ class FullyAsyncTrainer:
             return None
         clock = _Stopwatch()
         data = groups_to_dataproto(
-            groups, pad_token_id=self.settings.pad_token_id, temperature=self.settings.temperature
+            groups,
+            pad_token_id=self.settings.pad_token_id,
+            temperature=self.settings.temperature,
+            max_response_length=self.settings.max_response_length,
         )
         metrics["timing/assemble_s"] = clock.lap()
         if self.critic is not None:
@@ -142,9 +141,7 @@ class FullyAsyncTrainer:
         metrics["timing/update_s"] = clock.lap()
         self.step += 1
 
-        trained_uids = [t.uid for g in groups for t in g.trajectories if t.status == TrajectoryStatus.OK]
-        self.executor.report_consumed(trained_uids, len(groups), [], 0)
-        metrics["timing/report_s"] = clock.lap()
+        self._pending_ack = Ack.of(groups)  # delivered with the next request (or by flush_ack)
         metrics.update(_batch_metrics(groups, data))
 
         if self.step % self.settings.trigger_parameter_sync_step == 0:
@@ -156,12 +153,11 @@ class FullyAsyncTrainer:
         return metrics
 
     def sync_weights(self, *, bump: bool = True) -> dict[str, float]:
-        """Push the current weights to every engine as version+1 (or as the current version, after a resume)
-        and tell the executor."""
+        """Push the current weights to every engine as version+1 (or as the current version, after a resume).
+        The rollout side learns the new version with the next request."""
         new_version = self.version + 1 if bump else self.version
         if self.param_sync is None:
             self.version = new_version
-            self.executor.set_version(self.version)
             return {}
         from rllm.experimental.fully_async.runtime.param_sync import SyncError
 
@@ -179,14 +175,12 @@ class FullyAsyncTrainer:
             for url in sorted(lost):
                 self.param_sync.remove_engine(url, allow_none_left=policy == "restart")
             self.version = new_version
-            self.executor.set_version(self.version)
             plan = (
                 "left out of weight syncs until restarted" if policy == "restart" else "dropped for the rest of the run"
             )
             logger.warning("step %d: dead engine(s) %s %s", self.step, ", ".join(sorted(lost)), plan)
             return {"sync/engines_lost": float(len(lost))}
         self.version = report.version
-        self.executor.set_version(self.version)
         return {
             "sync/total_s": report.total_s,
             "sync/pause_s": report.pause_s,
@@ -248,8 +242,13 @@ def _batch_metrics(groups: list[TrajectoryGroup], data: Any) -> dict[str, float]
     versions = data.batch["response_versions"]
     lengths = mask.sum(-1)
     resumed = sum(t.num_resumes > 0 for g in groups for t in g.trajectories)
-    mixed = int(sum(int(torch.unique(v[v != PAD_VERSION]).numel() > 1) for v in versions))
-    return {
+    # A row mixes versions when its newest and oldest real token differ: two reductions for the batch, not a
+    # torch.unique per row.
+    real = versions != PAD_VERSION
+    newest = torch.where(real, versions, torch.iinfo(versions.dtype).min).amax(-1)
+    oldest = torch.where(real, versions, torch.iinfo(versions.dtype).max).amin(-1)
+    mixed = int(((newest != oldest) & real.any(-1)).sum())
+    return _advantage_metrics(data) | {
         "reward/mean": float(np.mean(rewards)) if rewards else 0.0,
         "batch/groups": float(len(groups)),
         "batch/samples": float(len(rewards)),
@@ -257,4 +256,24 @@ def _batch_metrics(groups: list[TrajectoryGroup], data: Any) -> dict[str, float]
         "response_length/mean": float(lengths.float().mean().item()),
         "partial/resumed_samples": float(resumed),
         "partial/mixed_version_samples": float(mixed),
+    }
+
+
+def _advantage_metrics(data: Any) -> dict[str, float]:
+    """advantage/*: mean, std, min, max over trained tokens, and the share of samples whose advantage is zero
+    (a group with equal rewards teaches nothing under group-relative estimators)."""
+    if "advantages" not in data.batch.keys():  # noqa: SIM118 (a TensorDict)
+        return {}
+    mask = data.batch["response_mask"].bool()
+    values = data.batch["advantages"][mask]
+    if values.numel() == 0:
+        return {}
+    rows = mask.any(-1)
+    per_sample = (data.batch["advantages"].abs() * mask).amax(-1)[rows]
+    return {
+        "advantage/mean": float(values.mean()),
+        "advantage/std": float(values.std()) if values.numel() > 1 else 0.0,
+        "advantage/min": float(values.min()),
+        "advantage/max": float(values.max()),
+        "advantage/zero_sample_frac": float((per_sample == 0).float().mean()),
     }

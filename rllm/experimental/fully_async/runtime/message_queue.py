@@ -1,25 +1,18 @@
-"""MessageQueue: the bounded, batched, accounted queue of TrajectoryGroups between rollout and trainer.
+"""MessageQueue: the bounded queue of finished TrajectoryGroups inside the rollout service, with its waits.
 
-Two layers (DESIGN rule 1):
-
-- `GroupBuffer`, plain bookkeeping with no asyncio and no Ray: a FIFO of groups with a size bound in groups,
-  cumulative counters and statistics. It never blocks; it answers "how much fits" and "take exactly n".
-- `MessageQueue`, a thin async Ray actor around it that adds waiting, with a timeout on every wait.
+`core/buffer.GroupBuffer` is the bookkeeping (bounded FIFO, counters, statistics); this class adds what needs an
+event loop, and lives in the rollout service's process next to the executor that fills it and the `take_batch`
+that empties it (DESIGN rule 2), so no call crosses a process and no lock is needed: everything runs on one loop.
 
 Contract:
-
-- Batched both ways: one Ray call moves many groups (ENVIRONMENT.md: one call per item tops out near 3-4k items/s,
-  64 items per call reached ~33k/s).
-- Back-pressure, never eviction: `put_batch` on a full queue waits for a `get_batch` to free space. It accepts
-  groups in order as space frees and returns how many it accepted when all are in, the queue closes, or
-  `timeout_s` passes, whichever comes first. A timed-out put is not an error inside the queue, because only the
-  producer knows whether to retry `groups[accepted:]` or to give up; it gets `timed_out=True` and the count, so it
-  never loses track of which groups are in.
-- `get_batch(n, timeout_s)` returns exactly n groups (status "ok"), or none when the timeout passes first (status
-  "timeout"; nothing is removed). After `close()` it drains what is left — fewer than n if that is all there is —
-  and then returns status "closed" with no groups, so the trainer's loop ends without a special case.
-- `close()` wakes every waiting put and get.
-- `snapshot()` copies the queued groups (oldest first) for a checkpoint; a restore puts them back with put_batch.
+- `put(groups)` never blocks and never drops: what does not fit waits in a *backlog*, in order, and moves into
+  the buffer as `pop` frees space. A non-empty backlog is the back-pressure signal: the executor starts no new
+  group while `backlog` > 0 (the staleness budget bounds the backlog anyway).
+- `pop(n)` takes exactly the n oldest queued groups; `remove_if` takes groups out wherever they are (too stale).
+- `close()` ends the rollouts: nothing new is accepted, the backlog still drains into the buffer, and once it is
+  empty the buffer reports `closed` so the trainer's last request gets what is left, then "closed".
+- `wait_for(predicate, timeout_s)` waits on a change (put, pop, remove, close), never by polling.
+- `subscribe(callback)` calls back on every change (the executor wakes its loop when space frees).
 """
 
 from __future__ import annotations
@@ -27,23 +20,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import ray
-
+from rllm.experimental.fully_async.core.buffer import GroupBuffer
 from rllm.experimental.fully_async.core.protocol import TrajectoryGroup
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PutResult:
-    accepted: int  # groups[:accepted] are in the queue
-    closed: bool  # the queue was closed: stop producing
-    timed_out: bool  # timeout_s passed before all groups fitted
 
 
 @dataclass(frozen=True)
@@ -52,155 +37,118 @@ class GetResult:
     status: Literal["ok", "timeout", "closed"]  # "ok" also covers a short drain after close (len < n)
 
 
-class GroupBuffer:
-    """A bounded FIFO of TrajectoryGroups with cumulative counts. Never blocks; not thread-safe (one owner)."""
+class MessageQueue:
+    """GroupBuffer + backlog + waits, for one event loop. See the module docstring for the contract."""
 
     def __init__(self, max_groups: int) -> None:
-        if max_groups < 1:
-            raise ValueError(f"max_groups must be >= 1, got {max_groups}")
-        self.max_groups = max_groups
-        self._groups: deque[TrajectoryGroup] = deque()
-        self.closed = False
-        self.total_put = 0
-        self.total_got = 0
-        self.total_rejected_closed = 0  # groups offered after close and turned away
+        self.buffer = GroupBuffer(max_groups)
+        self._backlog: deque[TrajectoryGroup] = deque()
+        self._closing = False
+        self._changed: asyncio.Event | None = None  # replaced at each change: every waiter of the old one wakes
+        self._listeners: list[Callable[[], None]] = []
+
+    # ---- state -----------------------------------------------------------------------------------------------
 
     def __len__(self) -> int:
-        return len(self._groups)
+        """Groups ready to take (in the buffer; the backlog enters as space frees)."""
+        return len(self.buffer)
 
     @property
-    def space(self) -> int:
-        return self.max_groups - len(self._groups)
+    def max_groups(self) -> int:
+        return self.buffer.max_groups
 
-    def push(self, groups: Sequence[TrajectoryGroup]) -> int:
-        """Append as many of `groups` (in order) as fit; return how many. Nothing is taken after close."""
-        if self.closed:
-            self.total_rejected_closed += len(groups)
-            return 0
-        n = min(len(groups), self.space)
-        self._groups.extend(groups[:n])
-        self.total_put += n
-        return n
+    @property
+    def backlog(self) -> int:
+        return len(self._backlog)
+
+    @property
+    def closed(self) -> bool:
+        """Closed and the backlog drained: what the buffer holds is all that is left."""
+        return self.buffer.closed
+
+    # ---- changes ---------------------------------------------------------------------------------------------
+
+    def subscribe(self, callback: Callable[[], None]) -> None:
+        self._listeners.append(callback)
+
+    def put(self, groups: Sequence[TrajectoryGroup]) -> None:
+        if self._closing:
+            self.buffer.total_rejected_closed += len(groups)
+            return
+        self._backlog.extend(groups)
+        self._refill()
 
     def pop(self, n: int) -> list[TrajectoryGroup]:
-        """Remove and return the n oldest groups; ValueError if fewer are queued."""
-        if n < 1 or n > len(self._groups):
-            raise ValueError(f"cannot pop {n} groups from a buffer holding {len(self._groups)}")
-        out = [self._groups.popleft() for _ in range(n)]
-        self.total_got += n
-        return out
+        groups = self.buffer.pop(n)
+        self._refill()
+        return groups
+
+    def remove_if(self, predicate: Callable[[TrajectoryGroup], bool]) -> list[TrajectoryGroup]:
+        removed = self.buffer.remove_if(predicate)
+        kept: deque[TrajectoryGroup] = deque()
+        for group in self._backlog:
+            (removed if predicate(group) else kept).append(group)
+        self._backlog = kept
+        if removed:
+            self._refill()
+        return removed
 
     def close(self) -> None:
-        self.closed = True
+        if not self._closing:
+            logger.info("message queue closed with %d groups queued, %d in backlog", len(self.buffer), self.backlog)
+        self._closing = True
+        self._refill()
 
-    def snapshot(self) -> list[TrajectoryGroup]:
-        return list(self._groups)
+    def _refill(self) -> None:
+        if self._backlog:
+            taken = self.buffer.push(list(self._backlog)[: self.buffer.space])
+            for _ in range(taken):
+                self._backlog.popleft()
+        if self._closing and not self._backlog:
+            self.buffer.close()
+        self._notify()
 
-    def stats(self) -> dict[str, Any]:
-        """Size, bounds, cumulative counts, the oldest token version queued, and queued trajectories by status."""
-        versions = [v for v in (g.min_version for g in self._groups) if v is not None]
-        by_status = Counter(t.status.value for g in self._groups for t in g.trajectories)
-        return {
-            "size": len(self._groups),
-            "max_size": self.max_groups,
-            "closed": self.closed,
-            "total_put": self.total_put,
-            "total_got": self.total_got,
-            "total_rejected_closed": self.total_rejected_closed,
-            "oldest_min_version": min(versions) if versions else None,
-            "oldest_created_at": self._groups[0].created_at if self._groups else None,
-            "trajectories_by_status": dict(by_status),
-        }
+    def _notify(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+        for callback in self._listeners:
+            callback()
 
+    # ---- waiting ---------------------------------------------------------------------------------------------
 
-@ray.remote(num_cpus=0)  # waits on events, uses no CPU between calls: it must not take a slot from the workers
-class MessageQueue:
-    """Async Ray actor around a GroupBuffer; see the module docstring for the put/get/close contract."""
-
-    def __init__(self, max_groups: int) -> None:
-        self._buffer = GroupBuffer(max_groups)
-        self._changed: asyncio.Condition | None = None  # created on the actor's event loop, at first use
-        self._waiting_puts = 0
-        self._waiting_gets = 0
-
-    def _condition(self) -> asyncio.Condition:
-        if self._changed is None:
-            self._changed = asyncio.Condition()
-        return self._changed
-
-    async def put_batch(self, groups: list[TrajectoryGroup], timeout_s: float) -> PutResult:
-        """Queue `groups` in order, waiting for space up to timeout_s seconds (see the module docstring)."""
-        changed = self._condition()
+    async def wait_for(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
+        """Wait until predicate() holds (checked at each change); False if timeout_s passed first."""
         deadline = time.monotonic() + timeout_s
-        accepted = 0
-        async with changed:
-            while True:
-                taken = self._buffer.push(groups[accepted:])
-                accepted += taken
-                if taken:
-                    changed.notify_all()
-                if accepted == len(groups) or self._buffer.closed:
-                    return PutResult(accepted, self._buffer.closed, timed_out=False)
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or not await self._wait(lambda: self._buffer.space > 0, remaining, "put"):
-                    logger.info(
-                        "put_batch timed out after %.1fs: %d of %d groups queued", timeout_s, accepted, len(groups)
-                    )
-                    return PutResult(accepted, self._buffer.closed, timed_out=True)
+        while not predicate():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            if self._changed is None:
+                self._changed = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                return predicate()
+        return True
 
     async def get_batch(self, n: int, timeout_s: float) -> GetResult:
         """Exactly n oldest groups; or none on timeout; after close, what is left, then status "closed"."""
-        if n < 1 or n > self._buffer.max_groups:
+        if n < 1 or n > self.max_groups:
             # A get larger than the queue can ever hold would wait forever: reject it at once.
-            raise ValueError(f"get_batch(n={n}) must ask for 1..{self._buffer.max_groups} groups (the queue size)")
-        changed = self._condition()
-        async with changed:
-            ready = await self._wait(lambda: len(self._buffer) >= n, timeout_s, "get")
-            if ready and len(self._buffer) >= n:
-                groups = self._buffer.pop(n)
-            elif self._buffer.closed:
-                if not len(self._buffer):
-                    return GetResult([], "closed")
-                groups = self._buffer.pop(len(self._buffer))
-            else:
-                return GetResult([], "timeout")
-            changed.notify_all()  # space freed: wake waiting puts
-            return GetResult(groups, "ok")
+            raise ValueError(f"get_batch(n={n}) must ask for 1..{self.max_groups} groups (the queue size)")
+        await self.wait_for(lambda: len(self.buffer) >= n or self.closed, timeout_s)
+        if len(self.buffer) >= n:
+            return GetResult(self.pop(n), "ok")
+        if self.closed:
+            return GetResult(self.pop(len(self.buffer)), "ok") if len(self.buffer) else GetResult([], "closed")
+        return GetResult([], "timeout")
 
-    async def _wait(self, predicate: Callable[[], bool], timeout_s: float, kind: Literal["put", "get"]) -> bool:
-        """Wait (lock held by the caller) until predicate() or close; False if timeout_s passed first."""
-        if predicate() or self._buffer.closed:
-            # Checked before waiting: asyncio.wait_for with a timeout of 0 would time out without ever running
-            # the wait, so get_batch(n, timeout_s=0) would miss groups that are already there.
-            return True
-        changed = self._condition()
-        if kind == "put":
-            self._waiting_puts += 1
-        else:
-            self._waiting_gets += 1
-        try:
-            await asyncio.wait_for(changed.wait_for(lambda: predicate() or self._buffer.closed), timeout_s)
-            return True
-        except asyncio.TimeoutError:
-            return False
-        finally:
-            if kind == "put":
-                self._waiting_puts -= 1
-            else:
-                self._waiting_gets -= 1
+    # ---- reports ---------------------------------------------------------------------------------------------
 
-    async def close(self) -> None:
-        """Stop accepting groups and wake every waiter; queued groups can still be drained with get_batch."""
-        changed = self._condition()
-        async with changed:
-            if not self._buffer.closed:
-                logger.info("message queue closed with %d groups queued", len(self._buffer))
-            self._buffer.close()
-            changed.notify_all()
+    def snapshot(self) -> list[TrajectoryGroup]:
+        """Every finished, untrained group (queued, then backlog), oldest first, left in place (for a checkpoint)."""
+        return self.buffer.snapshot() + list(self._backlog)
 
-    async def stats(self) -> dict[str, Any]:
-        return self._buffer.stats() | {"waiting_puts": self._waiting_puts, "waiting_gets": self._waiting_gets}
-
-    async def snapshot(self) -> list[TrajectoryGroup]:
-        """The queued groups, oldest first, left in place (for a checkpoint)."""
-        return self._buffer.snapshot()
+    def stats(self) -> dict[str, Any]:
+        return self.buffer.stats() | {"backlog": self.backlog}

@@ -1,12 +1,14 @@
 """RolloutExecutor: prompts -> workflows -> groups -> MessageQueue, under the staleness budget.
 
-The executor is an asyncio loop (run inside a Ray actor by `RolloutExecutorActor`) with these guarantees:
-- a new prompt group starts only while the staleness manager grants capacity (AReaL's rule, `core/staleness.py`)
-  and fewer than `max_concurrent_rollouts` samples are running;
+The executor is an asyncio loop (run inside the rollout service's process, `runtime/rollout_service.py`, next to
+the queue it fills) with these guarantees:
+- a new prompt group starts only while the staleness manager grants capacity (AReaL's rule, `core/staleness.py`),
+  fewer than `max_concurrent_rollouts` samples are running, and the queue has no backlog (back-pressure);
 - every prompt sample is issued in the ledger before it starts and ends in exactly one state: failed(reason)
-  or filtered(reason) here, trained or dropped_stale when the trainer reports back (`report_consumed`);
-- finished groups are pushed to the queue in batches (one Ray call carries every group finished since the last
-  call), and a full queue back-pressures the loop instead of dropping anything;
+  or filtered(reason) here, trained or dropped_stale when the service applies the trainer's acknowledgement
+  (`report_consumed`);
+- a finished group goes into the in-process queue at once (no call to another process); a full queue keeps it
+  in its backlog and stops new groups from starting, never drops it;
 - failures surface: a workflow exception fails its sample with the reason; losing every engine stops the loop
   and `run()` raises it.
 The executor owns the prompt iterator, the ledger and the staleness counters, so its `state_dict()` is the
@@ -21,9 +23,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from rllm.experimental.fully_async.core.ids import SampleId, prompt_uid
 from rllm.experimental.fully_async.core.ledger import SampleLedger
 from rllm.experimental.fully_async.core.protocol import Trajectory, TrajectoryGroup, TrajectoryStatus
 from rllm.experimental.fully_async.core.staleness import StalenessManager
+from rllm.experimental.fully_async.runtime.message_queue import MessageQueue
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +42,7 @@ class ExecutorSettings:
 
     samples_per_prompt: int
     max_staleness: int
-    batch_groups: int  # groups consumed per policy version (required_samples x trigger_parameter_sync_step)
+    batch_groups: int  # B, groups consumed per policy version (core/versions.py)
     max_concurrent_rollouts: int  # samples
     total_epochs: int | None = None  # None: until stopped
 
@@ -49,8 +53,9 @@ class ExecutorStats:
     groups_queued: int = 0
     samples_failed: int = 0
     samples_resumed: int = 0  # samples whose generation was interrupted by a weight update and resumed
-    put_calls: int = 0
-    put_wait_s: float = 0.0
+    filter_input_groups: int = 0  # groups offered to the group filter (algorithm.group_filter)
+    filter_kept_groups: int = 0
+    filter_dropped: dict[str, int] = field(default_factory=dict)  # trajectories dropped, by the ledger's reason
     started_at: float = field(default_factory=time.monotonic)
 
 
@@ -64,11 +69,10 @@ class RolloutExecutor:
         workflow: Any,  # workflows.Workflow
         client: Any,  # client.EngineClient
         tokenizer: Any,
-        queue: Any,  # async put_batch(groups, timeout_s) -> message_queue.PutResult (Ray handle adapter)
+        queue: MessageQueue,
         group_filter: Any | None = None,  # callable(list[TrajectoryGroup]) -> (kept, [(group, reason)])
         ledger: SampleLedger | None = None,
         version: int = 0,
-        put_timeout_s: float = 60.0,
     ) -> None:
         self.settings = settings
         self.prompts = prompts
@@ -79,28 +83,25 @@ class RolloutExecutor:
         self.group_filter = group_filter
         self.ledger = ledger if ledger is not None else SampleLedger()
         self.version = version
-        self.put_timeout_s = put_timeout_s
         self.staleness = StalenessManager(batch_groups=settings.batch_groups, max_staleness=settings.max_staleness)
         self.stats = ExecutorStats()
         self._running_samples = 0
-        self._outbox: list[TrajectoryGroup] = []
-        self._state_changed = asyncio.Event()  # capacity, concurrency, outbox or stop changed
+        self._state_changed = asyncio.Event()  # capacity, concurrency, queue space or stop changed
         self._stopping = False
         self._fatal: BaseException | None = None
         self._tasks: set[asyncio.Task] = set()
         self._paused = False
-        # Held while a put is in flight and while a checkpoint reads the queue, so a group is never both
-        # "queued" in the snapshot and "in the outbox" (or neither).
-        self._flush_lock = asyncio.Lock()
+        queue.subscribe(self._state_changed.set)  # space freed or groups removed: maybe start more
         # Prompts whose samples were in flight when the checkpoint we resumed from was taken: run them first.
         self._reissue: list[tuple[Any, list[int]]] = []
 
     # ---- control, called from the trainer side ------------------------------------------------------------
 
     def set_version(self, version: int) -> None:
-        """A weight sync finished: newer rollouts may start (the capacity grows by batch_groups per version)."""
-        self.version = version
-        self._state_changed.set()
+        """The trainer's version (core/versions.py): newer rollouts may start (capacity grows by B per version)."""
+        if version != self.version:
+            self.version = version
+            self._state_changed.set()
 
     def set_paused(self, paused: bool) -> None:
         """Stop starting new groups (e.g. during validation or a checkpoint); running ones continue."""
@@ -129,7 +130,6 @@ class RolloutExecutor:
 
     async def run(self) -> ExecutorStats:
         """Start groups while the budget allows; returns when the data is exhausted or `stop()` is called."""
-        flusher = asyncio.create_task(self._flush_loop())
         try:
             while not self._stopping and self._fatal is None:
                 if not self._can_start():
@@ -156,7 +156,6 @@ class RolloutExecutor:
             if self._tasks:
                 await asyncio.gather(*self._tasks, return_exceptions=True)
             self._state_changed.set()
-            await asyncio.gather(flusher, return_exceptions=True)
         if self._fatal is not None:
             raise self._fatal
         return self.stats
@@ -167,11 +166,13 @@ class RolloutExecutor:
         n = self.settings.samples_per_prompt
         if self._running_samples + n > self.settings.max_concurrent_rollouts:
             return False
+        if self.queue.backlog:
+            return False  # back-pressure: the queue is full and finished groups are waiting for space
         return self.staleness.capacity(self.version) > 0
 
     def _start_group(self, datum: Any, indexes: list[int], *, issue: bool = True) -> None:
         if issue:
-            self.ledger.issue([f"{datum.prompt_uid}/{i}" for i in indexes])
+            self.ledger.issue([str(SampleId(datum.epoch, datum.record.index, i)) for i in indexes])
         self.staleness.on_start()
         self._running_samples += len(indexes)
         self.stats.groups_started += 1
@@ -205,7 +206,7 @@ class RolloutExecutor:
             self._state_changed.set()
 
     def _as_trajectory(self, datum: Any, index: int, result: Any) -> Trajectory:
-        uid = f"{datum.prompt_uid}/{index}"
+        uid = str(SampleId(datum.epoch, datum.record.index, index))
         if isinstance(result, Trajectory):
             self.stats.samples_resumed += int(result.num_resumes > 0)
             return result
@@ -232,54 +233,34 @@ class RolloutExecutor:
         if not ok:
             return False
         if self.group_filter is not None:
+            # A dropped group frees its budget slot (on_finish(accepted=False)), so a replacement starts at once:
+            # the budget itself over-samples, and the trainer's batches stay full whatever the filter drops.
             kept, dropped = self.group_filter([group])
+            self.stats.filter_input_groups += 1
+            self.stats.filter_kept_groups += len(kept)
             for dropped_group, reason in dropped:
                 self.ledger.mark_filtered([t.uid for t in dropped_group.trajectories], reason)
+                self.stats.filter_dropped[reason] = self.stats.filter_dropped.get(reason, 0) + len(
+                    dropped_group.trajectories
+                )
             if not kept:
                 return False
             group = kept[0]  # may hold fewer trajectories than the input (trajectory-level length drops)
-        self._outbox.append(group)
-        self._state_changed.set()
+        self.queue.put([group])
+        self.stats.groups_queued += 1
         return True
-
-    async def _flush_loop(self) -> None:
-        """Push everything finished since the last push in one call; a full queue blocks here, not the data."""
-        while True:
-            if not self._outbox:
-                if self._stopping and not self._tasks:
-                    return
-                self._state_changed.clear()
-                if not self._outbox:
-                    await self._state_changed.wait()
-                continue
-            async with self._flush_lock:
-                batch, self._outbox = self._outbox, []
-                started = time.monotonic()
-                result = await self.queue.put_batch(batch, self.put_timeout_s)
-                self.stats.put_wait_s += time.monotonic() - started
-                self.stats.put_calls += 1
-                self.stats.groups_queued += result.accepted
-                if result.accepted < len(batch):
-                    # Back-pressure: keep the rest (in order, ahead of newer groups) and try again; never drop.
-                    self._outbox[:0] = batch[result.accepted :]
-            if result.closed:
-                logger.info("queue closed: %d finished groups stay in flight", len(self._outbox))
-                self._stopping = True
-                self._state_changed.set()
-                return
 
     # ---- checkpoint ----------------------------------------------------------------------------------------
 
-    async def checkpoint_state(self, snapshot_queue: Any) -> tuple[dict[str, Any], list[TrajectoryGroup]]:
-        """This executor's state and every finished, untrained group (queued or waiting in the outbox).
+    def checkpoint_state(self) -> tuple[dict[str, Any], list[TrajectoryGroup]]:
+        """This executor's state and every finished, untrained group (queued or in the backlog).
 
-        `snapshot_queue()` returns the queue's groups without removing them. Flushing is held meanwhile, so the
-        ledger's in-flight samples are exactly: those in the returned groups, and those still generating
-        (which `load_state_dict` re-issues).
+        Taken in one synchronous call on the service's loop, so nothing moves meanwhile: the ledger's in-flight
+        samples are exactly those in the returned groups, those in the trainer's hands (none, when the trainer
+        acknowledged its last batch first, as the checkpoint flow does), and those still generating (which
+        `load_state_dict` re-issues).
         """
-        async with self._flush_lock:
-            queued = list(await snapshot_queue())
-            return self.state_dict(), queued + list(self._outbox)
+        return self.state_dict(), self.queue.snapshot()
 
     def load_state_dict(self, state: dict[str, Any], queued: list[TrajectoryGroup] | None = None) -> None:
         """Restore a checkpoint. Samples in flight that are not in `queued` are generated again, first."""
@@ -288,18 +269,17 @@ class RolloutExecutor:
         self.prompts.load_state_dict(state["prompts"])
         self.staleness.load_state_dict(state["staleness"])
         queued_uids = {t.uid for g in queued or [] for t in g.trajectories}
-        by_prompt: dict[str, list[int]] = {}
+        by_prompt: dict[tuple[int, int], list[int]] = {}
         for uid in self.ledger.in_flight_uids():
             if uid in queued_uids:
                 continue
-            prompt_uid, _, index = uid.rpartition("/")
-            by_prompt.setdefault(prompt_uid, []).append(int(index))
+            sample = SampleId.parse(uid)
+            by_prompt.setdefault((sample.epoch, sample.record), []).append(sample.index)
         records = {record.index: record for record in self.prompts.dataset}
         from rllm.experimental.fully_async.data import PromptDatum
 
-        for prompt_uid, indexes in sorted(by_prompt.items()):
-            epoch, _, record_index = prompt_uid.partition("/")
-            datum = PromptDatum(prompt_uid=prompt_uid, epoch=int(epoch[1:]), record=records[int(record_index)])
+        for (epoch, record), indexes in sorted(by_prompt.items()):
+            datum = PromptDatum(prompt_uid=prompt_uid(epoch, record), epoch=epoch, record=records[record])
             self._reissue.append((datum, sorted(indexes)))
         if self._reissue:
             logger.info("re-issuing %d prompts that were in flight at the checkpoint", len(self._reissue))

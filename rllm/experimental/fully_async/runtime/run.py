@@ -150,14 +150,14 @@ def train(cfg: DictConfig) -> RunSummary:
     import ray
 
     from rllm.experimental.fully_async.engines.supervisor import EngineReplaced, EngineSupervisor
-    from rllm.experimental.fully_async.runtime.actors import FullyAsyncTrainerActor, RolloutExecutorActor
+    from rllm.experimental.fully_async.runtime.actors import FullyAsyncTrainerActor
     from rllm.experimental.fully_async.runtime.checkpoint import (
         CheckpointManager,
         config_hash,
         find_resume_checkpoint,
         load_checkpoint,
     )
-    from rllm.experimental.fully_async.runtime.message_queue import MessageQueue
+    from rllm.experimental.fully_async.runtime.rollout_service import RolloutServiceActor
     from rllm.experimental.fully_async.verl_patch import require_patched_verl
 
     require_patched_verl()
@@ -196,15 +196,13 @@ def train(cfg: DictConfig) -> RunSummary:
         )
         init_ray()
         stack.callback(ray.shutdown)
-        queued = resumed.queue if resumed is not None else []
-        queue = MessageQueue.remote(max_groups=max(int(at.queue_max_groups), len(queued)))
-        if queued:
-            ray.get(queue.put_batch.remote(queued, 60.0), timeout=120)
-        executor = RolloutExecutorActor.remote(
-            container, engines.urls, queue, resumed.rollout if resumed else None, queued
+        # One rollout service (executor, queue, budget, ledger) and the trainer, which takes a batch from it with
+        # one call per step; a resume hands each its own part of the checkpoint.
+        rollouts = RolloutServiceActor.remote(
+            container, engines.urls, resumed.rollout if resumed else None, resumed.queue if resumed else None
         )
-        trainer = FullyAsyncTrainerActor.remote(container, engines.urls, queue, executor)
-        stack.callback(_stop_actors, queue, executor, trainer)
+        trainer = FullyAsyncTrainerActor.remote(container, engines.urls, rollouts)
+        stack.callback(_stop_actors, rollouts, trainer)
         _install_signal_handlers()
         sync_timeout = float(cfg.param_sync.timeout_s) * 4
         if resumed is not None:
@@ -219,7 +217,7 @@ def train(cfg: DictConfig) -> RunSummary:
                     # Weights first, then traffic: the executor must not send rollouts to an engine that is not
                     # yet at the trainer's version.
                     version = ray.get(trainer.replace_engine.remote(event.old_url, event.new_url), timeout=sync_timeout)
-                    ray.get(executor.replace_engine.remote(event.old_url, event.new_url), timeout=60)
+                    ray.get(rollouts.replace_engine.remote(event.old_url, event.new_url), timeout=60)
                     print(f"engine {event.index} restarted at {event.new_url} (weight version {version})", flush=True)
                 else:
                     print(
@@ -229,19 +227,27 @@ def train(cfg: DictConfig) -> RunSummary:
                     )
 
         def checkpoint(at_step: int) -> None:
-            rollout_state, groups = ray.get(executor.checkpoint_state.remote(), timeout=120)
-            trainer_state = ray.get(trainer.state_dict.remote(), timeout=300)
-            meta = {"version": int(trainer_state["version"]), "config_hash": config_hash(container)}
-            path = checkpoints.save(at_step, trainer=trainer_state, rollout=rollout_state, queue=groups, meta=meta)
+            # Each actor writes its own part into the step's temporary directory (the weights never pass through
+            # this process); the trainer first acknowledges its last batch, so the rollout part's ledger has
+            # every trained sample trained. Then the commit makes the checkpoint visible in one rename.
+            tmp = checkpoints.begin(at_step)
+            try:
+                trainer_part = ray.get(trainer.write_checkpoint.remote(str(tmp)), timeout=300)
+                files = trainer_part["files"] | ray.get(rollouts.write_checkpoint.remote(str(tmp)), timeout=120)
+            except BaseException:
+                checkpoints.abort(tmp)
+                raise
+            meta = {"version": int(trainer_part["version"]), "config_hash": config_hash(container)}
+            path = checkpoints.commit(tmp, at_step, files, meta)
             logger.info("checkpoint %s", path)
 
         try:
             if cfg.trainer.val_before_train and resumed is None:
-                val = ray.get(executor.validate.remote(), timeout=float(cfg.engines.request_timeout_s))
+                val = ray.get(rollouts.validate.remote(), timeout=float(cfg.engines.request_timeout_s))
                 initial_acc = val.get("val/accuracy")
                 sink.log(0, val)
                 print(f"initial validation accuracy {initial_acc:.1%} (version 0)", flush=True)
-            run_ref = executor.run.remote()
+            run_ref = rollouts.run.remote()
             test_freq, save_freq = int(cfg.trainer.test_freq), int(cfg.trainer.save_freq)
             step_timeout = float(at.queue_get_timeout_s) + 120
             while total is None or step < total:
@@ -251,13 +257,11 @@ def train(cfg: DictConfig) -> RunSummary:
                     print(f"prompt data exhausted after {step} steps", flush=True)
                     break
                 step += 1
-                queue_stats = ray.get(queue.stats.remote(), timeout=60)
-                metrics.update(prefixed("queue", queue_stats))
+                # queue/*, ledger/* and rollout/* came with the batch (as of when the step took it): one Ray call
+                # per step. The ledger's `trained` therefore counts up to the previous step.
                 metrics.update(supervisor.metrics())
                 if test_freq > 0 and step % test_freq == 0 and step != total:
-                    metrics.update(ray.get(executor.validate.remote(), timeout=float(cfg.engines.request_timeout_s)))
-                ledger = ray.get(executor.ledger_counts.remote(), timeout=60)
-                metrics.update(prefixed("ledger", ledger))
+                    metrics.update(ray.get(rollouts.validate.remote(), timeout=float(cfg.engines.request_timeout_s)))
                 sink.log(step, metrics)
                 print(progress_line(step, total, metrics), flush=True)
                 if save_freq > 0 and step % save_freq == 0:
@@ -284,11 +288,11 @@ def train(cfg: DictConfig) -> RunSummary:
             except Exception as ckpt_exc:  # the previous checkpoint stays usable
                 saved = f"no new checkpoint ({type(root_cause(ckpt_exc)).__name__}: {root_cause(ckpt_exc)})"
             raise RunFailedError(f"step {step + 1}: {type(cause).__name__}: {cause} [{saved}]") from exc
-        ray.get(executor.stop.remote(), timeout=60)
+        ray.get(rollouts.stop.remote(), timeout=60)
         _wait_run(run_ref)
-        val = ray.get(executor.validate.remote(), timeout=float(cfg.engines.request_timeout_s))
+        val = ray.get(rollouts.validate.remote(), timeout=float(cfg.engines.request_timeout_s))
         final_acc = val.get("val/accuracy")
-        ledger = ray.get(executor.ledger_counts.remote(), timeout=60)
+        ledger = ray.get(rollouts.ledger_counts.remote(), timeout=60)
         sink.log(step, val | prefixed("ledger", ledger))
 
     summary = RunSummary(step, initial_acc, final_acc, time.monotonic() - started, ledger, str(run_dir))

@@ -1,0 +1,28 @@
+"""The policy version and the batch unit, defined once; every other docstring points here.
+
+**Policy version.** An integer owned by the trainer. It starts at 0 (the initial weights) and is bumped by exactly
+one each time the trainer pushes its weights to the engines (one weight sync), not once per optimizer step.
+With a sync every K optimizer steps (`async_training.trigger_parameter_sync_step`), version v covers optimizer
+steps v·K+1 .. (v+1)·K. The engines are tagged with the version of the weights they hold (read back after each
+sync, never assumed), and every generated token carries it. Staleness at training time = trainer version −
+the oldest token version of a group (DESIGN rule 4).
+
+**Groups and samples.** A *group* (`TrajectoryGroup`) is one prompt's n samples (`actor_rollout_ref.rollout.n`);
+a *sample* is one trajectory. rLLM/verl's `required_samples` counts groups (prompts) per optimizer step.
+
+**B, groups per version.** The staleness budget (core/staleness.py) counts groups per version:
+
+    B = required_samples × trigger_parameter_sync_step
+"""
+
+from __future__ import annotations
+
+
+def groups_per_version(required_samples: int, trigger_parameter_sync_step: int) -> int:
+    """B: the groups the trainer consumes between two weight syncs (one version), as defined above."""
+    if required_samples < 1 or trigger_parameter_sync_step < 1:
+        raise ValueError(
+            f"required_samples ({required_samples}) and trigger_parameter_sync_step "
+            f"({trigger_parameter_sync_step}) must be >= 1"
+        )
+    return required_samples * trigger_parameter_sync_step

@@ -1,0 +1,269 @@
+"""RolloutService: the rollout side in one process — executor loop, message queue, staleness budget, ledger.
+
+DESIGN rule 2. One async Ray actor (`RolloutServiceActor`) owns the `RolloutExecutor` (which owns the staleness
+budget and the ledger with its journal) and the `MessageQueue` it fills, so their invariants hold on one event
+loop with no lock and no call to another process. The trainer talks to it with one call per step:
+
+    take_batch(BatchRequest(n_groups, version, ack, timeout_s)) -> Batch        (core/messages.py)
+
+which, in order: applies the acknowledgement of the previous batch (ledger: trained; budget: consumed), takes
+the trainer's policy version (core/versions.py; new rollouts may start against it), drops every queued group
+too stale for that version (ledger: dropped_stale; their budget slots come back), waits up to timeout_s for
+n_groups fresh groups and returns them with the queue, ledger and rollout statistics the driver reports.
+Guarantees: a stale group never leaves this process; a request that times out takes nothing; after the
+rollouts end the last request gets what is left (fewer groups), the next one status "closed".
+
+`RolloutService` is the asyncio core (no Ray, so a test can drive it with a real executor); the actor builds it
+from the config and adds validation and the checkpoint part it writes itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+from omegaconf import DictConfig, OmegaConf
+
+from rllm.experimental.fully_async.core.messages import Ack, Batch, BatchRequest
+from rllm.experimental.fully_async.core.protocol import TrajectoryGroup
+from rllm.experimental.fully_async.core.staleness import is_too_stale
+from rllm.experimental.fully_async.observe.reporting import prefixed
+from rllm.experimental.fully_async.runtime.message_queue import MessageQueue
+from rllm.experimental.fully_async.runtime.rollout_executor import RolloutExecutor
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutService:
+    """The executor and its queue behind the one-call contract of the module docstring."""
+
+    def __init__(self, executor: RolloutExecutor, queue: MessageQueue, max_staleness: int) -> None:
+        self.executor = executor
+        self.queue = queue
+        self.max_staleness = max_staleness
+        self.ledger = executor.ledger
+        self._filter_seen: dict[str, float] = {}  # the executor's cumulative filter counts at the last batch
+
+    async def run(self) -> dict[str, Any]:
+        """Run the executor until the data is exhausted or `stop()`; then close the queue so the trainer drains it."""
+        try:
+            stats = await self.executor.run()
+        finally:
+            self.queue.close()
+        return dict(vars(stats))
+
+    def stop(self) -> None:
+        self.executor.stop()
+
+    def acknowledge(self, ack: Ack) -> None:
+        """The trainer trained these samples and groups: ledger them trained and count them consumed."""
+        if ack:
+            self.executor.report_consumed(list(ack.sample_ids), ack.groups, [], 0)
+
+    async def take_batch(self, request: BatchRequest) -> Batch:
+        if request.n_groups < 1 or request.n_groups > self.queue.max_groups:
+            # A request larger than the queue can ever hold would wait forever: reject it at once.
+            raise ValueError(f"take_batch(n_groups={request.n_groups}) must ask for 1..{self.queue.max_groups}")
+        self.acknowledge(request.ack)
+        self.executor.set_version(request.version)
+        n, started = request.n_groups, time.monotonic()
+        deadline = started + request.timeout_s
+        stale = 0
+        while True:
+            stale += self._drop_stale(request.version)
+            if len(self.queue) >= n:
+                groups, status = self.queue.pop(n), "ok"
+                break
+            if self.queue.closed:
+                left = len(self.queue)
+                groups, status = (self.queue.pop(left), "ok") if left else ([], "closed")
+                break
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                groups, status = [], "timeout"
+                break
+            # Woken by every change; a group that arrives stale is dropped at the top of the loop.
+            await self.queue.wait_for(lambda: len(self.queue) >= n or self.queue.closed, remaining)
+        wait_s = time.monotonic() - started
+        metrics = self.metrics() | self._filter_metrics()
+        return Batch(groups, status, stale, wait_s, metrics)  # type: ignore[arg-type]
+
+    def _filter_metrics(self) -> dict[str, float]:
+        """filter/*: the group filter's work since the previous batch (groups in and kept, trajectories dropped by
+        reason), so each step reports what was filtered while its batch was being made."""
+        stats = self.executor.stats
+        totals = {"input_groups": float(stats.filter_input_groups), "kept_groups": float(stats.filter_kept_groups)}
+        totals |= {f"dropped_trajectories/{k}": float(v) for k, v in stats.filter_dropped.items()}
+        delta = {f"filter/{k}": v - self._filter_seen.get(k, 0.0) for k, v in totals.items()}
+        self._filter_seen = totals
+        return delta
+
+    def _drop_stale(self, version: int) -> int:
+        """Remove every queued group older than max_staleness at `version`; ledger it and free its budget slot."""
+        stale: list[TrajectoryGroup] = self.queue.remove_if(
+            lambda g: is_too_stale(g.min_version, version, self.max_staleness)
+        )
+        if stale:
+            uids = [t.uid for g in stale for t in g.trajectories]
+            self.executor.report_consumed([], 0, uids, len(stale))
+        return len(stale)
+
+    def metrics(self) -> dict[str, float]:
+        """queue/*, ledger/*, rollout/*: what the driver reports each step, numbers only."""
+        stats = self.executor.stats
+        rollout = {
+            "groups_started": stats.groups_started,
+            "groups_queued": stats.groups_queued,
+            "samples_failed": stats.samples_failed,
+            "samples_resumed": stats.samples_resumed,
+            "version": self.executor.version,
+        }
+        return (
+            prefixed("queue", self.queue.stats())
+            | prefixed("ledger", self.ledger.counts())
+            | prefixed("rollout", rollout)
+        )
+
+    def checkpoint_state(self) -> tuple[dict[str, Any], list[TrajectoryGroup]]:
+        return self.executor.checkpoint_state()
+
+    def write_checkpoint(self, directory: str) -> dict[str, Any]:
+        """Write the rollout part (rollout.json, queue.json) into a checkpoint's temporary directory; returns the
+        manifest entries. The trainer must have acknowledged its last batch first (the driver's checkpoint flow)."""
+        from rllm.experimental.fully_async.runtime.checkpoint_codec import write_rollout_part
+
+        state, groups = self.checkpoint_state()
+        return write_rollout_part(Path(directory), state, groups)
+
+
+@ray.remote(num_cpus=0)  # waits on events and HTTP; the generation work is in the engine processes
+class RolloutServiceActor:
+    """The RolloutService built from the config, plus validation through the same engines."""
+
+    def __init__(
+        self, cfg: dict, engine_urls: list[str], state: dict | None = None, queued: list | None = None
+    ) -> None:
+        from transformers import AutoTokenizer
+
+        from rllm.experimental.fully_async.algorithms.filters import build_group_filter
+        from rllm.experimental.fully_async.core.ids import rejected_prompt_uid
+        from rllm.experimental.fully_async.core.versions import groups_per_version
+        from rllm.experimental.fully_async.data import PromptIterator
+        from rllm.experimental.fully_async.engines.client import EngineClient
+        from rllm.experimental.fully_async.runtime.actors import load_prompt_datasets
+        from rllm.experimental.fully_async.runtime.ledger_journal import journaled_ledger
+        from rllm.experimental.fully_async.runtime.rollout_executor import ExecutorSettings
+        from rllm.experimental.fully_async.workflows import build_workflow, load_reward_fn
+
+        logging.basicConfig(level=os.environ.get("RLLM_LOG_LEVEL", "WARNING"))
+        self.cfg: DictConfig = OmegaConf.create(cfg)
+        c = self.cfg
+        self.tokenizer = AutoTokenizer.from_pretrained(c.actor_rollout_ref.model.path)
+        self.reward_fn = load_reward_fn(c)
+        # Under on_engine_failure=restart a request finding no live engine waits for a restarted one (the
+        # supervisor gives a restart startup_timeout_s) rather than failing its sample.
+        restarting = str(c.engines.on_engine_failure) == "restart"
+        self.client = EngineClient(
+            engine_urls,
+            request_timeout_s=float(c.engines.request_timeout_s),
+            partial_rollout=bool(c.async_training.partial_rollout),
+            wait_for_engine_s=float(c.engines.startup_timeout_s) + 30.0 if restarting else 0.0,
+        )
+        # The journal (every sample's issue and end, for the exactly-once audit) lives in the run dir. A relative
+        # run.dir is resolved against this worker's cwd, which Ray gives the driver's. A fresh run starts it empty
+        # at its first record; a resume cuts it back to the checkpoint (`SampleLedger.load_state_dict`).
+        ledger = journaled_ledger(Path(c.run.dir).absolute() / "ledger.jsonl")
+        train, val = load_prompt_datasets(c, self.tokenizer)
+        if state is None:  # a resumed ledger has them already
+            for rejected in train.rejected:
+                # Left out before any rollout, yet still a prompt the user gave: the ledger accounts for it.
+                uid = rejected_prompt_uid(rejected.index)
+                ledger.issue([uid])
+                ledger.mark_filtered([uid], rejected.reason)
+        self.val: list = []
+        if val is not None:
+            self.val = list(PromptIterator(val, seed=0, num_epochs=1, shuffle=False))[: int(c.task.val_size)]
+        prompts = PromptIterator(
+            train,
+            seed=int(c.data.seed if c.data.seed is not None else c.run.seed),
+            num_epochs=int(c.trainer.total_epochs),
+            shuffle=bool(c.data.shuffle),
+        )
+        at = c.async_training
+        settings = ExecutorSettings(
+            samples_per_prompt=int(c.actor_rollout_ref.rollout.n),
+            max_staleness=int(at.max_staleness),
+            batch_groups=groups_per_version(int(at.required_samples), int(at.trigger_parameter_sync_step)),
+            max_concurrent_rollouts=int(at.max_concurrent_rollouts),
+        )
+        queued = queued or []
+        queue = MessageQueue(max_groups=max(int(at.queue_max_groups), len(queued)))
+        executor = RolloutExecutor(
+            settings,
+            prompts,
+            build_workflow(c, self.reward_fn),
+            self.client,
+            self.tokenizer,
+            queue,
+            group_filter=build_group_filter(c),
+            ledger=ledger,
+        )
+        if state is not None:
+            executor.load_state_dict(state, queued)
+            queue.put(queued)
+        self.service = RolloutService(executor, queue, max_staleness=int(at.max_staleness))
+
+    async def run(self) -> dict:
+        return await self.service.run()
+
+    async def take_batch(self, request: BatchRequest) -> Batch:
+        return await self.service.take_batch(request)
+
+    def acknowledge(self, ack: Ack) -> None:
+        self.service.acknowledge(ack)
+
+    def write_checkpoint(self, directory: str) -> dict[str, Any]:
+        return self.service.write_checkpoint(directory)
+
+    def set_paused(self, paused: bool) -> None:
+        self.service.executor.set_paused(paused)
+
+    def stop(self) -> None:
+        self.service.stop()
+
+    def ledger_counts(self) -> dict:
+        return self.service.ledger.counts()
+
+    def metrics(self) -> dict[str, float]:
+        return self.service.metrics()
+
+    def replace_engine(self, old_url: str, new_url: str) -> None:
+        """Route rollouts to a restarted engine (already at the trainer's weights) instead of its dead predecessor."""
+        self.client.replace_engine(old_url, new_url)
+
+    async def validate(self) -> dict:
+        from rllm.experimental.fully_async.runtime.validation import evaluate
+
+        if not self.val:
+            return {}
+        result = await evaluate(
+            self.client,
+            self.tokenizer,
+            self.val,
+            self.reward_fn,
+            max_new_tokens=int(self.cfg.data.max_response_length),
+            reward_timeout_s=float(self.cfg.workflow.reward_timeout_s),
+        )
+        return {
+            "val/accuracy": result.accuracy,
+            "val/num_prompts": float(result.num_prompts),
+            "val/num_failed": float(result.num_failed),
+            "val/version": float(max(result.versions, default=-1)),
+        }
+
+    async def aclose(self) -> None:
+        await self.client.aclose()

@@ -1,0 +1,248 @@
+"""The rollout service's one-call contract: a trainer loop gets full batches with one `take_batch` per step that
+acknowledges the previous one; stale groups are dropped inside (ledgered, budget freed) and never returned; every
+sample ends trained exactly once (journal audit); a full queue back-pressures the executor; a timeout takes nothing.
+
+Real components: the RolloutExecutor with its StalenessManager, the SampleLedger with its journal file, the
+MessageQueue, the PromptIterator, and (last test) the Ray actor boundary. The workflow is a plug-in that generates
+no text (no engine is needed to test the scheduling): each sample is one token tagged with the version the
+"engine" holds, which the test moves as a trainer's weight syncs would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import pytest
+import ray
+import ray.cloudpickle
+
+from rllm.experimental.fully_async.core.ids import SampleId
+from rllm.experimental.fully_async.core.ledger import SampleLedger, history_counts
+from rllm.experimental.fully_async.core.messages import Ack, BatchRequest
+from rllm.experimental.fully_async.core.protocol import Sequence, Trajectory
+from rllm.experimental.fully_async.data import PromptIterator, PromptRecord
+from rllm.experimental.fully_async.runtime.ledger_journal import journaled_ledger, read_journal
+from rllm.experimental.fully_async.runtime.message_queue import MessageQueue
+from rllm.experimental.fully_async.runtime.rollout_executor import ExecutorSettings, RolloutExecutor
+from rllm.experimental.fully_async.runtime.rollout_service import RolloutService
+
+SAMPLES = 2
+WAIT_S = 30.0  # generous on a shared machine; a hang still fails
+
+
+class VersionTaggingWorkflow:
+    """One token per sample, tagged with `engine_version`; rewards alternate so every group has variance."""
+
+    name = "version_tagging"
+
+    def __init__(self) -> None:
+        self.engine_version = 0
+
+    async def run(self, client, tokenizer, datum, sample_index: int) -> Trajectory:
+        await asyncio.sleep(0.001)  # a real await: groups finish interleaved with the trainer's requests
+        sequence = Sequence(list(datum.prompt_ids), [5], [-0.5], [self.engine_version])
+        uid = str(SampleId(datum.epoch, datum.record.index, sample_index))
+        return Trajectory(uid, datum.prompt_uid, [sequence], reward=float(sample_index % 2))
+
+
+def make_service(
+    num_prompts: int,
+    *,
+    max_groups: int = 100,
+    max_staleness: int = 1,
+    batch_groups: int = 2,
+    max_concurrent: int = 8,
+    journal=None,
+) -> tuple[RolloutService, VersionTaggingWorkflow]:
+    records = [
+        PromptRecord(index=i, prompt_ids=[2, 3], messages=[], data_source="t", ground_truth="0")
+        for i in range(num_prompts)
+    ]
+    workflow = VersionTaggingWorkflow()
+    queue = MessageQueue(max_groups)
+    settings = ExecutorSettings(SAMPLES, max_staleness, batch_groups, max_concurrent)
+    executor = RolloutExecutor(
+        settings,
+        PromptIterator(records, seed=0, num_epochs=1, shuffle=False),
+        workflow,
+        None,  # client: the workflow needs none
+        None,  # tokenizer
+        queue,
+        ledger=journaled_ledger(journal) if journal is not None else SampleLedger(),
+    )
+    return RolloutService(executor, queue, max_staleness), workflow
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, WAIT_S))
+
+
+def test_a_trainer_loop_gets_full_batches_and_every_sample_ends_trained_exactly_once(tmp_path):
+    journal = tmp_path / "ledger.jsonl"
+
+    async def scenario():
+        service, workflow = make_service(12, journal=journal)
+        rollouts = asyncio.create_task(service.run())
+        version, ack, sizes = 0, Ack(), []
+        while True:
+            batch = await service.take_batch(BatchRequest(2, version, ack, timeout_s=WAIT_S))
+            if batch.status == "closed":
+                break
+            assert batch.status == "ok" and batch.stale_groups == 0
+            assert batch.metrics["ledger/issued"] >= batch.metrics["ledger/trained"]  # the report comes along
+            sizes.append(len(batch.groups))
+            ack = Ack.of(batch.groups)
+            version += 1  # a weight sync after every step
+            workflow.engine_version = version
+        await rollouts
+        return sizes, service.ledger.counts()
+
+    sizes, counts = run(scenario())
+    assert sizes == [2] * 6
+    assert counts["trained"] == counts["issued"] == 12 * SAMPLES and counts["in_flight"] == 0
+    assert history_counts(read_journal(journal)) == counts  # each sample issued once and ended once
+
+
+def test_stale_groups_are_dropped_inside_ledgered_and_their_budget_freed():
+    async def scenario():
+        service, workflow = make_service(20, max_staleness=0, batch_groups=2)
+        rollouts = asyncio.create_task(service.run())
+        # Budget at version 0: (0 + 0 + 1) * 2 groups; both finish and wait, tagged version 0.
+        assert await service.queue.wait_for(lambda: len(service.queue) == 2, WAIT_S)
+        workflow.engine_version = 2  # the trainer synced twice meanwhile (e.g. it resumed ahead)
+        batch = await service.take_batch(BatchRequest(2, 2, Ack(), timeout_s=WAIT_S))
+        counts, budget = service.ledger.counts(), service.executor.staleness.counts()
+        service.stop()
+        await rollouts
+        return batch, counts, budget
+
+    batch, counts, budget = run(scenario())
+    assert batch.status == "ok" and batch.stale_groups == 2
+    assert [g.min_version for g in batch.groups] == [2, 2]  # only fresh groups cross
+    assert counts["dropped_stale"] == 2 * SAMPLES
+    assert budget.discarded == 2  # their slots came back, so the replacements could start
+
+
+def test_a_full_queue_back_pressures_the_executor_until_the_trainer_takes():
+    async def scenario():
+        service, _ = make_service(20, max_groups=2, max_staleness=50, max_concurrent=SAMPLES)
+        rollouts = asyncio.create_task(service.run())
+        assert await service.queue.wait_for(lambda: service.queue.backlog == 1, WAIT_S)
+        await asyncio.sleep(0.2)  # time enough to start more, were it allowed
+        started_while_full = service.executor.stats.groups_started
+        batch = await service.take_batch(BatchRequest(2, 0, Ack(), timeout_s=WAIT_S))
+        assert await service.queue.wait_for(lambda: service.queue.backlog == 1 and len(service.queue) == 2, WAIT_S)
+        started_after = service.executor.stats.groups_started
+        service.stop()
+        await rollouts
+        return started_while_full, len(batch.groups), started_after
+
+    started_while_full, taken, started_after = run(scenario())
+    assert started_while_full == 3  # 2 queued + 1 in the backlog, then nothing new
+    assert taken == 2 and started_after == 5
+
+
+def test_a_request_that_times_out_takes_nothing_but_its_acknowledgement_counts():
+    async def scenario():
+        service, _ = make_service(4)
+        service.executor.set_paused(True)
+        service.executor.ledger.issue(["e0/0/0"])
+        service.executor.staleness.on_start()
+        service.executor.staleness.on_finish(accepted=True)
+        batch = await service.take_batch(BatchRequest(1, 0, Ack(("e0/0/0",), 1), timeout_s=0.1))
+        return batch, service.ledger.counts()
+
+    batch, counts = run(scenario())
+    assert (batch.status, batch.groups) == ("timeout", [])
+    assert counts["trained"] == 1
+
+
+@ray.remote(num_cpus=0)
+class _ServiceOverRay:
+    """The RolloutService in an async Ray actor, as RolloutServiceActor hosts it (that one builds from a config)."""
+
+    def __init__(self, journal: str) -> None:
+        # A budget that never makes a group stale here: this test is about the process boundary.
+        self.service, self.workflow = make_service(10, max_staleness=10, batch_groups=3, journal=journal)
+
+    async def run(self) -> dict:
+        return await self.service.run()
+
+    async def take_batch(self, request: BatchRequest):
+        self.workflow.engine_version = request.version
+        return await self.service.take_batch(request)
+
+    def acknowledge(self, ack: Ack) -> None:
+        self.service.acknowledge(ack)
+
+    def counts(self) -> dict:
+        return self.service.ledger.counts()
+
+
+def test_over_ray_one_call_per_step_moves_batches_and_acknowledgements(ray_session, tmp_path):
+    from rllm.experimental.fully_async.runtime.actors import _RolloutServiceClient
+
+    # The worker cannot import this test module: ship its classes by value.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    journal = tmp_path / "ledger.jsonl"
+    actor = _ServiceOverRay.remote(str(journal))
+    try:
+        run_ref = actor.run.remote()
+        client = _RolloutServiceClient(actor)
+        version, ack, steps = 0, Ack(), 0
+        while True:
+            batch = client.take_batch(BatchRequest(3, version, ack, timeout_s=WAIT_S))
+            if batch.status == "closed":
+                break
+            ack, version, steps = Ack.of(batch.groups), version + 1, steps + 1
+        ray.get(run_ref, timeout=WAIT_S)
+        counts = ray.get(actor.counts.remote(), timeout=WAIT_S)
+    finally:
+        ray.kill(actor)
+    assert steps == 4  # 3 + 3 + 3 + the short last batch of 1
+    assert counts["trained"] == counts["issued"] == 10 * SAMPLES
+    assert history_counts(read_journal(journal)) == counts
+
+
+@pytest.mark.parametrize("n", [0, 101])
+def test_a_request_the_queue_can_never_fill_is_refused(n):
+    service, _ = make_service(2)
+    with pytest.raises(ValueError, match=r"must ask for 1\.\.100"):
+        run(service.take_batch(BatchRequest(n, 0)))
+
+
+def test_a_filter_that_drops_groups_still_yields_full_batches_and_reports_what_it_dropped():
+    from omegaconf import OmegaConf
+
+    from rllm.experimental.fully_async.algorithms.filters import build_group_filter
+
+    async def scenario():
+        service, workflow = make_service(30, max_staleness=0, batch_groups=2)
+        # Every third prompt gets equal rewards: the zero-variance filter drops it, and its budget slot comes back.
+        original = workflow.run
+
+        async def run_with_equal_rewards(client, tokenizer, datum, sample_index):
+            trajectory = await original(client, tokenizer, datum, sample_index)
+            if datum.record.index % 3 == 0:
+                trajectory.reward = 1.0
+            return trajectory
+
+        workflow.run = run_with_equal_rewards
+        config = OmegaConf.create({"algorithm": {"group_filter": {"drop_zero_variance": True}}})
+        service.executor.group_filter = build_group_filter(config)
+        rollouts = asyncio.create_task(service.run())
+        batches = []
+        for version in range(3):
+            workflow.engine_version = version  # the engines hold the trainer's weights (a sync per step)
+            batch = await service.take_batch(BatchRequest(2, version, Ack.of(batches[-1].groups) if batches else Ack()))
+            batches.append(batch)
+        service.stop()
+        await rollouts
+        return batches, service.ledger.counts()
+
+    batches, counts = run(scenario())
+    assert [len(b.groups) for b in batches] == [2, 2, 2]
+    assert all(len(set(g.rewards)) > 1 for b in batches for g in b.groups)
+    dropped = sum(b.metrics.get("filter/dropped_trajectories/zero_reward_variance", 0.0) for b in batches)
+    assert dropped == counts["filtered/zero_reward_variance"] > 0
