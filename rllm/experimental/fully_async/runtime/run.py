@@ -65,42 +65,9 @@ def prepare_task(cfg: DictConfig) -> None:
 
 
 def _prepare_task(cfg: DictConfig) -> None:
-    if cfg.task.name == "smollm2":
-        from rllm.experimental.fully_async.tasks.smollm2 import prepare_smollm2_assets
+    from rllm.experimental.fully_async.tasks import apply_task
 
-        started = time.monotonic()
-        assets = prepare_smollm2_assets(Path(os.path.expanduser(cfg.task.cache_dir)), seed=int(cfg.task.seed))
-        cfg.data.train_files = str(assets.train_parquet)
-        cfg.data.val_files = str(assets.val_parquet)
-        cfg.actor_rollout_ref.model.path = str(assets.model_dir)
-        reward = cfg.reward.custom_reward_function
-        if not reward.path:
-            reward.path = "rllm.experimental.fully_async.tasks.smollm2"
-            reward.name = "compute_score"
-        print(
-            f"task smollm2 ready in {time.monotonic() - started:.1f}s (model {assets.model_dir}, "
-            f"held-out baseline {assets.baseline_val_accuracy:.1%})",
-            flush=True,
-        )
-        return
-    if cfg.task.name != "addition":
-        return
-    from rllm.experimental.fully_async.tasks.addition import prepare_addition_assets
-
-    started = time.monotonic()
-    assets = prepare_addition_assets(
-        Path(os.path.expanduser(cfg.task.cache_dir)), seed=int(cfg.task.seed), warmup_steps=int(cfg.task.warmup_steps)
-    )
-    cfg.data.train_files = str(assets.train_parquet)
-    cfg.data.val_files = str(assets.val_parquet)
-    cfg.actor_rollout_ref.model.path = str(assets.model_dir)
-    reward_path = cfg.reward.custom_reward_function
-    if not reward_path.path:
-        from rllm.experimental.fully_async.tasks import addition
-
-        reward_path.path = addition.__name__
-        reward_path.name = "compute_score"
-    print(f"task addition ready in {time.monotonic() - started:.1f}s (model {assets.model_dir})", flush=True)
+    apply_task(cfg)
 
 
 def check_data(cfg: DictConfig) -> int:
