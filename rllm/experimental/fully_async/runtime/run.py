@@ -152,6 +152,7 @@ def train(cfg: DictConfig) -> RunSummary:
         load_checkpoint,
     )
     from rllm.experimental.fully_async.runtime.message_queue import MessageQueue
+    from rllm.experimental.fully_async.runtime.run_dir import mark_finished, settle_run_dir
     from rllm.experimental.fully_async.verl_patch import require_patched_verl
 
     require_patched_verl()
@@ -165,8 +166,7 @@ def train(cfg: DictConfig) -> RunSummary:
             if optim.total_training_steps in (None, -1):
                 optim.total_training_steps = steps
     run_dir = Path(cfg.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, run_dir / "config.yaml")
+    settle_run_dir(cfg)  # already finished? a fresh start? a resume whose config may change? (runtime/run_dir.py)
     total = cfg.trainer.total_training_steps  # None: until the data (trainer.total_epochs) is exhausted
     container = OmegaConf.to_container(cfg, resolve=True)
     os.environ.setdefault("RLLM_LOG_LEVEL", str(cfg.run.log_level))
@@ -285,6 +285,7 @@ def train(cfg: DictConfig) -> RunSummary:
         ledger = ray.get(executor.ledger_counts.remote(), timeout=60)
         sink.log(step, val | prefixed("ledger", ledger))
 
+    mark_finished(run_dir, step, cfg)
     summary = RunSummary(step, initial_acc, final_acc, time.monotonic() - started, ledger, str(run_dir))
     print_summary(summary)
     return summary
