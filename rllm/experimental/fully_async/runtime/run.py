@@ -152,9 +152,12 @@ def train(cfg: DictConfig) -> RunSummary:
         load_checkpoint,
     )
     from rllm.experimental.fully_async.runtime.message_queue import MessageQueue
+    from rllm.experimental.fully_async.runtime.processes import ray_lifetime
     from rllm.experimental.fully_async.runtime.run_dir import mark_finished, settle_run_dir
     from rllm.experimental.fully_async.verl_patch import require_patched_verl
 
+    # First: a SIGTERM while Ray, the engines or the actors are starting must unwind through the same cleanup.
+    _install_signal_handlers()
     require_patched_verl()
     started = time.monotonic()
     prepare_task(cfg)
@@ -188,8 +191,7 @@ def train(cfg: DictConfig) -> RunSummary:
             max_restarts=int(cfg.engines.max_restarts),
             startup_timeout_s=float(cfg.engines.startup_timeout_s),
         )
-        init_ray()
-        stack.callback(ray.shutdown)
+        stack.enter_context(ray_lifetime(init_ray))  # also stops a half-started Ray (runtime/processes.py)
         queued = resumed.queue if resumed is not None else []
         queue = MessageQueue.remote(max_groups=max(int(at.queue_max_groups), len(queued)))
         if queued:
@@ -199,7 +201,6 @@ def train(cfg: DictConfig) -> RunSummary:
         )
         trainer = FullyAsyncTrainerActor.remote(container, engines.urls, queue, executor)
         stack.callback(_stop_actors, queue, executor, trainer)
-        _install_signal_handlers()
         sync_timeout = float(cfg.param_sync.timeout_s) * 4
         if resumed is not None:
             ray.get(trainer.load_state_dict.remote(resumed.trainer), timeout=300)
@@ -234,7 +235,8 @@ def train(cfg: DictConfig) -> RunSummary:
                 val = ray.get(executor.validate.remote(), timeout=float(cfg.engines.request_timeout_s))
                 initial_acc = val.get("val/accuracy")
                 sink.log(0, val)
-                print(f"initial validation accuracy {initial_acc:.1%} (version 0)", flush=True)
+                if initial_acc is not None:  # None: no validation files (data.val_files=null)
+                    print(f"initial validation accuracy {initial_acc:.1%} (version 0)", flush=True)
             run_ref = executor.run.remote()
             test_freq, save_freq = int(cfg.trainer.test_freq), int(cfg.trainer.save_freq)
             step_timeout = float(at.queue_get_timeout_s) + 120
