@@ -172,3 +172,41 @@ def test_the_cli_on_a_finished_run_dir_prints_one_line_and_exits_0_without_ray(t
     assert out[-1].startswith(f"run dir {run_dir} already finished"), out
     assert not ray.is_initialized() and time.monotonic() - started < 30
     assert json.loads((run_dir / "checkpoints" / "step_00000002" / "meta.json").read_text())["step"] == 2
+
+
+@pytest.mark.slow
+def test_a_run_without_validation_files_validates_nothing_then_a_rerun_says_it_finished(tmp_path, addition_cache):
+    """val_before_train=true with data.val_files=null used to crash formatting None; the rerun starts nothing."""
+    import os
+    import subprocess
+
+    from conftest import addition_run_command
+
+    from rllm.experimental.fully_async.tasks.addition import prepare_addition_assets
+
+    assets = prepare_addition_assets(addition_cache, seed=0, warmup_steps=60)
+    run_dir = tmp_path / "run"
+    command = addition_run_command(
+        run_dir,
+        addition_cache,
+        "task.name=null",
+        f"actor_rollout_ref.model.path={assets.model_dir}",
+        f"data.train_files={assets.train_parquet}",
+        "data.val_files=null",
+        "reward.custom_reward_function.path=rllm.experimental.fully_async.tasks.addition",
+        "reward.custom_reward_function.name=compute_score",
+        "trainer.val_before_train=true",
+        "trainer.total_training_steps=1",
+        "async_training.required_samples=8",
+    )
+    env = dict(os.environ, RLLM_LOG_LEVEL="WARNING")
+    first = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
+    assert "run finished: 1 steps" in first.stdout
+    engine_logs = sorted((run_dir / "engines").glob("engine-*.log"))
+    started = time.monotonic()
+    again = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    assert again.stdout.strip().splitlines()[-1].startswith(f"run dir {run_dir} already finished")
+    assert sorted((run_dir / "engines").glob("engine-*.log")) == engine_logs, "no engine was started"
+    assert time.monotonic() - started < 60
