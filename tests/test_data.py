@@ -175,3 +175,76 @@ def test_resume_against_other_data_or_seed_is_refused(dataset):
         PromptIterator(dataset, seed=2).load_state_dict(state)
     with pytest.raises(ValueError, match="dataset_size"):
         PromptIterator(dataset.records[:10], seed=1).load_state_dict(state)
+
+
+# --- tokenized once ---------------------------------------------------------------------------------------------
+
+
+class CountingTokenizer:
+    """The real tokenizer, counting apply_chat_template calls (every other attribute passes through)."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self.calls = 0
+
+    def apply_chat_template(self, *args, **kwargs):
+        self.calls += 1
+        return self._tokenizer.apply_chat_template(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+def test_a_second_load_reuses_the_token_ids_without_the_tokenizer(tmp_path, tokenizer):
+    path = write(tmp_path, [row(f"{a}+{a}=", f"{2 * a:03d}") for a in range(10, 40)])
+    first = CountingTokenizer(tokenizer)
+    loaded = PromptDataset(path, first, max_prompt_length=64)
+    assert first.calls >= 1
+    assert len(list(tmp_path.glob(".data.parquet.tokens-*.npz"))) == 1, "one cache file beside the data"
+    second = CountingTokenizer(tokenizer)
+    again = PromptDataset(path, second, max_prompt_length=5, overlong="truncate_left")
+    assert second.calls == 0
+    # The same ids; length settings apply to the cached ids as they did to fresh ones.
+    assert [r.prompt_ids[-5:] for r in loaded] == [r.prompt_ids for r in again]
+    assert [r.prompt_ids for r in loaded] == tokenizer.apply_chat_template(
+        [r.messages for r in loaded], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+
+
+def test_another_tokenizer_or_an_edited_file_tokenizes_again(tmp_path, tokenizer):
+    import copy
+
+    path = write(tmp_path, [row("12+34=", "046"), row("11+11=", "022")])
+    PromptDataset(path, tokenizer, max_prompt_length=64)
+    other = copy.deepcopy(tokenizer)
+    other.chat_template = "Q: {% for message in messages %}{{ message['content'] }}{% endfor %}"
+    counting = CountingTokenizer(other)
+    different = PromptDataset(path, counting, max_prompt_length=64)
+    assert counting.calls >= 1
+    assert different[0].prompt_ids != PromptDataset(path, tokenizer, max_prompt_length=64)[0].prompt_ids
+    write(tmp_path, [row("12+34=", "046"), row("11+11=", "022"), row("10+10=", "020")])
+    counting = CountingTokenizer(tokenizer)
+    assert len(PromptDataset(path, counting, max_prompt_length=64)) == 3 and counting.calls >= 1
+
+
+def test_a_damaged_cache_is_a_miss_and_is_rewritten(tmp_path, tokenizer):
+    path = write(tmp_path, [row("12+34=", "046")])
+    expected = PromptDataset(path, tokenizer, max_prompt_length=64)[0].prompt_ids
+    (cache,) = tmp_path.glob(".data.parquet.tokens-*.npz")
+    cache.write_bytes(b"not a zip")
+    counting = CountingTokenizer(tokenizer)
+    assert PromptDataset(path, counting, max_prompt_length=64)[0].prompt_ids == expected and counting.calls >= 1
+    counting = CountingTokenizer(tokenizer)
+    assert PromptDataset(path, counting, max_prompt_length=64)[0].prompt_ids == expected and counting.calls == 0
+
+
+def test_a_data_folder_that_cannot_be_written_still_loads(tmp_path, tokenizer, monkeypatch):
+    from rllm.experimental.fully_async import token_cache
+
+    def refuse(src, dst):
+        raise PermissionError(13, "Permission denied", str(dst))
+
+    path = write(tmp_path, [row("12+34=", "046")])
+    monkeypatch.setattr(token_cache.os, "replace", refuse)  # as a read-only folder would (root ignores chmod)
+    assert len(PromptDataset(path, tokenizer, max_prompt_length=64)) == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["data.parquet"], "no cache and no temporary file left"

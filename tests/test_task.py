@@ -181,3 +181,61 @@ def test_preparing_the_task_for_a_run_prints_no_progress_bar(tmp_path, capfd):
     assert "task addition ready" in out
     assert "it/s" not in err and "Writing model shards" not in err, err
     assert hf_logging.is_progress_bar_enabled(), "the driver's own setting must be restored"
+
+
+# --- the registry ---------------------------------------------------------------------------------------------
+
+
+def test_an_unknown_task_name_lists_the_registered_ones_in_one_line():
+    from rllm.experimental.fully_async.settings.loader import ConfigError, load_config
+    from rllm.experimental.fully_async.tasks import get_task, task_names
+
+    assert {"addition", "smollm2"} <= set(task_names())
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["task.name=subtraction"])
+    message = str(info.value)
+    assert "\n" not in message and "'subtraction'" in message
+    assert all(name in message for name in task_names())
+    with pytest.raises(KeyError, match="addition, smollm2"):
+        get_task("subtraction")
+
+
+def test_a_registered_task_points_the_config_at_its_assets_and_a_users_reward_wins(tmp_path, capsys):
+    from rllm.experimental.fully_async.settings.loader import load_config
+    from rllm.experimental.fully_async.tasks import _REGISTRY, TaskAssets, apply_task, register_task
+
+    seen = []
+
+    def prepare(task_cfg):
+        seen.append(int(task_cfg.seed))
+        return TaskAssets(str(tmp_path / "t.parquet"), None, str(tmp_path / "model"), "my.rewards", "score", "ok")
+
+    register_task("echo", prepare)
+    try:
+        cfg = load_config(None, ["task.name=echo", "task.seed=7"])  # validation asks the registry
+        apply_task(cfg)
+        assert seen == [7]
+        assert cfg.data.train_files == str(tmp_path / "t.parquet") and cfg.data.val_files is None
+        assert cfg.actor_rollout_ref.model.path == str(tmp_path / "model")
+        assert (cfg.reward.custom_reward_function.path, cfg.reward.custom_reward_function.name) == (
+            "my.rewards",
+            "score",
+        )
+        assert "task echo ready in" in capsys.readouterr().out
+        cfg = load_config(None, ["task.name=echo", "reward.custom_reward_function.path=mine.py"])
+        apply_task(cfg)
+        assert cfg.reward.custom_reward_function.path == "mine.py"
+    finally:
+        _REGISTRY.pop("echo")
+
+
+def test_reading_the_registry_imports_no_task_module():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from rllm.experimental.fully_async.tasks import task_names; task_names(); "
+        "print('torch' in sys.modules, 'rllm.experimental.fully_async.tasks.addition' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]

@@ -72,10 +72,17 @@ def main(argv: list[str] | None = None) -> int:
 
     from rllm.experimental.fully_async.data import DataError
     from rllm.experimental.fully_async.runtime.run import RunFailedError, train
+    from rllm.experimental.fully_async.runtime.run_dir import RunFinished
     from rllm.experimental.fully_async.verl_patch import UnpatchedVerlError
 
     try:
         train(cfg)
+    except RunFinished as exc:
+        print(exc)
+        return 0
+    except ConfigError as exc:  # e.g. a resume that would change keys the checkpoint depends on
+        print(f"config error: {exc}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
     except (UnpatchedVerlError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG

@@ -13,6 +13,9 @@ reason, for the sample ledger) or truncated, as configured.
 (seed, e), so its checkpoint is two integers (epoch, position), and every datum carries a stable
 `prompt_uid = f"e{epoch}/{index}"` (index = the row's position in the source files) that the ledger and the
 trajectories use.
+
+Tokenized once: the driver checks the data before anything starts and the rollout actor loads it again, so the
+token ids of each file are cached next to it (`tokens_cache`) and the second load calls no tokenizer.
 """
 
 from __future__ import annotations
@@ -91,7 +94,7 @@ class PromptDataset(Sequence[PromptRecord]):
         for path in paths:
             rows = _read_rows(path)
             parsed = [_validate_row(path, i, row) for i, row in enumerate(rows)]
-            ids = _tokenize(tokenizer, [p["messages"] for p in parsed], path)
+            ids = cached_tokenize(tokenizer, [p["messages"] for p in parsed], path)
             for row_number, (p, prompt_ids) in enumerate(zip(parsed, ids, strict=True)):
                 self._admit(path, row_number, offset + row_number, p, prompt_ids, overlong)
             offset += len(rows)
@@ -183,6 +186,20 @@ def _validate_row(path: Path, row: int, data: dict[str, Any]) -> dict[str, Any]:
         "ground_truth": ground_truth,
         "extra_info": {k: v for k, v in extra_info.items() if v is not None},
     }
+
+
+def cached_tokenize(tokenizer: PreTrainedTokenizerBase, conversations: list[list[dict]], path: Path) -> list[list[int]]:
+    """`_tokenize`, through the token cache beside `path` (token_cache.py): a second load calls no tokenizer."""
+    from rllm.experimental.fully_async import token_cache
+
+    cache = token_cache.cache_path(path, tokenizer)
+    ids = token_cache.load_ids(cache, len(conversations))
+    if ids is None:
+        ids = _tokenize(tokenizer, conversations, path)
+        token_cache.store_ids(cache, ids)
+    else:
+        logger.info("%s: token ids from %s", path, cache)
+    return ids
 
 
 def _tokenize(tokenizer: PreTrainedTokenizerBase, conversations: list[list[dict]], path: Path) -> list[list[int]]:

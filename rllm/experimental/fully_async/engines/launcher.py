@@ -21,7 +21,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -160,6 +162,7 @@ class EngineLauncher:
         # The secret engines require (`--api-key`, set by engines.from_config beyond loopback); None: no key.
         self.api_key: str | None = None
         self._spawns: dict[int, int] = {}  # starts per engine index (port-race retries)
+        self._spawned: list[subprocess.Popen[bytes]] = []  # every process started and not yet stopped
 
     @property
     def urls(self) -> list[str]:
@@ -180,7 +183,8 @@ class EngineLauncher:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         atexit.register(self.stop)
         try:
-            self.processes = [self._spawn(i) for i in range(self.num_engines)]
+            for i in range(self.num_engines):  # one by one: an interrupt between spawns still stops the first
+                self.processes.append(self._spawn(i))
             self._wait_healthy()
         except BaseException:
             self.stop()
@@ -203,6 +207,13 @@ class EngineLauncher:
             _signal_group(proc.process, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.process.wait(timeout=self.stop_timeout_s)
+        # A process started but not yet listed (start interrupted right after its spawn), or a replaced one.
+        spawned, self._spawned = self._spawned, []
+        for process in spawned:
+            if process.poll() is None:  # an exited, reaped one's group id may belong to someone else by now
+                _signal_group(process, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(timeout=self.stop_timeout_s)
         atexit.unregister(self.stop)
 
     def restart(self, index: int) -> EngineProcess:
@@ -248,11 +259,12 @@ class EngineLauncher:
         env = {**os.environ, **self.command.env(index)}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PROJECT_ROOT, env.get("PYTHONPATH", "")) if p)
         log_path = self.log_dir / f"engine-{index}-{port}.log"
-        with open(log_path, "wb") as log:
+        with open(log_path, "wb") as log, _interrupts_deferred():
             # start_new_session: the engine leads its own process group, so stop() can kill all it spawned.
             process = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
             )
+            self._spawned.append(process)  # before any interrupt can land: stop() reaps it even if never listed
         logger.info("engine %d: pid %d on %s:%d (log %s)", index, process.pid, self.host, port, log_path)
         return EngineProcess(index, self.host, port, process, log_path, cmd)
 
@@ -294,6 +306,31 @@ class EngineLauncher:
             f"engine {proc.index} ({proc.url}, pid {proc.pid}) exited with code {proc.process.returncode} before "
             f"becoming healthy; command: {' '.join(proc.command)}\nlog tail:\n{tail}"
         )
+
+
+@contextlib.contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM until the block ends, then deliver them to the handlers in place before it.
+
+    Between Popen's fork and its return the child exists but nobody holds its handle: an interrupt raised there
+    would leave an engine running in its own session (measured: a SIGTERM as an engine starts left it behind).
+    Handlers are Python's, so the child (after exec) starts with the default ones.
+    """
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.getsignal(sig) for sig in sigs}
+    if threading.current_thread() is not threading.main_thread() or None in previous.values():
+        yield  # signals reach only the main thread; a handler installed from C cannot be put back
+        return
+    caught: list[int] = []
+    for sig in sigs:
+        signal.signal(sig, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if caught:
+            signal.raise_signal(caught[0])
 
 
 def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:

