@@ -1,4 +1,4 @@
-"""One training run from a validated config: prepare -> start Ray, engines, actors -> step loop -> clean stop.
+"""One training run from a validated config: `Run` (start -> step ... -> stop) and `train(cfg)`, which drives it.
 
 The driver owns process lifetimes (Ray, engine subprocesses, actors) and the step loop; what it reports is
 formatted and written by `observe/reporting.py`. The training logic lives in the actors.
@@ -14,8 +14,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -29,243 +28,249 @@ from rllm.experimental.fully_async.observe.reporting import (
     print_summary,
     progress_line,
 )
+from rllm.experimental.fully_async.runtime.prepare import check_data, init_ray, prepare_task
+
+__all__ = ["Run", "RunFailedError", "check_data", "init_ray", "prepare_task", "train"]
 
 logger = logging.getLogger(__name__)
 
-QUIET_LIBRARIES_ENV = {
-    "TRANSFORMERS_VERBOSITY": "error",
-    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-    "TQDM_DISABLE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
 
+class Run:
+    """One training run's lifecycle: `start()`, then `step()` until it returns None, `checkpoint()` whenever, and
+    `stop()` (always, from `close()` on every exit path). The actors hold the training state; this object holds the
+    processes (engines, Ray, actors), the metrics sink and the step count.
 
-@contextmanager
-def quiet_hf_progress_bars() -> Iterator[None]:
-    """Hide transformers' own progress bars ("Writing model shards", "Loading weights") for the block, then restore.
-
-    They flash by for sub-second saves and loads. The actors hide every tqdm bar through QUIET_LIBRARIES_ENV, but
-    tqdm reads TQDM_DISABLE when it is imported, so the driver cannot do the same here. The one bar left is SmolLM2's
-    first-run GGUF conversion (`tqdm.auto` inside transformers): 20-50 s of progress worth seeing.
+    `start()` prepares the task and data, settles the run directory (finished? fresh? resume with a compatible
+    config?), launches the engines, Ray, the rollout service and the trainer, resumes from a checkpoint, and measures
+    the initial validation accuracy. `stop()` pushes the last weights, saves a final checkpoint, stops the rollouts
+    and measures the final accuracy; `close()` then ends every process this run started, however it got there.
     """
-    from transformers.utils import logging as hf_logging
 
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
+    def __init__(self, cfg: DictConfig) -> None:
+        self.cfg = cfg
+        self.step_count = 0
+        self.total: int | None = None
+        self.initial_acc: float | None = None
+        self.final_acc: float | None = None
+        self.ledger: dict[str, Any] = {}
+        self._started = time.monotonic()
+        self._stack = ExitStack()
+        self._run_ref: Any = None
 
+    # ---- start ---------------------------------------------------------------------------------------------
 
-def prepare_task(cfg: DictConfig) -> None:
-    """Built-in tasks make their own data and warmed-up model; point the config at them."""
-    with quiet_hf_progress_bars():
-        _prepare_task(cfg)
+    def start(self) -> None:
+        import ray
 
-
-def _prepare_task(cfg: DictConfig) -> None:
-    from rllm.experimental.fully_async.tasks import apply_task
-
-    apply_task(cfg)
-
-
-def check_data(cfg: DictConfig) -> int:
-    """Read and validate the prompt data before any process starts, so a bad file or row is a one-line error
-    (data.DataError) rather than an actor that dies during start-up. Returns the number of training prompts."""
-    from transformers import AutoTokenizer
-
-    from rllm.experimental.fully_async.runtime.actors import load_prompt_datasets
-
-    tokenizer = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.path)
-    train, _ = load_prompt_datasets(cfg, tokenizer)
-    if len(train) == 0:
-        from rllm.experimental.fully_async.data import DataError
-
-        raise DataError(f"{cfg.data.train_files}: no prompt left after filtering (data.max_prompt_length?)")
-    return len(train)
-
-
-def init_ray(num_cpus: int | None = None) -> None:
-    """Loopback-only Ray with a small footprint (ENVIRONMENT.md)."""
-    import ray
-
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    # gcs_server keeps an event record per actor call (~500 B) up to 100k calls, then remembers each evicted call
-    # as "dropped" up to 1M more: a long run grew it by 38 MB in 30 min (tests/bench/README.md, Soak). 2k of each
-    # bounds it to a few MB, reached within minutes (10k took 9 and 18 minutes of the default run to fill), and
-    # still shows the latest calls in `ray list tasks`. Set before Ray starts, as gcs_server reads them from its
-    # environment; an exported value wins.
-    os.environ.setdefault("RAY_task_events_max_num_task_in_gcs", "2000")
-    os.environ.setdefault("RAY_task_events_max_dropped_task_attempts_tracked_per_job_in_gcs", "2000")
-    if not ray.is_initialized():
-        ray.init(
-            num_cpus=num_cpus or max(4, os.cpu_count() or 1),
-            include_dashboard=False,
-            object_store_memory=1_000_000_000,
-            configure_logging=False,
-            log_to_driver=True,
-            # Library progress bars and notices in the actors would interleave with the progress line.
-            runtime_env={"env_vars": QUIET_LIBRARIES_ENV},
+        from rllm.experimental.fully_async.engines.supervisor import EngineSupervisor
+        from rllm.experimental.fully_async.runtime.actors import FullyAsyncTrainerActor
+        from rllm.experimental.fully_async.runtime.checkpoint import (
+            CheckpointManager,
+            find_resume_checkpoint,
+            load_checkpoint,
         )
+        from rllm.experimental.fully_async.runtime.processes import ray_lifetime
+        from rllm.experimental.fully_async.runtime.rollout_service import RolloutServiceActor
+        from rllm.experimental.fully_async.runtime.run_dir import settle_run_dir
+        from rllm.experimental.fully_async.verl_patch import require_patched_verl
 
+        cfg = self.cfg
+        require_patched_verl()
+        prepare_task(cfg)
+        num_prompts = check_data(cfg)
+        if cfg.trainer.total_training_steps is None:
+            # Until the data runs out: the LR schedule's horizon is what verl derives, batches per epoch x epochs.
+            steps = -(-num_prompts * int(cfg.trainer.total_epochs) // int(cfg.async_training.required_samples))
+            for optim in (cfg.actor_rollout_ref.actor.optim, cfg.critic.optim):
+                if optim.total_training_steps in (None, -1):
+                    optim.total_training_steps = steps
+        self.run_dir = Path(cfg.run.dir)
+        settle_run_dir(cfg)  # already finished? a fresh start? a resume whose config may change? (runtime/run_dir.py)
+        self.total = cfg.trainer.total_training_steps  # None: until the data (trainer.total_epochs) is exhausted
+        self.container = OmegaConf.to_container(cfg, resolve=True)
+        os.environ.setdefault("RLLM_LOG_LEVEL", str(cfg.run.log_level))
+        self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", keep_last=2)
+        resume_path = find_resume_checkpoint(
+            self.checkpoints.root, str(cfg.trainer.resume_mode), cfg.trainer.resume_from_path
+        )
+        resumed = load_checkpoint(resume_path) if resume_path is not None else None
+        self.sink = MetricsSink(cfg, self.run_dir)
+        self._stack.callback(self.sink.close)
+        self.step_count = resumed.step if resumed is not None else 0
 
-def train(cfg: DictConfig) -> RunSummary:
-    """Run the configured training to `trainer.total_training_steps` (or until the data is exhausted)."""
-    import ray
-
-    from rllm.experimental.fully_async.engines.supervisor import EngineReplaced, EngineSupervisor
-    from rllm.experimental.fully_async.runtime.actors import FullyAsyncTrainerActor
-    from rllm.experimental.fully_async.runtime.checkpoint import (
-        CheckpointManager,
-        config_hash,
-        find_resume_checkpoint,
-        load_checkpoint,
-    )
-    from rllm.experimental.fully_async.runtime.processes import ray_lifetime
-    from rllm.experimental.fully_async.runtime.rollout_service import RolloutServiceActor
-    from rllm.experimental.fully_async.runtime.run_dir import mark_finished, settle_run_dir
-    from rllm.experimental.fully_async.verl_patch import require_patched_verl
-
-    # First: a SIGTERM while Ray, the engines or the actors are starting must unwind through the same cleanup.
-    _install_signal_handlers()
-    require_patched_verl()
-    started = time.monotonic()
-    prepare_task(cfg)
-    num_prompts = check_data(cfg)
-    if cfg.trainer.total_training_steps is None:
-        # Until the data runs out: the LR schedule's horizon is what verl derives, batches per epoch x epochs.
-        steps = -(-num_prompts * int(cfg.trainer.total_epochs) // int(cfg.async_training.required_samples))
-        for optim in (cfg.actor_rollout_ref.actor.optim, cfg.critic.optim):
-            if optim.total_training_steps in (None, -1):
-                optim.total_training_steps = steps
-    run_dir = Path(cfg.run.dir)
-    settle_run_dir(cfg)  # already finished? a fresh start? a resume whose config may change? (runtime/run_dir.py)
-    total = cfg.trainer.total_training_steps  # None: until the data (trainer.total_epochs) is exhausted
-    container = OmegaConf.to_container(cfg, resolve=True)
-    os.environ.setdefault("RLLM_LOG_LEVEL", str(cfg.run.log_level))
-    checkpoints = CheckpointManager(run_dir / "checkpoints", keep_last=2)
-    resume_path = find_resume_checkpoint(checkpoints.root, str(cfg.trainer.resume_mode), cfg.trainer.resume_from_path)
-    resumed = load_checkpoint(resume_path) if resume_path is not None else None
-    sink = MetricsSink(cfg, run_dir)
-    ledger: dict[str, Any] = {}
-    initial_acc = final_acc = None
-    step = resumed.step if resumed is not None else 0
-    at = cfg.async_training
-
-    with ExitStack() as stack:
-        stack.callback(sink.close)
-        engines = stack.enter_context(engine_launcher(cfg, run_dir / "engines"))
-        supervisor = EngineSupervisor(
+        engines = self._stack.enter_context(engine_launcher(cfg, self.run_dir / "engines"))
+        self.supervisor = EngineSupervisor(
             engines,
             str(cfg.engines.on_engine_failure),
             max_restarts=int(cfg.engines.max_restarts),
             startup_timeout_s=float(cfg.engines.startup_timeout_s),
         )
-        stack.enter_context(ray_lifetime(init_ray))  # also stops a half-started Ray (runtime/processes.py)
+        self._stack.enter_context(ray_lifetime(init_ray))  # also stops a half-started Ray (runtime/processes.py)
         # One rollout service (executor, queue, budget, ledger) and the trainer, which takes a batch from it with
         # one call per step; a resume hands each its own part of the checkpoint.
-        rollouts = RolloutServiceActor.remote(
-            container, engines.urls, resumed.rollout if resumed else None, resumed.queue if resumed else None
+        self.rollouts = RolloutServiceActor.remote(
+            self.container, engines.urls, resumed.rollout if resumed else None, resumed.queue if resumed else None
         )
-        trainer = FullyAsyncTrainerActor.remote(container, engines.urls, rollouts)
-        stack.callback(_stop_actors, rollouts, trainer)
-        sync_timeout = float(cfg.param_sync.timeout_s) * 4
+        self.trainer = FullyAsyncTrainerActor.remote(self.container, engines.urls, self.rollouts)
+        self._stack.callback(_stop_actors, self.rollouts, self.trainer)
+        self.sync_timeout_s = float(cfg.param_sync.timeout_s) * 4
+        self.validate_timeout_s = float(cfg.engines.request_timeout_s)
         if resumed is not None:
-            ray.get(trainer.load_state_dict.remote(resumed.trainer), timeout=300)
+            ray.get(self.trainer.load_state_dict.remote(resumed.trainer), timeout=300)
             # Fresh engines hold the initial weights: give them the checkpoint's, under its version.
-            ray.get(trainer.sync_weights.remote(False), timeout=sync_timeout)
-            print(f"resumed from {resume_path} at step {step} (version {resumed.meta.get('version')})", flush=True)
+            ray.get(self.trainer.sync_weights.remote(False), timeout=self.sync_timeout_s)
+            version = resumed.meta.get("version")
+            print(f"resumed from {resume_path} at step {self.step_count} (version {version})", flush=True)
+        elif cfg.trainer.val_before_train:
+            val = ray.get(self.rollouts.validate.remote(), timeout=self.validate_timeout_s)
+            self.initial_acc = val.get("val/accuracy")
+            self.sink.log(0, val)
+            if self.initial_acc is not None:  # None: no validation files (data.val_files=null)
+                print(f"initial validation accuracy {self.initial_acc:.1%} (version 0)", flush=True)
+        self._run_ref = self.rollouts.run.remote()
 
-        def watch_engines() -> None:
-            for event in supervisor.poll():
-                if isinstance(event, EngineReplaced):
-                    # Weights first, then traffic: the executor must not send rollouts to an engine that is not
-                    # yet at the trainer's version.
-                    version = ray.get(trainer.replace_engine.remote(event.old_url, event.new_url), timeout=sync_timeout)
-                    ray.get(rollouts.replace_engine.remote(event.old_url, event.new_url), timeout=60)
-                    print(f"engine {event.index} restarted at {event.new_url} (weight version {version})", flush=True)
-                else:
-                    print(
-                        f"engine {event.index} lost ({event.url}: {event.reason}); "
-                        f"continuing with {supervisor.num_alive} engine(s)",
-                        flush=True,
-                    )
+    # ---- step ----------------------------------------------------------------------------------------------
 
-        def checkpoint(at_step: int) -> None:
-            # Each actor writes its own part into the step's temporary directory (the weights never pass through
-            # this process); the trainer first acknowledges its last batch, so the rollout part's ledger has
-            # every trained sample trained. Then the commit makes the checkpoint visible in one rename.
-            tmp = checkpoints.begin(at_step)
-            try:
-                trainer_part = ray.get(trainer.write_checkpoint.remote(str(tmp)), timeout=300)
-                files = trainer_part["files"] | ray.get(rollouts.write_checkpoint.remote(str(tmp)), timeout=120)
-            except BaseException:
-                checkpoints.abort(tmp)
-                raise
-            meta = {"version": int(trainer_part["version"]), "config_hash": config_hash(container)}
-            path = checkpoints.commit(tmp, at_step, files, meta)
-            logger.info("checkpoint %s", path)
+    @property
+    def done(self) -> bool:
+        return self.total is not None and self.step_count >= self.total
 
+    def step(self) -> dict[str, float] | None:
+        """One optimizer step (and a weight sync when due); None when the prompt data is exhausted."""
+        import ray
+
+        cfg = self.cfg
+        step_timeout = float(cfg.async_training.queue_get_timeout_s) + 120
+        self._watch_engines()  # between steps too: a short step never leaves the wait below to watch
+        metrics = _step(self.trainer, self._run_ref, timeout_s=step_timeout, while_waiting=self._watch_engines)
+        if metrics is None:
+            print(f"prompt data exhausted after {self.step_count} steps", flush=True)
+            return None
+        self.step_count += 1
+        step = self.step_count
+        # queue/*, ledger/* and rollout/* came with the batch (as of when the step took it): one Ray call per
+        # step. The ledger's `trained` therefore counts up to the previous step.
+        metrics.update(self.supervisor.metrics())
+        test_freq, save_freq = int(cfg.trainer.test_freq), int(cfg.trainer.save_freq)
+        if test_freq > 0 and step % test_freq == 0 and step != self.total:
+            metrics.update(ray.get(self.rollouts.validate.remote(), timeout=self.validate_timeout_s))
+        self.sink.log(step, metrics)
+        print(progress_line(step, self.total, metrics), flush=True)
+        if save_freq > 0 and step % save_freq == 0:
+            self.checkpoint()
+        return metrics
+
+    def _watch_engines(self) -> None:
+        import ray
+
+        from rllm.experimental.fully_async.engines.supervisor import EngineReplaced
+
+        for event in self.supervisor.poll():
+            if isinstance(event, EngineReplaced):
+                # Weights first, then traffic: the rollouts must not go to an engine that is not yet at the
+                # trainer's version.
+                version = ray.get(
+                    self.trainer.replace_engine.remote(event.old_url, event.new_url), timeout=self.sync_timeout_s
+                )
+                ray.get(self.rollouts.replace_engine.remote(event.old_url, event.new_url), timeout=60)
+                print(f"engine {event.index} restarted at {event.new_url} (weight version {version})", flush=True)
+            else:
+                print(
+                    f"engine {event.index} lost ({event.url}: {event.reason}); "
+                    f"continuing with {self.supervisor.num_alive} engine(s)",
+                    flush=True,
+                )
+
+    # ---- checkpoint ----------------------------------------------------------------------------------------
+
+    def checkpoint(self) -> Path:
+        """Save the current step. Each actor writes its own part into the step's temporary directory (the weights
+        never pass through this process); the trainer first acknowledges its last batch, so the rollout part's
+        ledger has every trained sample trained. The commit then makes the checkpoint visible in one rename."""
+        import ray
+
+        from rllm.experimental.fully_async.runtime.checkpoint import config_hash
+
+        tmp = self.checkpoints.begin(self.step_count)
         try:
-            if cfg.trainer.val_before_train and resumed is None:
-                val = ray.get(rollouts.validate.remote(), timeout=float(cfg.engines.request_timeout_s))
-                initial_acc = val.get("val/accuracy")
-                sink.log(0, val)
-                if initial_acc is not None:  # None: no validation files (data.val_files=null)
-                    print(f"initial validation accuracy {initial_acc:.1%} (version 0)", flush=True)
-            run_ref = rollouts.run.remote()
-            test_freq, save_freq = int(cfg.trainer.test_freq), int(cfg.trainer.save_freq)
-            step_timeout = float(at.queue_get_timeout_s) + 120
-            while total is None or step < total:
-                watch_engines()  # between steps too: a short step never leaves the wait below to watch
-                metrics = _step(trainer, run_ref, timeout_s=step_timeout, while_waiting=watch_engines)
-                if metrics is None:
-                    print(f"prompt data exhausted after {step} steps", flush=True)
-                    break
-                step += 1
-                # queue/*, ledger/* and rollout/* came with the batch (as of when the step took it): one Ray call
-                # per step. The ledger's `trained` therefore counts up to the previous step.
-                metrics.update(supervisor.metrics())
-                if test_freq > 0 and step % test_freq == 0 and step != total:
-                    metrics.update(ray.get(rollouts.validate.remote(), timeout=float(cfg.engines.request_timeout_s)))
-                sink.log(step, metrics)
-                print(progress_line(step, total, metrics), flush=True)
-                if save_freq > 0 and step % save_freq == 0:
-                    checkpoint(step)
-            # The last step's weights reach the engines before the final measurement.
-            if step % int(at.trigger_parameter_sync_step):
-                ray.get(trainer.sync_weights.remote(), timeout=sync_timeout)
-            if not (save_freq > 0 and step % save_freq == 0):  # not just saved
-                checkpoint(step)
+            trainer_part = ray.get(self.trainer.write_checkpoint.remote(str(tmp)), timeout=300)
+            files = trainer_part["files"] | ray.get(self.rollouts.write_checkpoint.remote(str(tmp)), timeout=120)
+        except BaseException:
+            self.checkpoints.abort(tmp)
+            raise
+        meta = {"version": int(trainer_part["version"]), "config_hash": config_hash(self.container)}
+        path = self.checkpoints.commit(tmp, self.step_count, files, meta)
+        self._last_checkpoint_step = self.step_count
+        logger.info("checkpoint %s", path)
+        return path
+
+    def try_checkpoint(self) -> str:
+        """Checkpoint on the way out of a failure; a description of what was saved (the previous stays usable)."""
+        try:
+            self.checkpoint()
+            return f"checkpoint at step {self.step_count} saved in {self.checkpoints.root}"
+        except Exception as exc:
+            cause = root_cause(exc)
+            return f"no new checkpoint ({type(cause).__name__}: {cause})"
+
+    # ---- stop ----------------------------------------------------------------------------------------------
+
+    def stop(self) -> RunSummary:
+        """The end of a run that finished: last weights to the engines, a final checkpoint, rollouts stopped, the
+        final validation, and the run marked finished."""
+        import ray
+
+        from rllm.experimental.fully_async.runtime.run_dir import mark_finished
+
+        step = self.step_count
+        if step % int(self.cfg.async_training.trigger_parameter_sync_step):
+            ray.get(self.trainer.sync_weights.remote(), timeout=self.sync_timeout_s)
+        if getattr(self, "_last_checkpoint_step", None) != step:
+            self.checkpoint()
+        ray.get(self.rollouts.stop.remote(), timeout=60)
+        ray.get(self._run_ref, timeout=120)
+        val = ray.get(self.rollouts.validate.remote(), timeout=self.validate_timeout_s)
+        self.final_acc = val.get("val/accuracy")
+        self.ledger = ray.get(self.rollouts.ledger_counts.remote(), timeout=60)
+        self.sink.log(step, val | prefixed("ledger", self.ledger))
+        self.close()
+        mark_finished(self.run_dir, step, self.cfg)
+        return RunSummary(
+            step, self.initial_acc, self.final_acc, time.monotonic() - self._started, self.ledger, str(self.run_dir)
+        )
+
+    def close(self) -> None:
+        """End every process this run started (engines, Ray, actors) and close the sink; safe to call twice."""
+        self._stack.close()
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def train(cfg: DictConfig) -> RunSummary:
+    """Run the configured training to `trainer.total_training_steps` (or until the data is exhausted)."""
+    # First: a SIGTERM while Ray, the engines or the actors are starting must unwind through the same cleanup.
+    _install_signal_handlers()
+    with Run(cfg) as run:
+        run.start()
+        try:
+            while not run.done and run.step() is not None:
+                pass
+            summary = run.stop()
         except KeyboardInterrupt:
             # Ctrl-C / SIGTERM: keep what was learned if the actors still answer, then unwind (stop everything).
+            step = run.step_count
             print(f"interrupted at step {step}: saving a checkpoint, then stopping", file=sys.stderr, flush=True)
-            try:
-                checkpoint(step)
-            except Exception as exc:  # best effort: the previous checkpoint stays usable
-                print(f"checkpoint on interrupt failed: {exc}", file=sys.stderr, flush=True)
+            print(run.try_checkpoint(), file=sys.stderr, flush=True)
             raise
         except Exception as exc:
             cause = root_cause(exc)
-            logger.error("run failed at step %d", step, exc_info=exc)
-            try:
-                checkpoint(step)
-                saved = f"checkpoint at step {step} saved in {checkpoints.root}"
-            except Exception as ckpt_exc:  # the previous checkpoint stays usable
-                saved = f"no new checkpoint ({type(root_cause(ckpt_exc)).__name__}: {root_cause(ckpt_exc)})"
-            raise RunFailedError(f"step {step + 1}: {type(cause).__name__}: {cause} [{saved}]") from exc
-        ray.get(rollouts.stop.remote(), timeout=60)
-        _wait_run(run_ref)
-        val = ray.get(rollouts.validate.remote(), timeout=float(cfg.engines.request_timeout_s))
-        final_acc = val.get("val/accuracy")
-        ledger = ray.get(rollouts.ledger_counts.remote(), timeout=60)
-        sink.log(step, val | prefixed("ledger", ledger))
-
-    mark_finished(run_dir, step, cfg)
-    summary = RunSummary(step, initial_acc, final_acc, time.monotonic() - started, ledger, str(run_dir))
+            logger.error("run failed at step %d", run.step_count, exc_info=exc)
+            saved = run.try_checkpoint()
+            raise RunFailedError(f"step {run.step_count + 1}: {type(cause).__name__}: {cause} [{saved}]") from exc
     print_summary(summary)
     return summary
 
@@ -306,12 +311,6 @@ def _step(trainer: Any, run_ref: Any, timeout_s: float, while_waiting: Any = Non
         if not ready:
             raise TimeoutError(f"train_step gave no result within {timeout_s:g}s after rollouts ended")
     return ray.get(step_ref)
-
-
-def _wait_run(run_ref: Any) -> None:
-    import ray
-
-    ray.get(run_ref, timeout=120)
 
 
 def _stop_actors(*handles: Any) -> None:

@@ -1,0 +1,91 @@
+"""Before any process starts: the task's data and model prepared, the prompt data checked, and Ray started quietly.
+
+`runtime/run.py` calls these from `Run.start()`; they are here so the run's lifecycle reads on its own.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from omegaconf import DictConfig
+
+QUIET_LIBRARIES_ENV = {
+    "TRANSFORMERS_VERBOSITY": "error",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TQDM_DISABLE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+@contextmanager
+def quiet_hf_progress_bars() -> Iterator[None]:
+    """Hide transformers' own progress bars ("Writing model shards", "Loading weights") for the block, then restore.
+
+    They flash by for sub-second saves and loads. The actors hide every tqdm bar through QUIET_LIBRARIES_ENV, but
+    tqdm reads TQDM_DISABLE when it is imported, so the driver cannot do the same here. The one bar left is SmolLM2's
+    first-run GGUF conversion (`tqdm.auto` inside transformers): 20-50 s of progress worth seeing.
+    """
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def prepare_task(cfg: DictConfig) -> None:
+    """Built-in tasks make their own data and warmed-up model; point the config at them."""
+    with quiet_hf_progress_bars():
+        _prepare_task(cfg)
+
+
+def _prepare_task(cfg: DictConfig) -> None:
+    from rllm.experimental.fully_async.tasks import apply_task
+
+    apply_task(cfg)
+
+
+def check_data(cfg: DictConfig) -> int:
+    """Read and validate the prompt data before any process starts, so a bad file or row is a one-line error
+    (data.DataError) rather than an actor that dies during start-up. Returns the number of training prompts."""
+    from transformers import AutoTokenizer
+
+    from rllm.experimental.fully_async.runtime.actors import load_prompt_datasets
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.path)
+    train, _ = load_prompt_datasets(cfg, tokenizer)
+    if len(train) == 0:
+        from rllm.experimental.fully_async.data import DataError
+
+        raise DataError(f"{cfg.data.train_files}: no prompt left after filtering (data.max_prompt_length?)")
+    return len(train)
+
+
+def init_ray(num_cpus: int | None = None) -> None:
+    """Loopback-only Ray with a small footprint (ENVIRONMENT.md)."""
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    # gcs_server keeps an event record per actor call (~500 B) up to 100k calls, then remembers each evicted call
+    # as "dropped" up to 1M more: a long run grew it by 38 MB in 30 min (tests/bench/README.md, Soak). 2k of each
+    # bounds it to a few MB, reached within minutes (10k took 9 and 18 minutes of the default run to fill), and
+    # still shows the latest calls in `ray list tasks`. Set before Ray starts, as gcs_server reads them from its
+    # environment; an exported value wins.
+    os.environ.setdefault("RAY_task_events_max_num_task_in_gcs", "2000")
+    os.environ.setdefault("RAY_task_events_max_dropped_task_attempts_tracked_per_job_in_gcs", "2000")
+    if not ray.is_initialized():
+        ray.init(
+            num_cpus=num_cpus or max(4, os.cpu_count() or 1),
+            include_dashboard=False,
+            object_store_memory=1_000_000_000,
+            configure_logging=False,
+            log_to_driver=True,
+            # Library progress bars and notices in the actors would interleave with the progress line.
+            runtime_env={"env_vars": QUIET_LIBRARIES_ENV},
+        )
