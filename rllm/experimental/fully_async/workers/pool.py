@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hashlib
 import importlib
 import importlib.util
 import logging
@@ -33,6 +34,7 @@ import multiprocessing
 import pickle
 import sys
 from collections.abc import Callable
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any, Literal
 
@@ -67,7 +69,9 @@ def resolve_reference(ref: str) -> Callable[..., Any]:
         path = Path(target)
         if not path.is_file():
             raise FileNotFoundError(f"function reference {ref!r}: no file {path}")
-        module_name = f"_rllm_user_{abs(hash(str(path.resolve())))}"
+        # Deterministic across processes (str hash is salted per process): a pickled object of this module sent
+        # to another worker unpickles there once the same reference has been resolved.
+        module_name = "_rllm_user_" + hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
         spec = importlib.util.spec_from_file_location(module_name, path)
         if spec is None or spec.loader is None:
             raise ImportError(f"function reference {ref!r}: cannot load {path}")
@@ -123,6 +127,12 @@ class WorkerPool:
     def _get_pool(self) -> ProcessPool:
         if self._closed:
             raise IsolatedCallError("closed", "worker_pool_closed: the worker pool was closed")
+        if self._pool is not None and not self._pool.active:
+            # pebble marks the whole pool broken when a worker dies before the pool has recorded which task it
+            # had taken (a race seen under load with os._exit): start a fresh pool rather than fail every call.
+            logger.warning("worker pool broke (a worker died unexpectedly); starting a fresh one")
+            broken, self._pool = self._pool, None
+            broken.stop()
         if self._pool is None:
             self._pool = ProcessPool(
                 max_workers=self.max_workers,
@@ -149,6 +159,8 @@ class WorkerPool:
             # pebble's TimeoutError (worker killed) or our outer guard (pebble did not report in time).
             future.cancel()
             raise IsolatedCallError("timeout", f"{name} did not return within {timeout_s:g}s (worker killed)") from exc
+        except BrokenProcessPool as exc:  # see _get_pool: the next call gets a fresh pool
+            raise IsolatedCallError("crash", f"{name}: a worker process died and broke the pool ({exc})") from exc
         except ProcessExpired as exc:
             raise IsolatedCallError("crash", f"{name}: worker process died (exit code {exc.exitcode})") from exc
         except concurrent.futures.CancelledError as exc:
