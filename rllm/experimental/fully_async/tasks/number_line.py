@@ -58,7 +58,9 @@ MODEL_CONFIG: dict[str, Any] = {
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
-    "max_position_embeddings": 64,  # 1 + 4 + 4 * (3 + 4) = 33 tokens per full episode
+    # An episode is 1 + 4 + 4 * (3 + 4) = 33 tokens; the engine's context length is this, so leave room for
+    # sampled turns that run on without EOS (env.max_total_tokens must stay below it).
+    "max_position_embeddings": 256,
     "tie_word_embeddings": True,
     "rope_theta": 10_000.0,
 }
@@ -94,10 +96,12 @@ def build_model(seed: int = 0) -> PreTrainedModel:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
-        vocab_size=len(VOCAB), eos_token_id=VOCAB[EOS_TOKEN], pad_token_id=VOCAB[PAD_TOKEN], bos_token_id=None
+        vocab_size=len(VOCAB),
+        eos_token_id=VOCAB[EOS_TOKEN],
+        pad_token_id=VOCAB[PAD_TOKEN],
+        bos_token_id=None,
+        **MODEL_CONFIG,
     )
-    for key, value in MODEL_CONFIG.items():
-        setattr(config, key, value)
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(config)

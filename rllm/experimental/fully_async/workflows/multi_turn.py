@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rllm.experimental.fully_async.core.protocol import Sequence, Trajectory, TrajectoryStatus
+from rllm.experimental.fully_async.engines.client import EngineHTTPError
 from rllm.experimental.fully_async.envs.base import EnvSpec, state_hash
 from rllm.experimental.fully_async.envs.session import EnvError, IsolatedEnv
 from rllm.experimental.fully_async.workers.pool import WorkerPool
@@ -122,7 +123,11 @@ class MultiTurnWorkflow:
                 break
             params = dict(self.sampling_params)
             params["max_new_tokens"] = min(int(params.get("max_new_tokens", budget)), budget)
-            result = await client.generate(list(episode.context), params, rid=f"{uid}/turn{turn}")
+            try:
+                result = await client.generate(list(episode.context), params, rid=f"{uid}/turn{turn}")
+            except EngineHTTPError as exc:  # e.g. the conversation outgrew the engine's context length
+                episode.end_reason, episode.failure = "length", f"engine_rejected: {exc}"
+                break
             start = len(episode.context)
             episode.turns.append((start, result))
             episode.hashes.append(state_hash(identity + tool_seen) if tool_seen else identity)
