@@ -131,3 +131,25 @@ def test_weight_sync_in_the_middle_of_a_turn_resumes_it_with_new_versions(assets
     assert len(first.prompt_ids) + 200 + 4 + len(second.response_ids) == t.metadata["context_tokens"] == 256
     # The second turn's prompt holds the first turn's tokens exactly, then the observation.
     assert second.prompt_ids[: len(first.prompt_ids) + 200] == first.prompt_ids + first.response_ids
+
+
+def test_rllm_rollout_function_runs_unchanged_through_the_adapter(assets, engine, tokenizer):
+    from pathlib import Path
+
+    from rllm.experimental.fully_async.workers.pool import resolve_reference
+    from rllm.experimental.fully_async.workflows.rllm_compat import RllmRolloutWorkflow
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "agents" / "rllm_number_line.py"
+    workflow = RllmRolloutWorkflow(resolve_reference(f"{example}:rollout_fn"))
+    datum = first_datum(assets, tokenizer)
+
+    async def group():
+        async with EngineClient([engine]) as client:
+            return await asyncio.gather(*(workflow.run(client, tokenizer, datum, i) for i in range(4)))
+
+    for t in asyncio.run(group()):
+        assert t.status == TrajectoryStatus.OK, t.failure_reason
+        assert t.reward in (0.0, 1.0) and t.metadata["rllm"]["param_version_end"] == 0
+        for seq in t.sequences:
+            assert len(seq.response_ids) == len(seq.response_versions) == len(seq.loss_mask) > 0
+            assert set(seq.response_versions) == {0} and seq.loss_mask[0] == 1

@@ -197,3 +197,33 @@ class _TextTokenizer:
     def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=True, return_dict=False):
         text = "".join(m["content"] for m in messages)
         return self.encode(text) if tokenize else text
+
+
+def test_rllm_client_splits_chunks_by_version_and_merge_masks_the_gap(tok):
+    from rllm.experimental.fully_async.protocol import Trajectory as RllmTrajectory
+    from rllm.experimental.fully_async.workflows.rllm_compat import RllmClient, RllmRolloutWorkflow
+
+    async def rollout_fn(client, tokenizer, **kwargs):
+        first = await client.generate(kwargs["prompt_ids"], {"max_tokens": 3})
+        assert [c.version for c in first.output_chunks] == [0, 1] and client.cur_version == 1
+        second = await client.generate(first.all_tokens() + tokenizer.encode("6>7:"), {"max_new_tokens": 3})
+        traj = RllmTrajectory(sequences=[first.to_sequence(), second.to_sequence()], reward=1.0, metadata={"k": 1})
+        traj.sequences = traj.merge()
+        return traj
+
+    client = ScriptedClient(tok, ["+3", "+1"], versions=[[0, 0, 1], [1, 1, 1]])
+    t = run(RllmRolloutWorkflow(rollout_fn), client, tok, datum(tok))
+    assert t.status == TrajectoryStatus.OK and t.reward == 1.0 and t.metadata["rllm"] == {"k": 1}
+    (seq,) = t.sequences
+    assert tok.decode(seq.response_ids) == "+3<eos>6>7:+1<eos>"
+    assert seq.loss_mask == [1, 1, 1, 0, 0, 0, 0, 1, 1, 1]
+    assert seq.response_versions == [0, 0, 1, 1, 1, 1, 1, 1, 1, 1]
+    assert isinstance(RllmClient(client, tok, [0], "x").cur_version, int)
+
+    async def broken(client, tokenizer, **kwargs):
+        raise KeyError("raw_prompt")
+
+    failed = run(RllmRolloutWorkflow(broken), client, tok, datum(tok))
+    assert (
+        failed.status == TrajectoryStatus.FAILED and failed.failure_reason == "rollout_fn_error: KeyError: 'raw_prompt'"
+    )
