@@ -42,6 +42,8 @@ from pebble import ProcessExpired, ProcessPool
 
 logger = logging.getLogger(__name__)
 
+# What the built-in callers ship to workers: the env session's reset/step and the built-in tools.
+DEFAULT_PRELOAD = ("rllm.experimental.fully_async.envs.session", "rllm.experimental.fully_async.tools.calculator")
 FailureKind = Literal["timeout", "crash", "exception", "unpicklable", "closed"]
 FnRef = Callable[..., Any] | str
 
@@ -88,6 +90,15 @@ def resolve_reference(ref: str) -> Callable[..., Any]:
     return fn
 
 
+def _preload(names: tuple[str, ...]) -> None:
+    """Worker initializer: import what the calls will need before any call's clock starts."""
+    for name in names:
+        if ":" in name:
+            resolve_reference(name)
+        else:
+            importlib.import_module(name)
+
+
 def _invoke(fn: FnRef, args: tuple, kwargs: dict) -> Any:
     """Runs in the worker: resolve the reference there, so the parent never imports user code."""
     target = resolve_reference(fn) if isinstance(fn, str) else fn
@@ -104,6 +115,9 @@ class WorkerPool:
 
     `max_tasks`: calls a worker serves before it is replaced (0: never), a guard against user code that leaks.
     `kill_grace_s`: how much longer than timeout_s the caller waits for pebble to report the kill.
+    `preload`: modules (or function references) every worker imports when it starts, outside any call's timeout:
+    a call's time limit also covers importing its function's module in a fresh worker, which on a busy machine
+    can take longer than a short step timeout.
     The pool is started lazily by the first call and must be closed with `close()` (or `async with`).
     """
 
@@ -114,6 +128,7 @@ class WorkerPool:
         max_tasks: int = 0,
         start_method: str = "spawn",
         kill_grace_s: float = 5.0,
+        preload: tuple[str, ...] = DEFAULT_PRELOAD,
     ) -> None:
         if max_workers < 1:
             raise ValueError(f"WorkerPool needs max_workers >= 1, got {max_workers}")
@@ -121,6 +136,7 @@ class WorkerPool:
         self.max_tasks = max_tasks
         self.start_method = start_method
         self.kill_grace_s = kill_grace_s
+        self.preload = tuple(preload)
         self._pool: ProcessPool | None = None
         self._closed = False
 
@@ -138,6 +154,8 @@ class WorkerPool:
                 max_workers=self.max_workers,
                 max_tasks=self.max_tasks,
                 context=multiprocessing.get_context(self.start_method),
+                initializer=_preload if self.preload else None,
+                initargs=(self.preload,),
             )
         return self._pool
 

@@ -19,17 +19,19 @@ Config (proposed, `tools` section): `tools.format` (hermes | compact), `tools.ti
 
 from __future__ import annotations
 
-import ast
 import json
-import operator
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from rllm.experimental.fully_async.tools.calculator import calculator
 from rllm.experimental.fully_async.workers.pool import IsolatedCallError, WorkerPool
 
+__all__ = ["BUILTIN_TOOLS", "ToolBox", "ToolCall", "ToolError", "calculator", "parse_tool_call"]
+
 CallFormat = Literal["hermes", "compact"]
-BUILTIN_TOOLS: dict[str, str] = {"calculator": "rllm.experimental.fully_async.workflows.tools:calculator"}
+# In a light module of their own: a worker imports the tool's module inside the call's time limit.
+BUILTIN_TOOLS: dict[str, str] = {"calculator": "rllm.experimental.fully_async.tools.calculator:calculator"}
 
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _COMPACT = re.compile(r"^\s*([A-Za-z_]\w*)\[(.*)\]\s*$", re.DOTALL)
@@ -112,40 +114,3 @@ class ToolBox:
             kind = "timeout" if exc.kind == "timeout" else "tool_error"
             detail = f"did not return within {self.timeout_s:g}s" if kind == "timeout" else exc.reason
             raise ToolError(kind, f"tool {call.name} {detail}") from exc
-
-
-_BINARY = {
-    ast.Add: operator.add,
-    ast.Sub: operator.sub,
-    ast.Mult: operator.mul,
-    ast.FloorDiv: operator.floordiv,
-    ast.Mod: operator.mod,
-    ast.Div: operator.truediv,
-    ast.Pow: operator.pow,
-}
-_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
-
-
-def calculator(expression: str) -> str:
-    """Evaluate an arithmetic expression (+ - * / // % **, parentheses, integers and decimals); never `eval`.
-
-    Integral results print without a decimal point ("408", not "408.0"). Exponents above 64 are refused so a
-    call cannot make the worker compute a gigantic number.
-    """
-
-    def value(node: ast.AST) -> int | float:
-        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-            return node.value
-        if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
-            left, right = value(node.left), value(node.right)
-            if isinstance(node.op, ast.Pow) and abs(right) > 64:
-                raise ValueError(f"exponent {right} is too large")
-            return _BINARY[type(node.op)](left, right)
-        if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
-            return _UNARY[type(node.op)](value(node.operand))
-        raise ValueError(f"unsupported expression element {type(node).__name__}")
-
-    result = value(ast.parse(expression.strip(), mode="eval").body)
-    if isinstance(result, float) and result.is_integer():
-        result = int(result)
-    return str(result)
