@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from rllm.experimental.fully_async.workflows.base import Workflow, load_reward_fn, score_safely
+from rllm.experimental.fully_async.workflows.multi_turn import MultiTurnWorkflow
 from rllm.experimental.fully_async.workflows.single_turn import SingleTurnWorkflow
 
-__all__ = ["SingleTurnWorkflow", "Workflow", "build_workflow", "load_reward_fn", "score_safely"]
+__all__ = ["MultiTurnWorkflow", "SingleTurnWorkflow", "Workflow", "build_workflow", "load_reward_fn", "score_safely"]
 
 
 def build_workflow(cfg: Any, reward_fn: Any) -> Workflow:
