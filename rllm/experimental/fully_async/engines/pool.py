@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -50,6 +51,23 @@ class EngineState:
     dead: bool = False
     last_error: str = ""
     weight_version: str | None = None  # as last read back from the engine (None: not read yet)
+    busy_s: float = 0.0  # wall time with at least one of this pool's requests in flight, finished spans only
+    busy_since: float | None = None  # start of the current busy span (in_flight > 0), time.monotonic()
+
+    def begin_request(self) -> None:
+        if self.in_flight == 0:
+            self.busy_since = time.monotonic()
+        self.in_flight += 1
+
+    def end_request(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0 and self.busy_since is not None:
+            self.busy_s += time.monotonic() - self.busy_since
+            self.busy_since = None
+
+    def busy_time(self, now: float) -> float:
+        """Busy seconds so far, the current span included."""
+        return self.busy_s + (now - self.busy_since if self.busy_since is not None else 0.0)
 
     @property
     def url(self) -> str:
@@ -111,6 +129,16 @@ class EnginePool:
     def in_flight(self) -> dict[str, int]:
         """Requests this pool has in flight, per engine."""
         return {e.url: e.in_flight for e in self._engines.values()}
+
+    def busy_seconds(self) -> dict[str, float]:
+        """Per engine, the wall seconds during which this pool had at least one request in flight on it.
+
+        An engine is idle, from the rollout side's view, whenever no request of ours is on it: the same definition
+        as the trainer's idle time (waiting for a batch), so the two fractions compare. Requests held by an engine
+        paused for a weight sync count as busy.
+        """
+        now = time.monotonic()
+        return {e.url: e.busy_time(now) for e in self._engines.values()}
 
     def weight_versions(self) -> dict[str, str | None]:
         """Each engine's weight version as last read back from it (None: not read yet)."""
@@ -237,7 +265,7 @@ class EnginePool:
         max_attempts = self.connect_retries * len(self._engines) + 1
         for attempt in range(max_attempts):
             engine = await self.pick(failed_on)
-            engine.in_flight += 1
+            engine.begin_request()
             try:
                 data = await engine.http.generate({**payload, "rid": f"{rid}-{attempt}"}, timeout_s)
             except CONNECTION_ERRORS as exc:
@@ -248,7 +276,7 @@ class EnginePool:
                 await asyncio.sleep(self.backoff(min(attempt, 10)))
                 continue
             finally:
-                engine.in_flight -= 1
+                engine.end_request()
             self.record_success(engine)
             return engine.url, data, attempt
         raise EngineConnectionError(

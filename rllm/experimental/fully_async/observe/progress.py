@@ -23,18 +23,18 @@ FIELDS: tuple[tuple[str, str], ...] = (
     ("staleness/mean", "stale {:.2f}"),
     ("staleness/max", "max {:.0f}"),
     ("rollout/tokens_per_s", "gen {:,.0f} tok/s"),
-    ("train/tokens_per_s", "train {:,.0f} tok/s"),
+    ("trainer/tokens_per_s", "train {:,.0f} tok/s"),
     ("trainer/idle_frac", "idle {:.0%}"),
 )
 _STICKY = frozenset({"val/accuracy"})
 
 
 def with_trained_throughput(metrics: Mapping[str, float]) -> dict[str, float]:
-    """The metrics plus `train/tokens_per_s` = batch/tokens / timing/step_s when both are there."""
+    """The metrics plus `trainer/tokens_per_s` = batch/tokens / timing/step_s, unless the trainer reported it."""
     out = dict(metrics)
     tokens, seconds = metrics.get("batch/tokens"), metrics.get("timing/step_s")
     if tokens is not None and seconds:
-        out["train/tokens_per_s"] = float(tokens) / float(seconds)
+        out.setdefault("trainer/tokens_per_s", float(tokens) / float(seconds))
     return out
 
 

@@ -1,4 +1,4 @@
-"""What a run reports: `RUN_DIR/metrics.jsonl` and verl `Tracking` backends, the console's progress line, the summary.
+"""What a run reports: `RUN_DIR/metrics.jsonl` and verl `Tracking` backends, and the summary (progress: progress.py).
 
 The driver (`runtime/run.py`) calls these from its step loop; they hold no process or Ray state.
 """
@@ -50,25 +50,11 @@ class MetricsSink:
 
     def close(self) -> None:
         self.file.close()
-
-
-# (metric, how it reads on the progress line), in display order; absent metrics are left out.
-_PROGRESS_FIELDS: tuple[tuple[str, str], ...] = (
-    ("reward/mean", "reward {:.3f}"),
-    ("val/accuracy", "val {:.1%}"),
-    ("staleness/mean", "stale {:.2f}"),
-    ("staleness/max", "max {:.0f}"),
-    ("queue/size", "queue {:.0f}"),
-    ("trainer/idle_frac", "idle {:.0%}"),
-    ("timing/step_s", "{:.2f}s"),
-    ("partial/resumed_samples", "resumed {:.0f}"),
-)
-
-
-def progress_line(step: int, total: int | None, metrics: dict[str, float]) -> str:
-    parts = [f"step {step:>4}/{total if total is not None else '?'}"]
-    parts += [fmt.format(metrics[key]) for key, fmt in _PROGRESS_FIELDS if key in metrics]
-    return "  ".join(parts)
+        if self.tracking is not None:
+            # verl's Tracking finishes its backends (flushes TensorBoard's event file, ends a wandb run) in __del__:
+            # drop the one reference so that happens now, once, rather than whenever the interpreter collects it.
+            tracking, self.tracking = self.tracking, None
+            del tracking
 
 
 def prefixed(prefix: str, values: dict[str, Any]) -> dict[str, float]:

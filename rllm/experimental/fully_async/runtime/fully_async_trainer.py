@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,6 +107,9 @@ class FullyAsyncTrainer:
             "staleness/max": float(max(staleness, default=0)),
             "staleness/dropped_groups": float(batch.stale_groups),
         }
+        # The distribution, one count per staleness value (groups), for the report's histogram per step range.
+        for value, count in Counter(staleness).items():
+            metrics[f"staleness/hist/{value}"] = float(count)
         return batch.groups, metrics
 
     def flush_ack(self) -> None:
@@ -148,6 +152,7 @@ class FullyAsyncTrainer:
             metrics.update(self.sync_weights())
         metrics["timing/step_s"] = time.monotonic() - step_started
         metrics["trainer/idle_frac"] = metrics["timing/wait_batch_s"] / max(metrics["timing/step_s"], 1e-9)
+        metrics["trainer/tokens_per_s"] = metrics["batch/tokens"] / max(metrics["timing/step_s"], 1e-9)
         metrics["trainer/step"] = float(self.step)
         metrics["trainer/version"] = float(self.version)
         return metrics

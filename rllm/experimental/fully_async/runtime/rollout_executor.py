@@ -53,6 +53,7 @@ class ExecutorStats:
     groups_queued: int = 0
     samples_failed: int = 0
     samples_resumed: int = 0  # samples whose generation was interrupted by a weight update and resumed
+    tokens_generated: int = 0  # response tokens of finished samples (model and tool/observation tokens alike)
     filter_input_groups: int = 0  # groups offered to the group filter (algorithm.group_filter)
     filter_kept_groups: int = 0
     filter_dropped: dict[str, int] = field(default_factory=dict)  # trajectories dropped, by the ledger's reason
@@ -209,6 +210,7 @@ class RolloutExecutor:
         uid = str(SampleId(datum.epoch, datum.record.index, index))
         if isinstance(result, Trajectory):
             self.stats.samples_resumed += int(result.num_resumes > 0)
+            self.stats.tokens_generated += sum(len(s.response_ids) for s in result.sequences)
             return result
         if isinstance(result, asyncio.CancelledError):
             raise result

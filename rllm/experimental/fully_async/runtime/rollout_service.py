@@ -47,6 +47,10 @@ class RolloutService:
         self.max_staleness = max_staleness
         self.ledger = executor.ledger
         self._filter_seen: dict[str, float] = {}  # the executor's cumulative filter counts at the last batch
+        # Throughput and engine idleness are reported per interval between batches (see `_generation_metrics`).
+        self._last_batch_at = time.monotonic()
+        self._last_tokens = 0
+        self._last_busy: dict[str, float] = {}
 
     async def run(self) -> dict[str, Any]:
         """Run the executor until the data is exhausted or `stop()`; then close the queue so the trainer drains it."""
@@ -89,7 +93,7 @@ class RolloutService:
             # Woken by every change; a group that arrives stale is dropped at the top of the loop.
             await self.queue.wait_for(lambda: len(self.queue) >= n or self.queue.closed, remaining)
         wait_s = time.monotonic() - started
-        metrics = self.metrics() | self._filter_metrics()
+        metrics = self.metrics() | self._filter_metrics() | self._generation_metrics()
         return Batch(groups, status, stale, wait_s, metrics)  # type: ignore[arg-type]
 
     def _filter_metrics(self) -> dict[str, float]:
@@ -101,6 +105,23 @@ class RolloutService:
         delta = {f"filter/{k}": v - self._filter_seen.get(k, 0.0) for k, v in totals.items()}
         self._filter_seen = totals
         return delta
+
+    def _generation_metrics(self) -> dict[str, float]:
+        """rollout/tokens_per_s and engines/idle_frac over the interval since the previous batch.
+
+        An engine is idle while none of our requests is on it (`EnginePool.busy_seconds`), as the trainer is idle
+        while it waits for a batch: both are fractions of the same wall-clock interval, so "who waited" compares.
+        """
+        now = time.monotonic()
+        elapsed = max(now - self._last_batch_at, 1e-9)
+        tokens = self.executor.stats.tokens_generated
+        busy = self.executor.client.pool.busy_seconds() if hasattr(self.executor.client, "pool") else {}
+        out = {"rollout/tokens_per_s": (tokens - self._last_tokens) / elapsed}
+        if busy:
+            fractions = [min(1.0, (b - self._last_busy.get(url, 0.0)) / elapsed) for url, b in busy.items()]
+            out["engines/idle_frac"] = max(0.0, 1.0 - sum(fractions) / len(fractions))
+        self._last_batch_at, self._last_tokens, self._last_busy = now, tokens, busy
+        return out
 
     def _drop_stale(self, version: int) -> int:
         """Remove every queued group older than max_staleness at `version`; ledger it and free its budget slot."""

@@ -21,12 +21,12 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from rllm.experimental.fully_async.engines.from_config import engine_launcher
+from rllm.experimental.fully_async.observe.progress import Progress
 from rllm.experimental.fully_async.observe.reporting import (
     MetricsSink,
     RunSummary,
     prefixed,
     print_summary,
-    progress_line,
 )
 from rllm.experimental.fully_async.runtime.prepare import check_data, init_ray, prepare_task
 
@@ -96,6 +96,9 @@ class Run:
         resumed = load_checkpoint(resume_path) if resume_path is not None else None
         self.sink = MetricsSink(cfg, self.run_dir)
         self._stack.callback(self.sink.close)
+        # A rich bar on a terminal, plain lines in logs (observe/progress.py); closed before anything else prints.
+        self.progress = Progress(self.total)
+        self._stack.callback(self.progress.close)
         self.step_count = resumed.step if resumed is not None else 0
 
         engines = self._stack.enter_context(engine_launcher(cfg, self.run_dir / "engines"))
@@ -120,13 +123,13 @@ class Run:
             # Fresh engines hold the initial weights: give them the checkpoint's, under its version.
             ray.get(self.trainer.sync_weights.remote(False), timeout=self.sync_timeout_s)
             version = resumed.meta.get("version")
-            print(f"resumed from {resume_path} at step {self.step_count} (version {version})", flush=True)
+            self.progress.message(f"resumed from {resume_path} at step {self.step_count} (version {version})")
         elif cfg.trainer.val_before_train:
             val = ray.get(self.rollouts.validate.remote(), timeout=self.validate_timeout_s)
             self.initial_acc = val.get("val/accuracy")
             self.sink.log(0, val)
             if self.initial_acc is not None:  # None: no validation files (data.val_files=null)
-                print(f"initial validation accuracy {self.initial_acc:.1%} (version 0)", flush=True)
+                self.progress.message(f"initial validation accuracy {self.initial_acc:.1%} (version 0)")
         self._run_ref = self.rollouts.run.remote()
 
     # ---- step ----------------------------------------------------------------------------------------------
@@ -144,7 +147,7 @@ class Run:
         self._watch_engines()  # between steps too: a short step never leaves the wait below to watch
         metrics = _step(self.trainer, self._run_ref, timeout_s=step_timeout, while_waiting=self._watch_engines)
         if metrics is None:
-            print(f"prompt data exhausted after {self.step_count} steps", flush=True)
+            self.progress.message(f"prompt data exhausted after {self.step_count} steps")
             return None
         self.step_count += 1
         step = self.step_count
@@ -155,7 +158,7 @@ class Run:
         if test_freq > 0 and step % test_freq == 0 and step != self.total:
             metrics.update(ray.get(self.rollouts.validate.remote(), timeout=self.validate_timeout_s))
         self.sink.log(step, metrics)
-        print(progress_line(step, self.total, metrics), flush=True)
+        self.progress.update(step, metrics)
         if save_freq > 0 and step % save_freq == 0:
             self.checkpoint()
         return metrics
@@ -173,12 +176,11 @@ class Run:
                     self.trainer.replace_engine.remote(event.old_url, event.new_url), timeout=self.sync_timeout_s
                 )
                 ray.get(self.rollouts.replace_engine.remote(event.old_url, event.new_url), timeout=60)
-                print(f"engine {event.index} restarted at {event.new_url} (weight version {version})", flush=True)
+                self.progress.message(f"engine {event.index} restarted at {event.new_url} (weight version {version})")
             else:
-                print(
+                self.progress.message(
                     f"engine {event.index} lost ({event.url}: {event.reason}); "
-                    f"continuing with {self.supervisor.num_alive} engine(s)",
-                    flush=True,
+                    f"continuing with {self.supervisor.num_alive} engine(s)"
                 )
 
     # ---- checkpoint ----------------------------------------------------------------------------------------
