@@ -177,3 +177,24 @@ def test_command_line_rejects_a_bare_word_with_usage_exit_2():
     with pytest.raises(SystemExit) as info:
         parse_command_line(["--config", "x.yaml", "oops"])
     assert info.value.code == 2
+
+
+def test_run_spec_is_built_once_frozen_and_follows_the_config():
+    import dataclasses
+
+    from rllm.experimental.fully_async.settings.spec import build_run_spec
+
+    cfg = load_config(None, ["async_training.trigger_parameter_sync_step=2", "async_training.max_staleness=3"])
+    spec = build_run_spec(cfg)
+    assert spec == build_run_spec(cfg)
+    assert spec.executor.batch_groups == 2 * cfg.async_training.required_samples
+    assert spec.trainer.sync_every_steps == 2 and spec.trainer.max_staleness == 3
+    assert spec.trainer.actor["optim"]["lr"] == cfg.actor_rollout_ref.actor.optim.lr
+    assert spec.engines.backend == "embedded" and spec.param_sync.transport == "disk"
+    assert spec.run.task.name == "addition"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.trainer.seed = 1  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        spec.trainer.actor["clip_ratio"] = 0.5  # type: ignore[index]
+    cfg.actor_rollout_ref.actor.clip_ratio = 0.3  # the spec is a copy: later config edits do not leak into it
+    assert spec.trainer.actor["clip_ratio"] != 0.3

@@ -14,11 +14,11 @@ from typing import Any
 
 @dataclass
 class AsyncTrainingConfig:
-    """The fully-async schedule. rLLM / verl fully_async_policy keys are accepted; see `core/staleness.py`."""
+    """The fully-async schedule. rLLM / verl fully_async_policy keys are accepted; see `settings/compat.py`."""
 
     # Max policy versions a trained token may lag the trainer (AReaL's eta). 0 = on-policy. The capacity rule
     # lets at most (max_staleness + version + 1) * required_samples groups be started by version `version`.
-    # null: derived from rLLM's staleness_threshold (see staleness.map_rllm_async_keys).
+    # null: derived from rLLM's staleness_threshold (see settings/compat.map_rllm_async_keys).
     max_staleness: int | None = None
     # rLLM/verl key: extra fraction of samples the rollouter may produce beyond one sync window.
     staleness_threshold: float | None = None
