@@ -198,3 +198,62 @@ def test_run_spec_is_built_once_frozen_and_follows_the_config():
         spec.trainer.actor["clip_ratio"] = 0.5  # type: ignore[index]
     cfg.actor_rollout_ref.actor.clip_ratio = 0.3  # the spec is a copy: later config edits do not leak into it
     assert spec.trainer.actor["clip_ratio"] != 0.3
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rllm.experimental.fully_async", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+
+
+def test_config_command_prints_the_resolved_config_and_help_lists_commands_and_sections():
+    proc = _cli("config", "engines.num_engines=3", "async_training.max_staleness=null")
+    assert proc.returncode == 0, proc.stderr
+    printed = OmegaConf.create(proc.stdout)
+    assert printed.engines.num_engines == 3
+    assert isinstance(printed.async_training.max_staleness, int)  # derived values are filled in
+    help_text = _cli("--help").stdout
+    for name in ("train", "doctor", "config", "async_training", "settings/schema.py", "algorithms/filters.py"):
+        assert name in help_text
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [("workflow.name=agentic", "workflow.name"), ("run.log_level=LOUD", "run.log_level")],
+)
+def test_unknown_workflow_or_level_is_refused_when_loading(override, named):
+    with pytest.raises(ConfigError, match=named):
+        load_config(None, [override])
+
+
+def test_known_failures_print_one_line_and_exit_by_kind(monkeypatch, capsys):
+    from rllm.experimental.fully_async import __main__ as cli
+    from rllm.experimental.fully_async.engines.launcher import EngineStartupError
+    from rllm.experimental.fully_async.errors import DataError, FullyAsyncError
+    from rllm.experimental.fully_async.runtime.run import RunFailedError
+
+    def raising(exc: BaseException):
+        def handler(line):
+            raise exc
+
+        return cli.Command(handler, "test")
+
+    cases = [
+        (DataError("train.parquet: row 3: field 'prompt' is missing"), 2),
+        (ConfigError("'x.y' must be set"), 2),
+        (RunFailedError("step 4: EngineDiedError: engine 1 exited"), 1),
+        (EngineStartupError("engine 0 did not answer /health within 5s"), 1),
+    ]
+    for exc, code in cases:
+        assert isinstance(exc, FullyAsyncError) or cli.known_failure_code(exc) is not None
+        monkeypatch.setitem(cli.COMMANDS, "boom", raising(exc))
+        assert cli.main(["boom"]) == code
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and str(exc) in err and "Traceback" not in err
+    monkeypatch.setitem(cli.COMMANDS, "boom", raising(ZeroDivisionError("a bug")))
+    with pytest.raises(ZeroDivisionError):  # an unknown failure keeps its traceback
+        cli.main(["boom"])

@@ -29,12 +29,6 @@ class DataError(FullyAsyncError, ValueError):
     exit_code = EXIT_BAD_INPUT
 
 
-class RunFailedError(FullyAsyncError, RuntimeError):
-    """The run started and then failed (an engine, the trainer, a checkpoint); the message names the step."""
-
-    exit_code = EXIT_FAILED
-
-
 def first_line(exc: BaseException) -> str:
     """The first non-empty line of an exception's message (its type's name if it has none)."""
     text = str(exc).strip().splitlines()

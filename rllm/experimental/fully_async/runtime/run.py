@@ -21,6 +21,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from rllm.experimental.fully_async.errors import FullyAsyncError
 from rllm.experimental.fully_async.observe.reporting import (
     MetricsSink,
     RunSummary,
@@ -323,7 +324,7 @@ def train(cfg: DictConfig) -> RunSummary:
     return summary
 
 
-class RunFailedError(RuntimeError):
+class RunFailedError(FullyAsyncError, RuntimeError):
     """The run stopped on an error; the message names the step, the cause and what was checkpointed."""
 
 

@@ -28,6 +28,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     ),
     "data.truncation": ("error", "left", "right"),
     "trainer.resume_mode": ("auto", "disable", "resume_path"),
+    "run.log_level": ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
 }
 
 # key -> (minimum, strict): value must be > minimum (strict) or >= minimum.
@@ -183,7 +184,12 @@ def _validate_cross_fields(cfg: DictConfig) -> None:
         for key in ("data.train_files", "actor_rollout_ref.model.path"):
             if not OmegaConf.select(cfg, key):
                 raise ConfigError(f"'{key}' must be set when task.name is null (or set task.name=addition)")
-    elif cfg.task.name not in ("addition", "smollm2"):
+    if cfg.workflow.path is None and cfg.workflow.name != "single_turn":
+        raise ConfigError(
+            f"'workflow.name' {cfg.workflow.name!r} is not a built-in workflow (single_turn); "
+            "set workflow.path to the file that defines it"
+        )
+    if cfg.task.name is not None and cfg.task.name not in ("addition", "smollm2"):
         raise ConfigError(f"'task.name' must be one of addition, smollm2 or null; got {cfg.task.name!r}")
     total = cfg.trainer.total_training_steps
     if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 1):
