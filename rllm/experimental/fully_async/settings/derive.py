@@ -16,7 +16,16 @@ from rllm.experimental.fully_async.settings.compat import map_rllm_async_keys
 def resolve_derived(cfg: DictConfig) -> None:
     """Fill the `null` settings whose value follows from others (documented on each field)."""
     at = cfg.async_training
+    if at.max_staleness is not None and at.staleness_threshold is not None:
+        raise ConfigError(
+            "'async_training.staleness_threshold' (rLLM's) only derives max_staleness when that is null, and "
+            f"async_training.max_staleness={at.max_staleness} is set; remove one"
+        )
     if at.required_samples is None:
+        if int(cfg.data.train_batch_size) < 1:
+            raise ConfigError(
+                "'async_training.required_samples' must be set when data.train_batch_size is 0 (rLLM's convention)"
+            )
         at.required_samples = int(cfg.data.train_batch_size)
     if at.max_staleness is None:
         rllm_keys = {
@@ -35,6 +44,11 @@ def resolve_derived(cfg: DictConfig) -> None:
     if at.compute_prox_log_prob and cfg.algorithm.off_policy_correction is None:
         # rLLM's compute_prox_log_prob means decoupled PPO with recomputed proximal log-probs (AReaL).
         cfg.algorithm.off_policy_correction = {"mode": "decoupled", "prox_log_probs": "recompute"}
+    actor = cfg.actor_rollout_ref.actor
+    if actor.loss_agg_mode == "seq-mean-token-sum-norm" and actor.loss_scale_factor is None:
+        # Dr.GRPO divides each sequence's token sum by a constant; verl's fallback is the padded width, which here
+        # is the widest response of each batch (core/batch.py pads to it), so the normaliser would vary per step.
+        actor.loss_scale_factor = int(cfg.data.max_response_length)
     n = int(cfg.actor_rollout_ref.rollout.n)
     if at.max_concurrent_rollouts is None:
         at.max_concurrent_rollouts = 2 * at.required_samples * n

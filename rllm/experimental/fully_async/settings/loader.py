@@ -95,16 +95,26 @@ def base_config() -> DictConfig:
 
 def load_config(config_file: str | Path | None = None, overrides: list[str] | None = None) -> DictConfig:
     """Compose, merge and validate. Raises ConfigError (one line) on any problem."""
+    from rllm.experimental.fully_async.settings.derive import resolve_derived
+    from rllm.experimental.fully_async.settings.rllm_yaml import apply_rllm_keys, extract_rllm_keys
+    from rllm.experimental.fully_async.settings.validate import validate
+    from rllm.experimental.fully_async.settings.verl_keys import refuse_unread_verl_keys
+
     cfg = base_config()
     path = Path(config_file) if config_file is not None else DEFAULT_CONFIG
+    rllm_keys: dict[str, Any] = {}  # keys of rLLM's fully-async YAML that verl's tree lacks (settings/rllm_yaml.py)
     for layer_path in _file_chain(path):
         layer = _read_yaml(layer_path)
+        extract_rllm_keys(layer, rllm_keys)
         _merge_strict(cfg, layer, origin=str(layer_path))
     if overrides:
-        _merge_strict(cfg, _parse_overrides(overrides), origin="the command line")
-    from rllm.experimental.fully_async.settings.derive import resolve_derived
-    from rllm.experimental.fully_async.settings.validate import validate
-
+        layer = _parse_overrides(overrides)
+        extract_rllm_keys(layer, rllm_keys)
+        _merge_strict(cfg, layer, origin="the command line")
+    base = base_config()
+    apply_rllm_keys(cfg, rllm_keys, base)
+    # Before derived values: those write verl keys (optim.total_training_steps) the user did not set.
+    refuse_unread_verl_keys(cfg, base)
     resolve_derived(cfg)
     validate(cfg)
     return cfg
@@ -123,6 +133,11 @@ def _file_chain(path: Path, seen: tuple[Path, ...] = ()) -> list[Path]:
             raise ConfigError(f"{path}: `defaults:` entries must be sibling config names, got {parent!r}")
         if parent in ("ppo_trainer", "_self_"):  # verl's defaults are always the base
             continue
+        if parent == "ppo_megatron_trainer":
+            raise ConfigError(
+                f"{path}: `defaults: ppo_megatron_trainer` (actor strategy megatron): the Megatron backend is not "
+                "wired to the fully-async trainer yet; compose on ppo_trainer (FSDP2)"
+            )
         chain.extend(_file_chain(path.parent / f"{parent}.yaml", (*seen, path)))
     return [*chain, path]
 

@@ -113,8 +113,11 @@ PROJECT_SECTIONS: dict[str, type] = {
 # Fully-async defaults for verl keys: what a CPU user would otherwise have to override every time.
 FULLY_ASYNC_VERL_DEFAULTS: dict[str, Any] = {
     "actor_rollout_ref": {
-        "rollout": {"name": "embedded", "n": 8},
+        # The engines are standalone servers that always return log-probs (verl: hybrid_engine=true, false).
+        "hybrid_engine": False,
+        "rollout": {"name": "embedded", "n": 8, "calculate_log_probs": True},
         "actor": {
+            "strategy": "fsdp2",  # the backend shards with FSDP2's fully_shard (backends/fsdp.py)
             "use_torch_compile": False,  # no compile on CPU and for tiny models
             "fsdp_config": {"use_torch_compile": False},
             "ppo_micro_batch_size_per_gpu": 64,

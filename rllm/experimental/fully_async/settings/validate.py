@@ -18,7 +18,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "engines.backend": ("embedded", "sglang"),
     "engines.dtype": ("float32", "bfloat16"),
     "engines.on_engine_failure": ("restart", "continue", "stop"),
-    "param_sync.transport": ("disk", "nccl"),
+    "param_sync.transport": ("disk", "nccl"),  # nccl is refused below until the distributed transport lands
     "actor_rollout_ref.rollout.name": ("embedded", "sglang"),
     "actor_rollout_ref.actor.loss_agg_mode": (
         "token-mean",
@@ -56,12 +56,13 @@ _LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "actor_rollout_ref.actor.grad_clip": (0, True),
     "data.max_prompt_length": (1, False),
     "data.max_response_length": (1, False),
-    "data.train_batch_size": (1, False),
+    "data.train_batch_size": (0, False),  # 0: rLLM's "batches come from the queue" (needs required_samples)
 }
 
 
 def validate(cfg: DictConfig) -> None:
     """Ranges, choices and cross-field rules, each failure one line naming the key."""
+    refuse_unsupported(cfg)
     for key, choices in _CHOICES.items():
         value = OmegaConf.select(cfg, key)
         if value not in choices:
@@ -81,6 +82,56 @@ def validate(cfg: DictConfig) -> None:
 
     _validate_algorithm(cfg)
     _validate_cross_fields(cfg)
+
+
+def refuse_unsupported(cfg: DictConfig) -> None:
+    """Refuse settings this build or this machine cannot honour (a transport, strategy, device or topology it lacks),
+    rather than running something else."""
+    if cfg.param_sync.transport == "nccl":
+        raise ConfigError(
+            "'param_sync.transport=nccl': the distributed weight transport is not built yet (issue 15); "
+            "use param_sync.transport=disk"
+        )
+    strategy = cfg.actor_rollout_ref.actor.strategy
+    if strategy == "megatron":
+        raise ConfigError(
+            "'actor_rollout_ref.actor.strategy=megatron': the Megatron backend is not wired to the fully-async "
+            "trainer yet; use strategy: fsdp2"
+        )
+    if strategy != "fsdp2":
+        raise ConfigError(
+            f"'actor_rollout_ref.actor.strategy={strategy}': the trainer shards with FSDP2 only; use strategy: fsdp2"
+        )
+    world = int(cfg.trainer.n_gpus_per_node) * int(cfg.trainer.nnodes)
+    if world != 1:
+        raise ConfigError(
+            f"'trainer.n_gpus_per_node' x 'trainer.nnodes' = {world}: one trainer rank only until the multi-rank "
+            "trainer lands; set trainer.n_gpus_per_node=1 trainer.nnodes=1"
+        )
+    if cfg.trainer.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("'trainer.device=cuda' but CUDA is not available here; set trainer.device=cpu")
+    elif cfg.trainer.device != "cpu":
+        raise ConfigError(f"'trainer.device' must be cpu or cuda, got {cfg.trainer.device!r}")
+    rollout = cfg.actor_rollout_ref.rollout
+    fixed = {
+        "actor_rollout_ref.hybrid_engine": (cfg.actor_rollout_ref.hybrid_engine, False, "engines are separate servers"),
+        "actor_rollout_ref.rollout.mode": (rollout.mode, "async", "engines are servers answering HTTP"),
+        "actor_rollout_ref.rollout.calculate_log_probs": (
+            rollout.calculate_log_probs,
+            True,
+            "engines always return them",
+        ),
+    }
+    for key, (value, only, why) in fixed.items():
+        if value != only:
+            raise ConfigError(f"'{key}={value}' cannot be honoured ({why}); set it to {only} or remove it")
+    if cfg.engines.backend == "embedded" and len(cfg.engines.extra_args):
+        raise ConfigError(
+            "'engines.extra_args' is passed to sglang.launch_server; with engines.backend=embedded remove it"
+        )
 
 
 def _validate_algorithm(cfg: DictConfig) -> None:
@@ -159,14 +210,6 @@ def _validate_cross_fields(cfg: DictConfig) -> None:
         raise ConfigError(
             "'actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu' must be >= 1 "
             "(or set actor_rollout_ref.actor.use_dynamic_bsz=true)"
-        )
-    world = int(cfg.trainer.n_gpus_per_node) * int(cfg.trainer.nnodes)
-    samples = at.required_samples * int(cfg.actor_rollout_ref.rollout.n)
-    if samples % world:
-        raise ConfigError(
-            f"'async_training.required_samples' x 'actor_rollout_ref.rollout.n' = {samples} samples per step "
-            f"cannot be split across {world} trainer ranks (trainer.n_gpus_per_node x trainer.nnodes); "
-            "choose sizes that divide"
         )
     if at.max_concurrent_rollouts < int(cfg.actor_rollout_ref.rollout.n):
         raise ConfigError(
