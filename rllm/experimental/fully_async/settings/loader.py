@@ -170,8 +170,9 @@ def _merge_strict(cfg: DictConfig, layer: DictConfig, origin: str) -> None:
     The types come from `cfg` as it stands: verl's YAML values (untyped, so checked here by their default's
     type) and this project's dataclass sections (checked by OmegaConf).
     """
+    # Unknown keys are refused by the walk; struct mode is not used for that because it also refuses keys in the
+    # free-form sections (engines.extra_args, verl's engine_kwargs), which the walk admits.
     _check_keys_and_types(cfg, layer, cfg, prefix="", origin=origin)
-    OmegaConf.set_struct(cfg, True)
     try:
         cfg.merge_with(layer)  # in place: OmegaConf.merge deep-copies the 700-key tree (~0.2 s) per layer
     except ValidationError as exc:
@@ -179,8 +180,6 @@ def _merge_strict(cfg: DictConfig, layer: DictConfig, origin: str) -> None:
         raise ConfigError(f"{key}: {_first_line(exc)} (set in {origin})") from exc
     except ConfigKeyError as exc:  # kept as a safety net: _check_keys_and_types should have caught it
         raise ConfigError(f"unknown key in {origin}: {_first_line(exc)}") from exc
-    finally:
-        OmegaConf.set_struct(cfg, False)
 
 
 def _check_keys_and_types(cfg: Any, layer: Any, verl_defaults: Any, prefix: str, origin: str) -> None:
@@ -218,10 +217,18 @@ def _lookup(cfg: DictConfig, dotted: str) -> Any:
     return node
 
 
+# verl defaults written as integers for settings that are fractions.
+_FLOAT_KEYS_WITH_INT_DEFAULTS = frozenset(
+    {"actor_rollout_ref.rollout.top_p", "actor_rollout_ref.rollout.val_kwargs.top_p"}
+)
+
+
 def _check_verl_leaf_type(key: str, default: Any, value: Any, origin: str) -> None:
     """verl's YAML is untyped; use its default value's type as the schema (None or ??? accepts anything)."""
     if default is None or default == "???" or value is None:
         return
+    if key in _FLOAT_KEYS_WITH_INT_DEFAULTS:
+        default = float(default)
     if isinstance(value, str) and value.startswith("${"):
         return
     expected: tuple[type, ...]

@@ -94,11 +94,15 @@ def apply_rllm_keys(cfg: DictConfig, found: dict[str, Any], base: DictConfig) ->
 
     `base` holds the defaults before any user file, to tell a value the user set from a default.
     """
+    # The engine is named twice (verl's rollout.name, this project's engines.backend): one set names both.
+    name_set = _user_set(cfg, base, "actor_rollout_ref.rollout.name")
+    backend_set = _user_set(cfg, base, "engines.backend")
+    if name_set and not backend_set:
+        cfg.engines.backend = cfg.actor_rollout_ref.rollout.name
+    elif backend_set and not name_set:
+        cfg.actor_rollout_ref.rollout.name = cfg.engines.backend
     for key, value in found.items():
         _APPLY[key](cfg, value, base)
-    name = cfg.actor_rollout_ref.rollout.name
-    if _user_set(cfg, base, "actor_rollout_ref.rollout.name") and not _user_set(cfg, base, "engines.backend"):
-        cfg.engines.backend = name  # a verl/rLLM file names its engine there (rollout.name: sglang)
 
 
 def _user_set(cfg: DictConfig, base: DictConfig, key: str) -> bool:

@@ -136,6 +136,7 @@ FULLY_ASYNC_VERL_DEFAULTS: dict[str, Any] = {
     "trainer": {"logger": ["console"], "val_before_train": True, "device": "cpu", "n_gpus_per_node": 1},
     # Used only with algorithm.adv_estimator=gae. verl's micro-batch resolves to null, which the critic refuses.
     "critic": {
+        "strategy": "fsdp2",  # as the actor (backends/critic.py shards like backends/fsdp.py)
         "ppo_micro_batch_size_per_gpu": 64,
         "model": {"enable_gradient_checkpointing": False, "use_remove_padding": False},
     },
