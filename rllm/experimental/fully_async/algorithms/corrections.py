@@ -259,6 +259,19 @@ def apply_off_policy_correction_to_batch(
         raise KeyError("off-policy correction needs batch key 'rollout_log_probs' (the engines' log-probs)")
     versions = batch.get("response_versions", None)
     if config.mode == "decoupled" and config.prox_log_probs == "loglinear" and config.prox_lag == 0:
+        recomputed = batch.get("old_log_probs", None)  # present when the trainer also recomputed pi_prox
+        approx_error = {}
+        if recomputed is not None and versions is not None and trainer_version is not None:
+            # Both proximal log-probs exist: measure the log-linear formula at this step's versions (v_theta =
+            # v_prox = V, alpha = 1 below V, 0 at V) against the recomputed pi_prox.
+            approx = loglinear_proximal_log_probs(
+                batch["rollout_log_probs"],
+                recomputed,
+                versions,
+                theta_version=float(trainer_version),
+                prox_version=float(trainer_version),
+            )
+            approx_error = approx_error_stats(approx, recomputed, batch["rollout_log_probs"], batch["response_mask"])
         batch["old_log_probs"] = batch["rollout_log_probs"].clone()
         if "rollout_is_weights" in batch:
             del batch["rollout_is_weights"]
@@ -268,6 +281,7 @@ def apply_off_policy_correction_to_batch(
             num_tokens=int(valid.sum()),
             num_sequences=int(valid.any(dim=-1).sum()),
             **staleness_stats(versions, trainer_version, batch["response_mask"]),
+            **approx_error,
         )
     recomputed = batch.get("old_log_probs", None)
     interpolation = {}
@@ -309,13 +323,18 @@ class OffPolicyCorrector:
     config: CorrectionConfig
     # verl loss_mode the actor must use, when the correction lives inside the update (decoupled + loglinear)
     policy_loss_mode: str | None = None
+    # decoupled + loglinear with async_training.compute_prox_log_prob: also recompute pi_prox, to report the
+    # approximation's error (prox_approx_*) in the step's metrics. Costs the forward pass loglinear saves.
+    measure_approximation: bool = False
 
     @property
     def needs_recompute(self) -> bool:
         """Whether the trainer must compute log-probs under its current weights before `apply`."""
         c = self.config
-        return c.mode in ("none", "tis") or (
-            c.mode == "decoupled" and (c.prox_log_probs == "recompute" or c.prox_lag > 0)
+        return (
+            c.mode in ("none", "tis")
+            or (c.mode == "decoupled" and (c.prox_log_probs == "recompute" or c.prox_lag > 0))
+            or self.measure_approximation
         )
 
     def apply(
@@ -346,4 +365,10 @@ def build_correction(cfg: Any) -> OffPolicyCorrector | None:
         from rllm.experimental.fully_async.algorithms.decoupled_loss import register_update_time_decoupled_loss
 
         policy_loss_mode = register_update_time_decoupled_loss(config)
-    return OffPolicyCorrector(config, policy_loss_mode=policy_loss_mode)
+    measure = config.mode == "decoupled" and config.prox_log_probs == "loglinear" and _compute_prox_log_prob(cfg)
+    return OffPolicyCorrector(config, policy_loss_mode=policy_loss_mode, measure_approximation=measure)
+
+
+def _compute_prox_log_prob(cfg: Any) -> bool:
+    section = cfg.get("async_training") if hasattr(cfg, "get") else None
+    return bool(section.get("compute_prox_log_prob", False)) if section is not None else False

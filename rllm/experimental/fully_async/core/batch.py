@@ -74,9 +74,10 @@ def groups_to_dataproto(groups: list[TrajectoryGroup], *, pad_token_id: int, tem
             response_mask[i, :r] = torch.tensor(seq.loss_mask, dtype=torch.float32)
             rollout_log_probs[i, :r] = torch.tensor(seq.response_logprobs, dtype=torch.float32)
             versions[i, :r] = torch.tensor(seq.response_versions, dtype=torch.long)
-            scores[i, r - 1] = reward
-        # An empty response has no token to carry its reward; its mask is all zero, so it trains nothing
-        # (the patched actor's empty-mask guard) but still counts in its group's statistics.
+        # The reward sits on the last response token; an empty response has none, so it sits at position 0. Its
+        # mask is all zero, so it trains nothing (the patched actor's empty-mask guard), but its reward counts in
+        # its group's statistics (estimators score a row by the sum of its token_level_rewards).
+        scores[i, max(r, 1) - 1] = reward
 
     position_ids = torch.clamp(torch.cumsum(attention_mask, dim=-1) - 1, min=0)
     tensors = {
