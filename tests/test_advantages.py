@@ -300,3 +300,81 @@ def test_summary_counts_groups_and_advantages():
     assert stats.zero_adv_token_fraction == pytest.approx(zero_tokens / tokens)
     metrics = stats.to_metrics("adv/")
     assert metrics["adv/num_groups"] == 4.0 and all(math.isfinite(v) for v in metrics.values())
+
+
+# --- correctness found by reading the code (issue 11, section 5) -------------------------------------------------
+
+
+def _policy_loss(actor_config, advantages: torch.Tensor, mask: torch.Tensor) -> float:
+    from verl.trainer.ppo.core_algos import compute_policy_loss_vanilla
+
+    zeros = torch.zeros_like(advantages)  # ratio 1: the loss is -A aggregated
+    loss, _ = compute_policy_loss_vanilla(
+        old_log_prob=zeros,
+        log_prob=zeros,
+        advantages=advantages,
+        response_mask=mask,
+        loss_agg_mode=actor_config.loss_agg_mode,
+        config=actor_config,
+    )
+    return float(loss)
+
+
+def test_dr_grpo_normaliser_is_the_configured_response_length_not_the_batch_width():
+    from rllm.experimental.fully_async.backends.fsdp import build_actor_config
+    from rllm.experimental.fully_async.settings.loader import load_config
+
+    cfg = load_config(None, [*(f"{k}={v}" for k, v in DR_GRPO_KEYS.items()), "data.max_response_length=6"])
+    actor_config = build_actor_config(cfg.actor_rollout_ref.actor)
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-1.0, 0.5, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    # core/batch.py pads to the batch's widest response: the same responses can arrive 3 or 5 tokens wide
+    wide_adv = torch.cat([adv, torch.zeros(2, 2)], dim=1)
+    wide_mask = torch.cat([mask, torch.zeros(2, 2)], dim=1)
+    narrow, wide = _policy_loss(actor_config, adv, mask), _policy_loss(actor_config, wide_adv, wide_mask)
+    expected = -((3.0) + (-1.0 + 0.5)) / 2 / 6  # seq-mean of token sums, divided by data.max_response_length
+    assert narrow == pytest.approx(expected) and wide == pytest.approx(expected)
+
+
+def test_empty_response_keeps_its_reward_in_its_groups_statistics():
+    from rllm.experimental.fully_async.core.batch import groups_to_dataproto
+    from rllm.experimental.fully_async.core.protocol import Sequence, Trajectory, TrajectoryGroup
+
+    def traj(i: int, response: list[int], reward: float) -> Trajectory:
+        n = len(response)
+        seq = Sequence([1, 2], response, response_logprobs=[-0.5] * n, response_versions=[0] * n)
+        return Trajectory(uid=f"g/{i}", prompt_uid="g", sequences=[seq], reward=reward)
+
+    group = TrajectoryGroup("g", [traj(0, [], 1.0), traj(1, [5, 6], 0.0), traj(2, [5], 0.0), traj(3, [7], 0.0)])
+    data = groups_to_dataproto([group], pad_token_id=0, temperature=1.0)
+    result = AdvantageConfig(adv_estimator="grpo").compute_with_stats(data)
+    scores = [1.0, 0.0, 0.0, 0.0]
+    mean, std = statistics.mean(scores), statistics.stdev(scores)
+    for row in (1, 2, 3):  # the empty response's reward lowers the others' advantage below zero
+        assert data.batch["advantages"][row, 0].item() == pytest.approx((0.0 - mean) / (std + 1e-6), rel=1e-5)
+    assert data.batch["advantages"][0].abs().sum().item() == 0.0  # it trains nothing itself
+    assert result.stats.num_zero_spread_groups == 0
+
+
+def test_advantage_and_gigpo_statistics_come_back_as_a_named_structure():
+    grpo = AdvantageConfig(adv_estimator="grpo").compute_with_stats(make_batch())
+    assert grpo.stats.num_groups == 4 and grpo.gigpo is None
+    metrics = grpo.to_metrics()
+    assert metrics["advantages/num_singleton_groups"] == 1.0 and "advantages/adv_abs_max" in metrics
+
+    from test_gigpo import HAND_MADE, to_inputs  # tests/ is on sys.path (rootdir conftest)
+
+    inputs = to_inputs(HAND_MADE)
+    data = DataProto.from_dict(
+        tensors={"token_level_rewards": inputs["token_level_rewards"], "response_mask": inputs["response_mask"]},
+        non_tensors={
+            "uid": inputs["index"],
+            "traj_uid": inputs["traj_index"],
+            "step_index": inputs["step_index"],
+            "state_hash": inputs["state_hash"],
+            "step_rewards": inputs["step_rewards"],
+        },
+    )
+    gigpo = AdvantageConfig(adv_estimator="gigpo").compute_with_stats(data)
+    assert gigpo.gigpo is not None and gigpo.gigpo.num_trajectories == 5
+    assert gigpo.to_metrics()["gigpo/num_trajectories"] == 5.0

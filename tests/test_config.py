@@ -51,7 +51,12 @@ def test_overrides_win_over_the_file():
         ("engines.backend=vllm", "engines.backend"),
         ("algorithm.adv_estimator=magic", "algorithm.adv_estimator"),
         ("actor_rollout_ref.rollout.n=1", "actor_rollout_ref.rollout.n"),
-        ("trainer.n_gpus_per_node=3", "async_training.required_samples"),
+        ("trainer.n_gpus_per_node=3", "trainer.n_gpus_per_node"),
+        ("param_sync.transport=nccl", "param_sync.transport=disk"),
+        ("actor_rollout_ref.actor.strategy=megatron", "Megatron backend is not wired"),
+        ("async_training.require_batches=2", "async_training.required_samples"),
+        ("actor_rollout_ref.ref.fsdp_config.param_offload=true", "is verl's, not used by the fully-async trainer"),
+        ("algorithm.use_kl_in_reward=true", "algorithm.use_kl_in_reward"),
         ("actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.use_kl_loss"),
         ("actor_rollout_ref.actor.ppo_epochs=2", "actor_rollout_ref.actor.ppo_epochs"),
         ("async_training.queue_max_groups=3", "async_training.queue_max_groups"),
@@ -177,3 +182,83 @@ def test_command_line_rejects_a_bare_word_with_usage_exit_2():
     with pytest.raises(SystemExit) as info:
         parse_command_line(["--config", "x.yaml", "oops"])
     assert info.value.code == 2
+
+
+def test_run_spec_is_built_once_frozen_and_follows_the_config():
+    import dataclasses
+
+    from rllm.experimental.fully_async.settings.spec import build_run_spec
+
+    cfg = load_config(None, ["async_training.trigger_parameter_sync_step=2", "async_training.max_staleness=3"])
+    spec = build_run_spec(cfg)
+    assert spec == build_run_spec(cfg)
+    assert spec.executor.batch_groups == 2 * cfg.async_training.required_samples
+    assert spec.trainer.sync_every_steps == 2 and spec.trainer.max_staleness == 3
+    assert spec.trainer.actor["optim"]["lr"] == cfg.actor_rollout_ref.actor.optim.lr
+    assert spec.engines.backend == "embedded" and spec.param_sync.transport == "disk"
+    assert spec.run.task.name == "addition"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.trainer.seed = 1  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        spec.trainer.actor["clip_ratio"] = 0.5  # type: ignore[index]
+    cfg.actor_rollout_ref.actor.clip_ratio = 0.3  # the spec is a copy: later config edits do not leak into it
+    assert spec.trainer.actor["clip_ratio"] != 0.3
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rllm.experimental.fully_async", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+
+
+def test_config_command_prints_the_resolved_config_and_help_lists_commands_and_sections():
+    proc = _cli("config", "engines.num_engines=3", "async_training.max_staleness=null")
+    assert proc.returncode == 0, proc.stderr
+    printed = OmegaConf.create(proc.stdout)
+    assert printed.engines.num_engines == 3
+    assert isinstance(printed.async_training.max_staleness, int)  # derived values are filled in
+    help_text = _cli("--help").stdout
+    for name in ("train", "doctor", "config", "async_training", "settings/schema.py", "algorithms/filters.py"):
+        assert name in help_text
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [("workflow.name=agentic", "workflow.name"), ("run.log_level=LOUD", "run.log_level")],
+)
+def test_unknown_workflow_or_level_is_refused_when_loading(override, named):
+    with pytest.raises(ConfigError, match=named):
+        load_config(None, [override])
+
+
+def test_known_failures_print_one_line_and_exit_by_kind(monkeypatch, capsys):
+    from rllm.experimental.fully_async import __main__ as cli
+    from rllm.experimental.fully_async.engines.launcher import EngineStartupError
+    from rllm.experimental.fully_async.errors import DataError, FullyAsyncError
+    from rllm.experimental.fully_async.runtime.run import RunFailedError
+
+    def raising(exc: BaseException):
+        def handler(line):
+            raise exc
+
+        return cli.Command(handler, "test")
+
+    cases = [
+        (DataError("train.parquet: row 3: field 'prompt' is missing"), 2),
+        (ConfigError("'x.y' must be set"), 2),
+        (RunFailedError("step 4: EngineDiedError: engine 1 exited"), 1),
+        (EngineStartupError("engine 0 did not answer /health within 5s"), 1),
+    ]
+    for exc, code in cases:
+        assert isinstance(exc, FullyAsyncError) or cli.known_failure_code(exc) is not None
+        monkeypatch.setitem(cli.COMMANDS, "boom", raising(exc))
+        assert cli.main(["boom"]) == code
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and str(exc) in err and "Traceback" not in err
+    monkeypatch.setitem(cli.COMMANDS, "boom", raising(ZeroDivisionError("a bug")))
+    with pytest.raises(ZeroDivisionError):  # an unknown failure keeps its traceback
+        cli.main(["boom"])

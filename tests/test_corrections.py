@@ -521,3 +521,31 @@ def test_corrector_applies_the_trainers_log_probs_and_returns_metrics():
     torch.testing.assert_close(data.batch["rollout_is_weights"], expected)
     assert metrics["off_policy/staleness_max"] == 2.0
     assert metrics["off_policy/staleness_mean"] == pytest.approx((1 + 1 + 0 + 2 + 2) / 5)
+
+
+def test_loglinear_approximation_error_reaches_the_metrics_when_both_proximal_log_probs_are_computed():
+    """decoupled + loglinear with async_training.compute_prox_log_prob: the trainer recomputes pi_prox too, and the
+    formula's error against it (prox_approx_*) is in the step's metrics; without it, no forward pass and no metric."""
+    section = {"off_policy_correction": {"mode": "decoupled", "prox_log_probs": "loglinear"}}
+    plain = build_correction({"algorithm": section, "async_training": {"compute_prox_log_prob": False}})
+    measured = build_correction({"algorithm": section, "async_training": {"compute_prox_log_prob": True}})
+    assert not plain.needs_recompute and measured.needs_recompute
+
+    behav = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, 0.0]])
+    recomputed = torch.tensor([[-1.1, -1.8, -0.5], [-0.2, -0.9, 0.0]])
+    versions = torch.tensor([[3, 4, 4], [4, 4, -1]])  # trainer at version 4: two tokens are one version old
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+
+    def batch() -> DataProto:
+        return DataProto.from_dict(
+            tensors={"rollout_log_probs": behav.clone(), "response_mask": mask.clone(), "response_versions": versions}
+        )
+
+    data = batch()
+    metrics = measured.apply(data, proximal_log_probs=recomputed.clone(), trainer_version=4)
+    # alpha = 1 for the version-3 token (exact), 0 for version-4 tokens (pi_prox ~ pi_behav): error |behav - recomp|
+    errors = [0.0, 0.2, 0.0, 0.1, 0.2]
+    assert metrics["off_policy/prox_approx_abs_error_mean"] == pytest.approx(sum(errors) / 5, abs=1e-6)
+    assert metrics["off_policy/prox_approx_abs_error_max"] == pytest.approx(0.2, abs=1e-6)
+    assert torch.equal(data.batch["old_log_probs"], behav)  # the update-time loss still gets log pi_behav
+    assert not any(k.startswith("off_policy/prox_approx") for k in plain.apply(batch(), proximal_log_probs=None))

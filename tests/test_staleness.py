@@ -8,14 +8,12 @@ from hypothesis import strategies as st
 
 from rllm.experimental.fully_async.core.protocol import Sequence, Trajectory, TrajectoryGroup
 from rllm.experimental.fully_async.core.staleness import (
-    AsyncSettings,
-    OldLogProbSource,
     StalenessManager,
     check_sync_interval,
     is_too_stale,
-    map_rllm_async_keys,
     split_by_staleness,
 )
+from rllm.experimental.fully_async.settings.compat import AsyncSettings, OldLogProbSource, map_rllm_async_keys
 
 
 class FakeVersion:

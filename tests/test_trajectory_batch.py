@@ -59,7 +59,7 @@ def test_empty_response_trains_nothing_but_keeps_its_row():
     other = _traj("a/1", [1, 2], [3], [0], 0.0)
     data = groups_to_dataproto([TrajectoryGroup("a", [empty, other])], pad_token_id=PAD, temperature=1.0)
     assert data.batch["response_mask"][0].sum().item() == 0
-    assert data.batch["token_level_scores"][0].sum().item() == 0
+    assert data.batch["token_level_scores"][0].sum().item() == 1.0  # its reward counts in its group's statistics
 
 
 def test_multi_step_trajectory_gives_one_row_per_step_with_step_rewards_and_state_hashes():

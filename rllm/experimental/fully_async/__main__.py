@@ -1,8 +1,10 @@
-"""Command line: `python -m rllm.experimental.fully_async [train|doctor] [--config FILE] [key=value ...]`,
-`... report RUN_DIR [RUN_DIR ...] [--out FILE]`.
+"""Command line: `python -m rllm.experimental.fully_async [COMMAND] [--config FILE] [key=value ...]`.
 
-With no arguments it trains the embedded default (config/tiny_cpu.yaml): a tiny model learning 2-digit
-addition on CPU with fully-async GRPO. Exit codes: 0 success, 1 the run failed, 2 bad configuration or usage.
+With no command it trains the embedded default (config/tiny_cpu.yaml): a tiny model learning 2-digit addition on
+CPU with fully-async GRPO. Commands live in `COMMANDS`; a module adds one with `@command(name, help)` (report,
+simulate, ... register themselves when their module is imported here). Exit codes: 0 success, 1 the run failed,
+2 bad configuration, data or usage (`errors.py`). A known failure prints one line and no traceback; with
+`run.log_level=DEBUG` the traceback follows.
 """
 
 from __future__ import annotations
@@ -10,21 +12,77 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from rllm.experimental.fully_async.settings.loader import DEFAULT_CONFIG, ConfigError, load_config
+from rllm.experimental.fully_async.errors import EXIT_BAD_INPUT, EXIT_FAILED, FullyAsyncError, first_line
+from rllm.experimental.fully_async.settings.loader import DEFAULT_CONFIG, load_config
 
-EXIT_FAILED = 1
-EXIT_BAD_CONFIG = 2
+EXIT_BAD_CONFIG = EXIT_BAD_INPUT  # kept for callers of the old name
+PROG = "python -m rllm.experimental.fully_async"
 
 
-COMMANDS = ("train", "doctor")
+@dataclass(frozen=True)
+class CommandLine:
+    """What every command receives: the config file (None: the default) and the key=value overrides."""
+
+    config_file: str | None
+    overrides: list[str]
+
+
+Handler = Callable[..., int]  # (CommandLine) -> int, or (argv) -> int for commands with their own arguments
+
+
+@dataclass(frozen=True)
+class Command:
+    handler: Handler
+    help: str
+    # True: the command parses its own arguments (run directories, --gpus, ...) and gets argv after its name.
+    own_arguments: bool = False
+
+
+COMMANDS: dict[str, Command] = {}
+DEFAULT_COMMAND = "train"
+
+
+def command(name: str, help: str, own_arguments: bool = False) -> Callable[[Handler], Handler]:
+    """Register a subcommand: `@command("config", "print the resolved config")` over `def handler(line) -> int`;
+    with `own_arguments=True` the handler gets the argv after the command's name instead of a CommandLine."""
+
+    def register(handler: Handler) -> Handler:
+        COMMANDS[name] = Command(handler, help, own_arguments)
+        return handler
+
+    return register
+
+
+# Where each section's fields are documented (shown by --help).
+CONFIG_SECTIONS: dict[str, str] = {
+    "async_training": "settings/schema.py AsyncTrainingConfig (rLLM keys: settings/compat.py)",
+    "engines": "settings/schema.py EnginesConfig",
+    "param_sync": "settings/schema.py ParamSyncConfig",
+    "task": "settings/schema.py TaskConfig",
+    "workflow": "settings/schema.py WorkflowConfig",
+    "run": "settings/schema.py RunConfig",
+    "algorithm.off_policy_correction": "algorithms/correction_config.py CorrectionConfig",
+    "algorithm.group_filter": "algorithms/filters.py FilterConfig",
+    "algorithm.gigpo": "algorithms/gigpo.py GiGPOConfig",
+    "verl's sections": "actor_rollout_ref, data, algorithm, trainer, critic, reward: verl 0.7.1's meaning "
+    "(verl/trainer/config/_generated_ppo_trainer.yaml); which of them are read: settings/verl_keys.py",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
+    names = "|".join(COMMANDS)
+    commands = "\n".join(f"  {name:<10} {c.help}" for name, c in COMMANDS.items())
+    sections = "\n".join(f"  {name:<32} {where}" for name, where in CONFIG_SECTIONS.items())
     parser = argparse.ArgumentParser(
-        prog="python -m rllm.experimental.fully_async",
-        usage="%(prog)s [train|doctor] [--config FILE] [key=value ...]",
-        description="Fully-asynchronous PPO on verl 0.7.1. Commands: train (default), doctor, report RUN_DIR...",
+        prog=PROG,
+        usage=f"%(prog)s [{names}] [--config FILE] [key=value ...]",
+        description=f"Fully-asynchronous PPO on verl 0.7.1.\n\ncommands (default: {DEFAULT_COMMAND}):\n{commands}",
+        epilog=f"config sections (paths under rllm/experimental/fully_async/):\n{sections}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", default=None, help=f"YAML config (default: {DEFAULT_CONFIG})")
     return parser
@@ -34,65 +92,116 @@ def parse_command_line(argv: list[str]) -> tuple[str, str | None, list[str]]:
     """(command, config file, overrides) from argv, in any order: `train --config X a=1`, `--config X a=1`, ..."""
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    command = "train"
+    name = DEFAULT_COMMAND
     if rest and rest[0] in COMMANDS:
-        command = rest.pop(0)
+        name = rest.pop(0)
     for item in rest:
         if item.startswith("-") or "=" not in item:
             parser.error(f"unexpected argument {item!r}: overrides are key=value (e.g. trainer.total_training_steps=5)")
-    return command, args.config, rest
+    return name, args.config, rest
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["report"]:  # its own arguments (run directories), no config: see observe/report.py
-        from rllm.experimental.fully_async.observe.report import main as report_main
-
-        return report_main(argv[1:])
-    if argv[:1] == ["simulate"]:  # its own options (--from, --gpus): see simulate/cli.py
-        from rllm.experimental.fully_async.simulate.cli import main as simulate_main
-
-        return simulate_main(argv[1:])
-    if argv[:1] == ["plan"]:  # its own options (--gpus-per-node, --nodes): see plan.py
-        from rllm.experimental.fully_async.plan import main as plan_main
-
-        return plan_main(argv[1:])
-    command, config_file, overrides = parse_command_line(argv)
-    if command == "doctor":
-        from rllm.experimental.fully_async.doctor import run_doctor
-
-        return run_doctor()
-
+    if argv[:1] and argv[0] in COMMANDS and COMMANDS[argv[0]].own_arguments:
+        name, line = argv[0], CommandLine(None, [a for a in argv[1:] if "=" in a and not a.startswith("-")])
+        run: Callable[[], int] = lambda: COMMANDS[name].handler(argv[1:])  # noqa: E731
+    else:
+        name, config_file, overrides = parse_command_line(argv)
+        line = CommandLine(config_file, overrides)
+        run = lambda: COMMANDS[name].handler(line)  # noqa: E731
     try:
-        cfg = load_config(config_file, overrides)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return EXIT_BAD_CONFIG
-    logging.basicConfig(level=str(cfg.run.log_level), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-
-    from rllm.experimental.fully_async.data import DataError
-    from rllm.experimental.fully_async.runtime.run import RunFailedError, train
-    from rllm.experimental.fully_async.runtime.run_dir import RunFinished
-    from rllm.experimental.fully_async.verl_patch import UnpatchedVerlError
-
-    try:
-        train(cfg)
-    except RunFinished as exc:
-        print(exc)
-        return 0
-    except ConfigError as exc:  # e.g. a resume that would change keys the checkpoint depends on
-        print(f"config error: {exc}", file=sys.stderr)
-        return EXIT_BAD_CONFIG
-    except (UnpatchedVerlError, DataError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_BAD_CONFIG
+        return run()
+    except FullyAsyncError as exc:
+        return _fail(exc, exc.exit_code, line)
     except KeyboardInterrupt:
         print("interrupted: engines and actors stopped", file=sys.stderr)
         return 130
-    except RunFailedError as exc:
-        print(f"run failed at {exc}", file=sys.stderr)
+    except Exception as exc:
+        code = known_failure_code(exc)
+        if code is None:
+            raise
+        return _fail(exc, code, line)
+
+
+def known_failure_code(exc: BaseException) -> int | None:
+    """Exit code for failures raised by modules whose classes do not yet derive from FullyAsyncError (the lead
+    folds them into errors.py at merge); None: not a known failure, let its traceback show."""
+    from rllm.experimental.fully_async.engines.launcher import EngineStartupError
+    from rllm.experimental.fully_async.runtime.checkpoint import CheckpointError
+    from rllm.experimental.fully_async.tasks.smollm2 import SmolLM2NotInstalledError
+    from rllm.experimental.fully_async.verl_patch import UnpatchedVerlError
+
+    if isinstance(exc, (UnpatchedVerlError, SmolLM2NotInstalledError)):
+        return EXIT_BAD_INPUT  # the installation, fixed before starting (the message names the command)
+    if isinstance(exc, (EngineStartupError, CheckpointError)):
         return EXIT_FAILED
+    return None
+
+
+def _fail(exc: BaseException, code: int, line: CommandLine) -> int:
+    # The root logger is at run.log_level once the config loaded; a config error comes before that.
+    if logging.getLogger().isEnabledFor(logging.DEBUG) or "run.log_level=DEBUG" in line.overrides:
+        traceback.print_exception(exc, file=sys.stderr)
+    kind = "config error" if code == EXIT_BAD_INPUT and type(exc).__name__ == "ConfigError" else "error"
+    print(f"{kind}: {first_line(exc)}", file=sys.stderr)
+    return code
+
+
+def _load(line: CommandLine):
+    cfg = load_config(line.config_file, line.overrides)
+    logging.basicConfig(level=str(cfg.run.log_level), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return cfg
+
+
+@command("train", "train with the config (the default command)")
+def _train(line: CommandLine) -> int:
+    cfg = _load(line)
+    from rllm.experimental.fully_async.runtime.run import train
+    from rllm.experimental.fully_async.runtime.run_dir import RunFinished
+
+    try:
+        train(cfg)
+    except RunFinished as exc:  # the run directory holds a finished run: say so, start nothing
+        print(exc)
     return 0
+
+
+@command("doctor", "check the installation (python, packages, the verl patch, devices)")
+def _doctor(line: CommandLine) -> int:
+    from rllm.experimental.fully_async.doctor import run_doctor
+
+    return run_doctor()
+
+
+@command("config", "print the resolved config (composed, overridden, derived, validated) as YAML")
+def _config(line: CommandLine) -> int:
+    from omegaconf import OmegaConf
+
+    cfg = _load(line)
+    print(OmegaConf.to_yaml(cfg, resolve=True), end="")
+    return 0
+
+
+@command("plan", "print where engines and trainer ranks go on the GPUs, and the engine command lines", True)
+def _plan(argv: list[str]) -> int:
+    from rllm.experimental.fully_async.plan import main as plan_main
+
+    return plan_main(argv)
+
+
+@command("report", "write RUN_DIR/report.html: plots of one or more run directories side by side", True)
+def _report(argv: list[str]) -> int:
+    from rllm.experimental.fully_async.observe.report import main as report_main
+
+    return report_main(argv)
+
+
+@command("simulate", "predict a fully-async run's wall time, idle and staleness before renting GPUs", True)
+def _simulate(argv: list[str]) -> int:
+    from rllm.experimental.fully_async.simulate.cli import main as simulate_main
+
+    return simulate_main(argv)
 
 
 if __name__ == "__main__":

@@ -37,8 +37,8 @@ Overlong = Literal["filter", "truncate_left", "truncate_right", "error"]
 _TOKENIZE_CHUNK = 1024  # prompts per apply_chat_template call: one call per prompt costs ~10x more in Python
 
 
-class DataError(ValueError):
-    """Unusable prompt data. The message is one line: `<file>: row <i>: field '<name>' <problem>`."""
+# Unusable prompt data. The message is one line: `<file>: row <i>: field '<name>' <problem>` (exit 2).
+from rllm.experimental.fully_async.errors import DataError  # noqa: E402
 
 
 @dataclass(frozen=True)

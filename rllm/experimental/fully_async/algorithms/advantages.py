@@ -59,7 +59,13 @@ from verl.trainer.config import AlgoConfig
 from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 
 from rllm.experimental.fully_async.algorithms.filters import REWARD_EQUAL_TOL, dataclass_from_config
-from rllm.experimental.fully_async.algorithms.gigpo import GiGPOConfig, SingletonRule, compute_gigpo, degenerate_rows
+from rllm.experimental.fully_async.algorithms.gigpo import (
+    GiGPOConfig,
+    GiGPOStats,
+    SingletonRule,
+    compute_gigpo,
+    degenerate_rows,
+)
 
 SUPPORTED_ESTIMATORS: tuple[str, ...] = (
     "grpo",
@@ -137,7 +143,11 @@ class AdvantageConfig:
 
     def compute(self, data: DataProto) -> DataProto:
         """`compute_advantages` with these settings."""
-        return compute_advantages(
+        return self.compute_with_stats(data).data
+
+    def compute_with_stats(self, data: DataProto) -> AdvantageResult:
+        """`compute_advantages_with_stats` with these settings: the batch and what to log about it."""
+        return compute_advantages_with_stats(
             data,
             self.adv_estimator,
             gamma=self.gamma,
@@ -198,7 +208,28 @@ def _group_estimator(
     return advantages, returns
 
 
-def compute_advantages(
+def compute_advantages(data: DataProto, adv_estimator: str, **settings: Any) -> DataProto:
+    """Write ``advantages`` and ``returns`` [B, R] into `data` (in place; `data` is returned).
+
+    Settings and inputs as `compute_advantages_with_stats`, which also returns the statistics.
+    """
+    return compute_advantages_with_stats(data, adv_estimator, **settings).data
+
+
+@dataclass(frozen=True)
+class AdvantageResult:
+    """A batch with its advantages written, and the statistics the trainer puts into the step's metrics."""
+
+    data: DataProto
+    stats: AdvantageStats
+    gigpo: GiGPOStats | None = None  # with adv_estimator=gigpo
+
+    def to_metrics(self) -> dict[str, float]:
+        """``advantages/*`` and, for GiGPO, ``gigpo/*``."""
+        return self.stats.to_metrics() | (self.gigpo.to_metrics() if self.gigpo is not None else {})
+
+
+def compute_advantages_with_stats(
     data: DataProto,
     adv_estimator: str,
     *,
@@ -207,8 +238,8 @@ def compute_advantages(
     norm_adv_by_std_in_grpo: bool = True,
     singleton_group_advantage: SingletonRule = "zero",
     gigpo: GiGPOConfig | None = None,
-) -> DataProto:
-    """Write ``advantages`` and ``returns`` [B, R] into `data` (in place; `data` is returned).
+) -> AdvantageResult:
+    """Write ``advantages`` and ``returns`` [B, R] into `data` (in place) and summarise them.
 
     Reads ``response_mask`` [B, R] and ``token_level_rewards`` [B, R] (reward on the last response token) always;
     ``values`` [B, R] for gae; ``non_tensor_batch["uid"]`` [B] (prompt group) for grpo, rloo,
@@ -230,6 +261,7 @@ def compute_advantages(
     if not bool(finite.all()):
         raise ValueError(f"token_level_rewards are not finite in rows {torch.nonzero(~finite).flatten().tolist()}")
 
+    gigpo_stats: GiGPOStats | None = None
     if adv_estimator in _GROUP_ESTIMATORS:
         advantages, returns = _group_estimator(
             adv_estimator,
@@ -253,7 +285,7 @@ def compute_advantages(
             norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
             singleton_group_advantage=singleton_group_advantage,
         )
-        advantages, returns = out.advantages, out.advantages
+        advantages, returns, gigpo_stats = out.advantages, out.advantages, out.stats
     elif response_mask.sum() < 2:  # gae / reinforce_plus_plus: verl's batch whitening is undefined here
         advantages = torch.zeros_like(token_level_rewards)
         returns = data.batch["values"].float().clone() if adv_estimator == "gae" else torch.zeros_like(advantages)
@@ -276,7 +308,7 @@ def compute_advantages(
         advantages = _zero_if_constant_before_whitening(advantages, returns, data, adv_estimator, response_mask)
     data.batch["advantages"] = advantages.float() * response_mask
     data.batch["returns"] = returns.float() * response_mask
-    return data
+    return AdvantageResult(data, summarize_advantages(data), gigpo_stats)
 
 
 def _zero_if_constant_before_whitening(

@@ -105,11 +105,27 @@ def correction_config_from(cfg: Any) -> CorrectionConfig | None:
     to use instead.
     """
     config = dataclass_from_config(cfg, "algorithm.off_policy_correction", CorrectionConfig)
-    if config is not None:
-        return config
     verl_section = dataclass_from_config(cfg, "algorithm.rollout_correction", _VerlRolloutCorrection)
+    if config is not None:
+        if verl_section is not None and verl_section != _VerlRolloutCorrection():
+            raise ValueError(
+                "algorithm.rollout_correction is set and algorithm.off_policy_correction wins over it; remove one"
+            )
+        return config
     if verl_section is None:
         return None
+    unmapped = {"loss_type": "ppo_clip", "rollout_is_batch_normalize": False, "rollout_rs_threshold": None}
+    for key, default in unmapped.items():
+        if getattr(verl_section, key) != default:
+            raise ValueError(
+                f"algorithm.rollout_correction.{key} has no counterpart here; remove it "
+                "(algorithm.off_policy_correction sets the correction: mode, level, cap_mode, cap)"
+            )
+    if (
+        verl_section.rollout_is is None
+        and verl_section.rollout_is_threshold != _VerlRolloutCorrection.rollout_is_threshold
+    ):
+        raise ValueError("algorithm.rollout_correction.rollout_is_threshold is used only with rollout_is; set both")
     if verl_section.rollout_rs is not None:
         raise ValueError(
             "algorithm.rollout_correction.rollout_rs is not supported here: use "

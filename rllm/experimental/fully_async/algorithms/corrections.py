@@ -55,18 +55,11 @@ Which mode to choose, and the config keys: see `correction_config`.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from verl import DataProto
-from verl.trainer.ppo.rollout_corr_helper import (
-    SAFETY_BOUND,
-    compute_offpolicy_metrics,
-    compute_rollout_correction_weights,
-    compute_rollout_rejection_mask,
-)
 
 # The config side is re-exported: callers import CorrectionConfig and correction_config_from from here.
 from rllm.experimental.fully_async.algorithms.correction_config import (
@@ -75,6 +68,35 @@ from rllm.experimental.fully_async.algorithms.correction_config import (
     WeightLevel,
     correction_config_from,
 )
+
+# The weight helpers are re-exported: callers (and tests) import them from here.
+from rllm.experimental.fully_async.algorithms.importance_weights import (
+    BehaviourWeights,
+    approx_error_stats,
+    behaviour_weights,
+    gap_stats,
+    loglinear_proximal_log_probs,
+    staleness_stats,
+    verl_diagnostics,
+    weight_stats,
+)
+
+__all__ = [
+    "BehaviourWeights",
+    "CapMode",
+    "CorrectionConfig",
+    "CorrectionStats",
+    "OffPolicyCorrection",
+    "OffPolicyCorrector",
+    "WeightLevel",
+    "apply_off_policy_correction",
+    "apply_off_policy_correction_to_batch",
+    "behaviour_weights",
+    "build_correction",
+    "correction_config_from",
+    "loglinear_proximal_log_probs",
+    "weight_stats",
+]
 
 
 @dataclass(frozen=True)
@@ -120,72 +142,6 @@ class OffPolicyCorrection:
     rollout_is_weights: torch.Tensor | None
     response_mask: torch.Tensor
     stats: CorrectionStats
-
-
-def loglinear_proximal_log_probs(
-    behav_log_probs: torch.Tensor,
-    theta_log_probs: torch.Tensor,
-    behav_versions: torch.Tensor,
-    *,
-    theta_version: float,
-    prox_version: float,
-) -> torch.Tensor:
-    """Log-linear approximation of log pi_prox (formula in the module docstring; AReaL prox_approx).
-
-    Args:
-        behav_log_probs: [B, R] log pi_behav of the sampled tokens.
-        theta_log_probs: [B, R] log pi_theta of the same tokens, from weights of version `theta_version`.
-        behav_versions: [B, R] version that generated each token; negative marks tokens nobody generated.
-        theta_version: v_theta (may be fractional, e.g. V + k/K inside a step of K mini-batches).
-        prox_version: v_prox (AReaL: v_theta - 1; this trainer: the version at the start of the step).
-
-    Returns:
-        [B, R] approximate log pi_prox (detached).
-    """
-    v_behav = behav_versions.to(torch.float64)
-    version_diff = theta_version - v_behav
-    safe_diff = torch.where(version_diff > 0, version_diff, torch.ones_like(version_diff))
-    alpha = torch.where((version_diff > 0) & (v_behav >= 0), (prox_version - v_behav) / safe_diff, 0.0)
-    alpha = alpha.clamp(0.0, 1.0).to(behav_log_probs.dtype)
-    behav, theta = behav_log_probs.detach(), theta_log_probs.detach()
-    return behav + alpha * (theta - behav)
-
-
-@dataclass(frozen=True)
-class BehaviourWeights:
-    weights: torch.Tensor  # [B, R], zero outside the (possibly reduced) mask
-    response_mask: torch.Tensor  # [B, R]
-    raw_log_weights: torch.Tensor  # [B, R], token log w_t, or the sequence sum broadcast
-
-
-def behaviour_weights(
-    prox_log_probs: torch.Tensor,
-    behav_log_probs: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    level: WeightLevel,
-    cap_mode: CapMode,
-    cap: float,
-) -> BehaviourWeights:
-    """w = pi_prox / pi_behav, truncated or masked at C, through verl's rollout_corr_helper. Needs a valid token."""
-    log_ratio = prox_log_probs.detach() - behav_log_probs.detach()
-    weights, _ = compute_rollout_correction_weights(
-        log_ratio, response_mask, rollout_is=level, rollout_is_threshold=cap
-    )
-    mask = response_mask
-    if cap_mode == "mask":
-        option = "token_k1" if level == "token" else "seq_sum_k1"
-        mask, _ = compute_rollout_rejection_mask(log_ratio, response_mask, rollout_rs=option, rollout_rs_threshold=cap)
-        weights = weights * mask
-    if level == "token":
-        raw = log_ratio * response_mask
-    else:
-        raw = (log_ratio * response_mask).sum(dim=-1, keepdim=True).expand_as(log_ratio)
-    return BehaviourWeights(weights=weights.to(prox_log_probs.dtype), response_mask=mask, raw_log_weights=raw)
-
-
-def _masked_values(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return values.detach()[mask.bool()].double()
 
 
 def apply_off_policy_correction(
@@ -252,10 +208,10 @@ def apply_off_policy_correction(
         num_tokens=num_tokens,
         num_sequences=int(valid.any(dim=-1).sum()),
         **weight_fields,
-        **_gap_stats(recomputed_log_probs, rollout_log_probs, response_mask),
-        **_staleness_stats(rollout_versions, trainer_version, response_mask),
-        **_approx_error_stats(approx, recomputed_log_probs, rollout_log_probs, response_mask),
-        diagnostics=_verl_diagnostics(recomputed_log_probs, rollout_log_probs, response_mask),
+        **gap_stats(recomputed_log_probs, rollout_log_probs, response_mask),
+        **staleness_stats(rollout_versions, trainer_version, response_mask),
+        **approx_error_stats(approx, recomputed_log_probs, rollout_log_probs, response_mask),
+        diagnostics=verl_diagnostics(recomputed_log_probs, rollout_log_probs, response_mask),
     )
     return OffPolicyCorrection(
         old_log_probs=old_log_probs, rollout_is_weights=weights, response_mask=new_mask, stats=stats
@@ -285,81 +241,6 @@ def _old_log_probs(
     return recomputed_log_probs
 
 
-def weight_stats(
-    computed: BehaviourWeights, response_mask: torch.Tensor, *, cap_mode: CapMode, cap: float
-) -> dict[str, float | None]:
-    valid = response_mask.bool()
-    kept = computed.response_mask.bool() & valid
-    seq_valid = valid.any(dim=-1)
-    final = _masked_values(computed.weights, kept)
-    raw = _masked_values(computed.raw_log_weights, valid)
-    out: dict[str, float | None] = {
-        "weight_mean": float(final.mean()) if final.numel() else None,
-        "weight_max": float(final.max()) if final.numel() else None,
-        "weight_min": float(final.min()) if final.numel() else None,
-        "raw_weight_max": math.exp(min(float(raw.max()), SAFETY_BOUND)),
-    }
-    over = (computed.raw_log_weights > math.log(cap)) & valid
-    if cap_mode == "truncate":
-        out["capped_token_fraction"] = float(over.sum()) / float(valid.sum())
-        out["capped_seq_fraction"] = float(over.any(dim=-1).sum()) / float(seq_valid.sum())
-    else:
-        removed = valid & ~kept
-        out["masked_token_fraction"] = float(removed.sum()) / float(valid.sum())
-        out["masked_seq_fraction"] = float(removed.any(dim=-1).sum()) / float(seq_valid.sum())
-    return out
-
-
-def _gap_stats(
-    recomputed: torch.Tensor | None, behav: torch.Tensor, response_mask: torch.Tensor
-) -> dict[str, float | None]:
-    if recomputed is None or not bool(response_mask.bool().any()):
-        return {}
-    gap = _masked_values(recomputed - behav, response_mask)
-    return {
-        "log_prob_gap_mean": float(gap.mean()),
-        "log_prob_gap_abs_mean": float(gap.abs().mean()),
-        "log_prob_gap_abs_max": float(gap.abs().max()),
-    }
-
-
-def _staleness_stats(
-    versions: torch.Tensor | None, trainer_version: float | None, response_mask: torch.Tensor
-) -> dict[str, float | None]:
-    if versions is None or trainer_version is None or not bool(response_mask.bool().any()):
-        return {}
-    lag = trainer_version - _masked_values(versions, response_mask)
-    return {"staleness_mean": float(lag.mean()), "staleness_max": float(lag.max())}
-
-
-def _approx_error_stats(
-    approx: torch.Tensor | None, recomputed: torch.Tensor | None, behav: torch.Tensor, response_mask: torch.Tensor
-) -> dict[str, float | None]:
-    if approx is None or recomputed is None or not bool(response_mask.bool().any()):
-        return {}
-    error = _masked_values(approx - recomputed, response_mask).abs()
-    w_approx = torch.exp(_masked_values(approx - behav, response_mask).clamp(-SAFETY_BOUND, SAFETY_BOUND))
-    w_exact = torch.exp(_masked_values(recomputed - behav, response_mask).clamp(-SAFETY_BOUND, SAFETY_BOUND))
-    return {
-        "prox_approx_abs_error_mean": float(error.mean()),
-        "prox_approx_abs_error_max": float(error.max()),
-        "prox_approx_weight_abs_error_mean": float((w_approx - w_exact).abs().mean()),
-    }
-
-
-def _verl_diagnostics(
-    recomputed: torch.Tensor | None, behav: torch.Tensor, response_mask: torch.Tensor
-) -> dict[str, float]:
-    """verl's KL / perplexity / chi^2 diagnostics over the sequences that have response tokens."""
-    rows = response_mask.bool().any(dim=-1)
-    if recomputed is None or not bool(rows.any()):
-        return {}
-    metrics = compute_offpolicy_metrics(
-        old_log_prob=recomputed.detach()[rows], rollout_log_prob=behav.detach()[rows], response_mask=response_mask[rows]
-    )
-    return {k: float(v) for k, v in metrics.items()}
-
-
 def apply_off_policy_correction_to_batch(
     data: DataProto, config: CorrectionConfig, *, trainer_version: float | None = None
 ) -> CorrectionStats:
@@ -378,6 +259,19 @@ def apply_off_policy_correction_to_batch(
         raise KeyError("off-policy correction needs batch key 'rollout_log_probs' (the engines' log-probs)")
     versions = batch.get("response_versions", None)
     if config.mode == "decoupled" and config.prox_log_probs == "loglinear" and config.prox_lag == 0:
+        recomputed = batch.get("old_log_probs", None)  # present when the trainer also recomputed pi_prox
+        approx_error = {}
+        if recomputed is not None and versions is not None and trainer_version is not None:
+            # Both proximal log-probs exist: measure the log-linear formula at this step's versions (v_theta =
+            # v_prox = V, alpha = 1 below V, 0 at V) against the recomputed pi_prox.
+            approx = loglinear_proximal_log_probs(
+                batch["rollout_log_probs"],
+                recomputed,
+                versions,
+                theta_version=float(trainer_version),
+                prox_version=float(trainer_version),
+            )
+            approx_error = approx_error_stats(approx, recomputed, batch["rollout_log_probs"], batch["response_mask"])
         batch["old_log_probs"] = batch["rollout_log_probs"].clone()
         if "rollout_is_weights" in batch:
             del batch["rollout_is_weights"]
@@ -386,7 +280,8 @@ def apply_off_policy_correction_to_batch(
             mode=config.mode,
             num_tokens=int(valid.sum()),
             num_sequences=int(valid.any(dim=-1).sum()),
-            **_staleness_stats(versions, trainer_version, batch["response_mask"]),
+            **staleness_stats(versions, trainer_version, batch["response_mask"]),
+            **approx_error,
         )
     recomputed = batch.get("old_log_probs", None)
     interpolation = {}
@@ -428,13 +323,18 @@ class OffPolicyCorrector:
     config: CorrectionConfig
     # verl loss_mode the actor must use, when the correction lives inside the update (decoupled + loglinear)
     policy_loss_mode: str | None = None
+    # decoupled + loglinear with async_training.compute_prox_log_prob: also recompute pi_prox, to report the
+    # approximation's error (prox_approx_*) in the step's metrics. Costs the forward pass loglinear saves.
+    measure_approximation: bool = False
 
     @property
     def needs_recompute(self) -> bool:
         """Whether the trainer must compute log-probs under its current weights before `apply`."""
         c = self.config
-        return c.mode in ("none", "tis") or (
-            c.mode == "decoupled" and (c.prox_log_probs == "recompute" or c.prox_lag > 0)
+        return (
+            c.mode in ("none", "tis")
+            or (c.mode == "decoupled" and (c.prox_log_probs == "recompute" or c.prox_lag > 0))
+            or self.measure_approximation
         )
 
     def apply(
@@ -461,8 +361,14 @@ def build_correction(cfg: Any) -> OffPolicyCorrector | None:
         return None
     policy_loss_mode = None
     if config.mode == "decoupled" and config.prox_log_probs == "loglinear" and config.prox_lag == 0:
-        # Imported here: decoupled_loss builds on this module's weight helpers.
+        # Imported here: it registers a loss in verl's registry, which only the trainer process needs.
         from rllm.experimental.fully_async.algorithms.decoupled_loss import register_update_time_decoupled_loss
 
         policy_loss_mode = register_update_time_decoupled_loss(config)
-    return OffPolicyCorrector(config, policy_loss_mode=policy_loss_mode)
+    measure = config.mode == "decoupled" and config.prox_log_probs == "loglinear" and _compute_prox_log_prob(cfg)
+    return OffPolicyCorrector(config, policy_loss_mode=policy_loss_mode, measure_approximation=measure)
+
+
+def _compute_prox_log_prob(cfg: Any) -> bool:
+    section = cfg.get("async_training") if hasattr(cfg, "get") else None
+    return bool(section.get("compute_prox_log_prob", False)) if section is not None else False

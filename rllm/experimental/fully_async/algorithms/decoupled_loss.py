@@ -1,6 +1,6 @@
 """Decoupled PPO with the proximal policy taken from the update's own forward pass (prox_log_probs=loglinear).
 
-The log-linear approximation (`corrections.loglinear_proximal_log_probs`; A-3PO, arXiv 2512.06547) needs
+The log-linear approximation (`importance_weights.loglinear_proximal_log_probs`; A-3PO, arXiv 2512.06547) needs
 log pi_theta, which exists only inside the actor's update. verl calls the policy loss with it, so the
 approximation runs as a policy loss registered in verl's `POLICY_LOSS_REGISTRY`: no extra actor patch.
 
@@ -37,7 +37,7 @@ import torch
 from verl.trainer.ppo.core_algos import compute_policy_loss_vanilla, register_policy_loss
 
 from rllm.experimental.fully_async.algorithms.correction_config import CorrectionConfig
-from rllm.experimental.fully_async.algorithms.corrections import behaviour_weights, weight_stats
+from rllm.experimental.fully_async.algorithms.importance_weights import behaviour_weights, weight_stats
 
 LOSS_MODE_PREFIX = "fully_async_decoupled_loglinear"
 

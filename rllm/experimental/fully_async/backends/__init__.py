@@ -41,6 +41,10 @@ def build_verl_actor_config(actor_cfg: Mapping[str, Any], actor_target: str, sec
     config = omega_conf_to_dataclass(OmegaConf.create(raw))
     if not getattr(config, FULLY_ASYNC_FLAG, False):
         raise TypeError(f"{type(config).__name__} has no '{FULLY_ASYNC_FLAG}' field: is verl patched?")
+    if getattr(config, "loss_scale_factor", None) is not None:
+        # verl's policy losses call agg_loss(**config.global_batch_info); only its new-worker path copies
+        # loss_scale_factor there, so DataParallelPPOActor would divide by the padded width instead (Dr.GRPO).
+        config.global_batch_info["loss_scale_factor"] = config.loss_scale_factor
     return config
 
 

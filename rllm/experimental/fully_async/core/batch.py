@@ -74,9 +74,10 @@ def groups_to_dataproto(
         mask_rows.append(list(seq.loss_mask) + [0] * pad_r)
         logprob_rows.append(list(seq.response_logprobs) + [0.0] * pad_r)
         version_rows.append(list(seq.response_versions) + [PAD_VERSION] * pad_r)
-        # The reward on the last response token. An empty response has no token to carry it; its mask is all zero,
-        # so it trains nothing (the patched actor's empty-mask guard) but still counts in its group's statistics.
-        score_rows.append([0.0] * (r - 1) + [reward] + [0.0] * pad_r if r else [0.0] * response_len)
+        # The reward sits on the last response token; an empty response has none, so it sits at position 0. Its
+        # mask is all zero, so it trains nothing (the patched actor's empty-mask guard), but its reward counts in
+        # its group's statistics (estimators score a row by the sum of its token_level_rewards).
+        score_rows.append([0.0] * (max(r, 1) - 1) + [reward] + [0.0] * pad_r)
     input_ids = torch.tensor(ids_rows, dtype=torch.long)
     attention_mask = torch.tensor(attention_rows, dtype=torch.long)
     response_mask = torch.tensor(mask_rows, dtype=torch.float32)

@@ -21,6 +21,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from rllm.experimental.fully_async.engines.from_config import engine_launcher
+from rllm.experimental.fully_async.errors import FullyAsyncError
 from rllm.experimental.fully_async.observe.progress import Progress
 from rllm.experimental.fully_async.observe.reporting import (
     MetricsSink,
@@ -277,7 +278,7 @@ def train(cfg: DictConfig) -> RunSummary:
     return summary
 
 
-class RunFailedError(RuntimeError):
+class RunFailedError(FullyAsyncError, RuntimeError):
     """The run stopped on an error; the message names the step, the cause and what was checkpointed."""
 
 

@@ -14,11 +14,11 @@ from typing import Any
 
 @dataclass
 class AsyncTrainingConfig:
-    """The fully-async schedule. rLLM / verl fully_async_policy keys are accepted; see `core/staleness.py`."""
+    """The fully-async schedule. rLLM / verl fully_async_policy keys are accepted; see `settings/compat.py`."""
 
     # Max policy versions a trained token may lag the trainer (AReaL's eta). 0 = on-policy. The capacity rule
     # lets at most (max_staleness + version + 1) * required_samples groups be started by version `version`.
-    # null: derived from rLLM's staleness_threshold (see staleness.map_rllm_async_keys).
+    # null: derived from rLLM's staleness_threshold (see settings/compat.map_rllm_async_keys).
     max_staleness: int | None = None
     # rLLM/verl key: extra fraction of samples the rollouter may produce beyond one sync window.
     staleness_threshold: float | None = None
@@ -116,8 +116,11 @@ PROJECT_SECTIONS: dict[str, type] = {
 # Fully-async defaults for verl keys: what a CPU user would otherwise have to override every time.
 FULLY_ASYNC_VERL_DEFAULTS: dict[str, Any] = {
     "actor_rollout_ref": {
-        "rollout": {"name": "embedded", "n": 8},
+        # The engines are standalone servers that always return log-probs (verl: hybrid_engine=true, false).
+        "hybrid_engine": False,
+        "rollout": {"name": "embedded", "n": 8, "calculate_log_probs": True},
         "actor": {
+            "strategy": "fsdp2",  # the backend shards with FSDP2's fully_shard (backends/fsdp.py)
             "use_torch_compile": False,  # no compile on CPU and for tiny models
             "fsdp_config": {"use_torch_compile": False},
             "ppo_micro_batch_size_per_gpu": 64,
@@ -136,6 +139,7 @@ FULLY_ASYNC_VERL_DEFAULTS: dict[str, Any] = {
     "trainer": {"logger": ["console"], "val_before_train": True, "device": "cpu", "n_gpus_per_node": 1},
     # Used only with algorithm.adv_estimator=gae. verl's micro-batch resolves to null, which the critic refuses.
     "critic": {
+        "strategy": "fsdp2",  # as the actor (backends/critic.py shards like backends/fsdp.py)
         "ppo_micro_batch_size_per_gpu": 64,
         "model": {"enable_gradient_checkpointing": False, "use_remove_padding": False},
     },

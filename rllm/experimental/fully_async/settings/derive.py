@@ -1,0 +1,64 @@
+"""Derived settings: the `null` values whose value follows from others, filled once after merging.
+
+Each rule is documented on its field in `settings/schema.py`; rLLM's staleness keys are mapped by `settings/compat.py`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from rllm.experimental.fully_async.errors import ConfigError
+from rllm.experimental.fully_async.settings.compat import map_rllm_async_keys
+
+
+def resolve_derived(cfg: DictConfig) -> None:
+    """Fill the `null` settings whose value follows from others (documented on each field)."""
+    at = cfg.async_training
+    if at.max_staleness is not None and at.staleness_threshold is not None:
+        raise ConfigError(
+            "'async_training.staleness_threshold' (rLLM's) only derives max_staleness when that is null, and "
+            f"async_training.max_staleness={at.max_staleness} is set; remove one"
+        )
+    if at.required_samples is None:
+        if int(cfg.data.train_batch_size) < 1:
+            raise ConfigError(
+                "'async_training.required_samples' must be set when data.train_batch_size is 0 (rLLM's convention)"
+            )
+        at.required_samples = int(cfg.data.train_batch_size)
+    if at.max_staleness is None:
+        rllm_keys = {
+            "staleness_threshold": at.staleness_threshold if at.staleness_threshold is not None else 0.1,
+            "trigger_parameter_sync_step": at.trigger_parameter_sync_step,
+            "required_samples": at.required_samples,
+        }
+        try:
+            mapped = map_rllm_async_keys(rllm_keys)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+        # map_rllm_async_keys counts staleness in optimizer steps; this project's versions advance once per
+        # sync (every K steps), so eta_versions = floor((eta_steps + 1) / K) - 1 = floor(M / (R K)) - 1.
+        k = at.trigger_parameter_sync_step
+        at.max_staleness = max(0, (mapped.max_staleness + 1) // k - 1)
+    if at.compute_prox_log_prob and cfg.algorithm.off_policy_correction is None:
+        # rLLM's compute_prox_log_prob means decoupled PPO with recomputed proximal log-probs (AReaL).
+        cfg.algorithm.off_policy_correction = {"mode": "decoupled", "prox_log_probs": "recompute"}
+    actor = cfg.actor_rollout_ref.actor
+    if actor.loss_agg_mode == "seq-mean-token-sum-norm" and actor.loss_scale_factor is None:
+        # Dr.GRPO divides each sequence's token sum by a constant; verl's fallback is the padded width, which here
+        # is the widest response of each batch (core/batch.py pads to it), so the normaliser would vary per step.
+        actor.loss_scale_factor = int(cfg.data.max_response_length)
+    n = int(cfg.actor_rollout_ref.rollout.n)
+    if at.max_concurrent_rollouts is None:
+        at.max_concurrent_rollouts = 2 * at.required_samples * n
+    if at.queue_max_groups is None:
+        at.queue_max_groups = (at.max_staleness + 2) * at.required_samples
+    for optim in (cfg.actor_rollout_ref.actor.optim, cfg.critic.optim):
+        if optim.total_training_steps in (None, -1) and cfg.trainer.total_training_steps is not None:
+            # As verl's workers do at start-up: the LR schedule (cosine) spans the run's optimizer steps.
+            optim.total_training_steps = int(cfg.trainer.total_training_steps)
+    if cfg.run.dir is None:
+        cfg.run.dir = str(Path("runs") / str(cfg.trainer.experiment_name))
+    if cfg.param_sync.weights_dir is None:
+        cfg.param_sync.weights_dir = str(Path(cfg.run.dir) / "weights")

@@ -1,0 +1,289 @@
+"""The run specification: frozen dataclasses built once from the validated config and handed to the components.
+
+`build_run_spec(cfg)` reads every key the run honours, in one place, so that a component never reaches into the
+config tree (no scattered `getattr` defaults) and a test can show each key changes what runs. Units: groups are
+prompts with their n samples; versions count weight syncs (one bump per sync, see `core/staleness.py`); times
+are seconds. verl sections handed whole to verl (the actor, the critic) stay plain read-only mappings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from rllm.experimental.fully_async.algorithms.advantages import AdvantageConfig
+from rllm.experimental.fully_async.algorithms.correction_config import CorrectionConfig, correction_config_from
+from rllm.experimental.fully_async.algorithms.filters import FilterConfig, dataclass_from_config
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """What every rollout request asks the engine for (verl's rollout section, data.max_response_length)."""
+
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    ignore_eos: bool
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """Prompt files and how they are read (verl's data section)."""
+
+    train_files: tuple[str, ...]
+    val_files: tuple[str, ...]
+    max_prompt_length: int
+    overlong: str  # filter | truncate_left | truncate_right | error (data.filter_overlong_prompts, data.truncation)
+    seed: int  # data.seed, or run.seed when unset
+    shuffle: bool
+    total_epochs: int
+    val_size: int  # task.val_size: held-out prompts measured per validation
+
+
+@dataclass(frozen=True)
+class ExecutorSpec:
+    """The rollout side: budget, sampling, workflow, filter."""
+
+    samples_per_prompt: int  # actor_rollout_ref.rollout.n
+    required_samples: int  # B: groups per optimizer step
+    sync_every_steps: int  # K: trigger_parameter_sync_step
+    max_staleness: int  # eta, in versions (syncs)
+    max_concurrent_rollouts: int
+    queue_max_groups: int
+    partial_rollout: bool
+    sampling: SamplingSpec
+    workflow_name: str
+    workflow_path: str | None
+    reward_timeout_s: float
+    reward_fn_path: str | None
+    reward_fn_name: str | None
+    group_filter: FilterConfig | None
+    data: DataSpec
+
+    @property
+    def batch_groups(self) -> int:
+        """Groups one weight version must cover: B x K (the staleness budget's unit)."""
+        return self.required_samples * self.sync_every_steps
+
+
+@dataclass(frozen=True)
+class TrainerSpec:
+    """The trainer rank(s): schedule, old log-probs, the verl actor section, advantages, corrections."""
+
+    model_path: str
+    device: str  # trainer.device
+    world_size: int  # trainer.n_gpus_per_node x trainer.nnodes (1 until the multi-rank trainer lands)
+    seed: int
+    required_samples: int
+    sync_every_steps: int
+    max_staleness: int
+    use_rollout_log_probs: bool
+    compute_prox_log_prob: bool
+    temperature: float
+    queue_get_timeout_s: float
+    enable_gradient_checkpointing: bool  # actor_rollout_ref.model.enable_gradient_checkpointing
+    max_response_length: int  # Dr.GRPO's constant normaliser (actor.loss_scale_factor, derived)
+    actor: Mapping[str, Any]  # actor_rollout_ref.actor, handed to verl's FSDPActorConfig
+    advantages: AdvantageConfig
+    correction: CorrectionConfig | None
+    critic: Mapping[str, Any] | None  # the critic section when algorithm.adv_estimator=gae
+
+
+@dataclass(frozen=True)
+class EnginesSpec:
+    """The inference engines and how they are started and supervised."""
+
+    backend: str
+    model_path: str
+    num_engines: int
+    max_running_requests: int
+    startup_timeout_s: float
+    request_timeout_s: float
+    dtype: str
+    torch_threads: int
+    on_engine_failure: str
+    max_restarts: int
+    extra_args: Mapping[str, Any]
+    tensor_model_parallel_size: int  # sglang only (honoured by engines/)
+    gpu_memory_utilization: float  # sglang only
+    seed: int
+    log_level: str
+
+
+@dataclass(frozen=True)
+class ParamSyncSpec:
+    """How new weights reach the engines."""
+
+    transport: str
+    weights_dir: str
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    name: str | None
+    seed: int
+    cache_dir: str
+    warmup_steps: int
+
+
+@dataclass(frozen=True)
+class RunSectionSpec:
+    """The run's lifetime, output and reporting."""
+
+    dir: str
+    log_level: str
+    project_name: str
+    experiment_name: str
+    loggers: tuple[str, ...]
+    total_training_steps: int | None  # None: until trainer.total_epochs of data is used
+    test_freq: int  # optimizer steps between validations; <= 0: never
+    save_freq: int  # optimizer steps between checkpoints; <= 0: never
+    val_before_train: bool
+    resume_mode: str
+    resume_from_path: str | None
+    task: TaskSpec
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    executor: ExecutorSpec
+    trainer: TrainerSpec
+    engines: EnginesSpec
+    param_sync: ParamSyncSpec
+    run: RunSectionSpec
+
+
+def build_run_spec(cfg: DictConfig) -> RunSpec:
+    """The frozen run spec from a config that `load_config` returned (derived values filled, validated)."""
+    at, rollout, actor = cfg.async_training, cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.actor
+    model_path = str(cfg.actor_rollout_ref.model.path)
+    run_seed = int(cfg.run.seed)
+    data = DataSpec(
+        train_files=_files(cfg.data.train_files),
+        val_files=_files(cfg.data.val_files),
+        max_prompt_length=int(cfg.data.max_prompt_length),
+        overlong="filter"
+        if cfg.data.filter_overlong_prompts
+        else {"left": "truncate_left", "right": "truncate_right"}.get(str(cfg.data.truncation), "error"),
+        seed=int(cfg.data.seed if cfg.data.seed is not None else run_seed),
+        shuffle=bool(cfg.data.shuffle),
+        total_epochs=int(cfg.trainer.total_epochs),
+        val_size=int(cfg.task.val_size),
+    )
+    reward = cfg.reward.custom_reward_function
+    legacy = cfg.custom_reward_function  # verl's older top-level spelling, read when the new one is unset
+    executor = ExecutorSpec(
+        samples_per_prompt=int(rollout.n),
+        required_samples=int(at.required_samples),
+        sync_every_steps=int(at.trigger_parameter_sync_step),
+        max_staleness=int(at.max_staleness),
+        max_concurrent_rollouts=int(at.max_concurrent_rollouts),
+        queue_max_groups=int(at.queue_max_groups),
+        partial_rollout=bool(at.partial_rollout),
+        sampling=SamplingSpec(
+            max_new_tokens=int(cfg.data.max_response_length),
+            temperature=float(rollout.temperature),
+            top_p=float(rollout.top_p),
+            top_k=int(rollout.top_k),
+            ignore_eos=bool(rollout.ignore_eos),
+        ),
+        workflow_name=str(cfg.workflow.name),
+        workflow_path=cfg.workflow.path,
+        reward_timeout_s=float(cfg.workflow.reward_timeout_s),
+        reward_fn_path=reward.path or legacy.path,
+        reward_fn_name=(reward.name if reward.path else legacy.name or reward.name) or None,
+        group_filter=dataclass_from_config(cfg, "algorithm.group_filter", FilterConfig),
+        data=data,
+    )
+    gae = cfg.algorithm.adv_estimator == "gae"
+    trainer = TrainerSpec(
+        model_path=model_path,
+        device=str(cfg.trainer.device),
+        world_size=int(cfg.trainer.n_gpus_per_node) * int(cfg.trainer.nnodes),
+        seed=run_seed,
+        required_samples=int(at.required_samples),
+        sync_every_steps=int(at.trigger_parameter_sync_step),
+        max_staleness=int(at.max_staleness),
+        use_rollout_log_probs=bool(at.use_rollout_log_probs),
+        compute_prox_log_prob=bool(at.compute_prox_log_prob),
+        temperature=float(rollout.temperature),
+        queue_get_timeout_s=float(at.queue_get_timeout_s),
+        enable_gradient_checkpointing=bool(cfg.actor_rollout_ref.model.enable_gradient_checkpointing),
+        max_response_length=int(cfg.data.max_response_length),
+        actor=_frozen(actor),
+        advantages=AdvantageConfig.from_config(cfg),
+        correction=correction_config_from(cfg),
+        critic=_frozen(cfg.critic) if gae else None,
+    )
+    e = cfg.engines
+    engines = EnginesSpec(
+        backend=str(e.backend),
+        model_path=model_path,
+        num_engines=int(e.num_engines),
+        max_running_requests=int(e.max_running_requests),
+        startup_timeout_s=float(e.startup_timeout_s),
+        request_timeout_s=float(e.request_timeout_s),
+        dtype=str(e.dtype),
+        torch_threads=int(e.torch_threads),
+        on_engine_failure=str(e.on_engine_failure),
+        max_restarts=int(e.max_restarts),
+        extra_args=_frozen(e.extra_args),
+        tensor_model_parallel_size=int(rollout.tensor_model_parallel_size),
+        gpu_memory_utilization=float(rollout.gpu_memory_utilization),
+        seed=run_seed,
+        log_level=str(cfg.run.log_level),
+    )
+    param_sync = ParamSyncSpec(
+        transport=str(cfg.param_sync.transport),
+        weights_dir=str(cfg.param_sync.weights_dir),
+        timeout_s=float(cfg.param_sync.timeout_s),
+    )
+    t = cfg.trainer
+    run = RunSectionSpec(
+        dir=str(cfg.run.dir),
+        log_level=str(cfg.run.log_level),
+        project_name=str(t.project_name),
+        experiment_name=str(t.experiment_name),
+        loggers=tuple(str(x) for x in t.logger),
+        total_training_steps=None if t.total_training_steps is None else int(t.total_training_steps),
+        test_freq=int(t.test_freq),
+        save_freq=int(t.save_freq),
+        val_before_train=bool(t.val_before_train),
+        resume_mode=str(t.resume_mode),
+        resume_from_path=t.resume_from_path,
+        task=TaskSpec(
+            name=cfg.task.name,
+            seed=int(cfg.task.seed),
+            cache_dir=str(cfg.task.cache_dir),
+            warmup_steps=int(cfg.task.warmup_steps),
+        ),
+    )
+    return RunSpec(executor=executor, trainer=trainer, engines=engines, param_sync=param_sync, run=run)
+
+
+def _files(value: Any) -> tuple[str, ...]:
+    if not value:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    return tuple(str(v) for v in value)
+
+
+def _frozen(section: Any) -> Mapping[str, Any]:
+    """A read-only deep copy of a config section (dicts become mappingproxies, lists tuples)."""
+    raw = OmegaConf.to_container(section, resolve=True) if isinstance(section, DictConfig) else section
+    return _freeze(raw)
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, dict):
+        return MappingProxyType({k: _freeze(v) for k, v in value.items()})
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
+    return value

@@ -1,0 +1,241 @@
+"""Validation: ranges, choices and cross-field rules, checked once after the derived values are filled.
+
+Every failure is a `ConfigError` whose message is one line naming the key and what would fix it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from omegaconf import DictConfig, OmegaConf
+
+from rllm.experimental.fully_async.errors import ConfigError
+from rllm.experimental.fully_async.errors import first_line as _first_line
+from rllm.experimental.fully_async.tasks import task_names, unknown_task_message
+
+logger = logging.getLogger(__name__)
+
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "engines.backend": ("embedded", "sglang"),
+    "engines.dtype": ("float32", "bfloat16"),
+    "engines.on_engine_failure": ("restart", "continue", "stop"),
+    "param_sync.transport": ("disk", "nccl"),  # nccl is refused below until the distributed transport lands
+    "param_sync.dtype": ("auto", "float32", "bfloat16"),
+    "actor_rollout_ref.rollout.name": ("embedded", "sglang"),
+    "actor_rollout_ref.actor.loss_agg_mode": (
+        "token-mean",
+        "seq-mean-token-sum",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum-norm",
+    ),
+    "data.truncation": ("error", "left", "right"),
+    "trainer.resume_mode": ("auto", "disable", "resume_path"),
+    "run.log_level": ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+}
+
+# key -> (minimum, strict): value must be > minimum (strict) or >= minimum.
+_LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
+    "async_training.max_staleness": (0, False),
+    "async_training.trigger_parameter_sync_step": (1, False),
+    "async_training.required_samples": (1, False),
+    "async_training.max_concurrent_rollouts": (1, False),
+    "async_training.queue_max_groups": (1, False),
+    "async_training.queue_get_timeout_s": (0, True),
+    "engines.num_engines": (1, False),
+    "engines.max_running_requests": (1, False),
+    "engines.startup_timeout_s": (0, True),
+    "engines.request_timeout_s": (0, True),
+    "engines.torch_threads": (1, False),
+    "engines.max_restarts": (0, False),
+    "param_sync.timeout_s": (0, True),
+    "workflow.reward_timeout_s": (0, True),
+    "task.warmup_steps": (0, False),
+    "task.val_size": (1, False),
+    "actor_rollout_ref.rollout.n": (1, False),
+    "actor_rollout_ref.rollout.temperature": (0, False),
+    "actor_rollout_ref.actor.optim.lr": (0, True),
+    "actor_rollout_ref.actor.clip_ratio": (0, True),
+    "actor_rollout_ref.actor.grad_clip": (0, True),
+    "data.max_prompt_length": (1, False),
+    "data.max_response_length": (1, False),
+    "data.train_batch_size": (0, False),  # 0: rLLM's "batches come from the queue" (needs required_samples)
+}
+
+
+def validate(cfg: DictConfig) -> None:
+    """Ranges, choices and cross-field rules, each failure one line naming the key."""
+    refuse_unsupported(cfg)
+    for key, choices in _CHOICES.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in choices:
+            raise ConfigError(f"'{key}' must be one of {', '.join(choices)}; got {value!r}")
+    for key, (minimum, strict) in _LOWER_BOUNDS.items():
+        value = OmegaConf.select(cfg, key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"'{key}' must be a number, got {value!r}")
+        if value < minimum or (strict and value == minimum):
+            relation = ">" if strict else ">="
+            raise ConfigError(f"'{key}' must be {relation} {minimum}, got {value!r}")
+    top_p = OmegaConf.select(cfg, "actor_rollout_ref.rollout.top_p")
+    if not 0 < float(top_p) <= 1:
+        raise ConfigError(f"'actor_rollout_ref.rollout.top_p' must be in (0, 1], got {top_p!r}")
+
+    _validate_algorithm(cfg)
+    _validate_cross_fields(cfg)
+
+
+def refuse_unsupported(cfg: DictConfig) -> None:
+    """Refuse settings this build or this machine cannot honour (a transport, strategy, device or topology it lacks),
+    rather than running something else."""
+    if cfg.param_sync.transport == "nccl":
+        raise ConfigError(
+            "'param_sync.transport=nccl': the distributed weight transport is not built yet (issue 15); "
+            "use param_sync.transport=disk"
+        )
+    strategy = cfg.actor_rollout_ref.actor.strategy
+    if strategy == "megatron":
+        raise ConfigError(
+            "'actor_rollout_ref.actor.strategy=megatron': the Megatron backend is not wired to the fully-async "
+            "trainer yet; use strategy: fsdp2"
+        )
+    if strategy != "fsdp2":
+        raise ConfigError(
+            f"'actor_rollout_ref.actor.strategy={strategy}': the trainer shards with FSDP2 only; use strategy: fsdp2"
+        )
+    world = int(cfg.trainer.n_gpus_per_node) * int(cfg.trainer.nnodes)
+    if world != 1:
+        raise ConfigError(
+            f"'trainer.n_gpus_per_node' x 'trainer.nnodes' = {world}: one trainer rank only until the multi-rank "
+            "trainer lands; set trainer.n_gpus_per_node=1 trainer.nnodes=1"
+        )
+    if cfg.trainer.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("'trainer.device=cuda' but CUDA is not available here; set trainer.device=cpu")
+    elif cfg.trainer.device != "cpu":
+        raise ConfigError(f"'trainer.device' must be cpu or cuda, got {cfg.trainer.device!r}")
+    rollout = cfg.actor_rollout_ref.rollout
+    fixed = {
+        "actor_rollout_ref.hybrid_engine": (cfg.actor_rollout_ref.hybrid_engine, False, "engines are separate servers"),
+        "actor_rollout_ref.rollout.mode": (rollout.mode, "async", "engines are servers answering HTTP"),
+        "actor_rollout_ref.rollout.calculate_log_probs": (
+            rollout.calculate_log_probs,
+            True,
+            "engines always return them",
+        ),
+    }
+    for key, (value, only, why) in fixed.items():
+        if value != only:
+            raise ConfigError(f"'{key}={value}' cannot be honoured ({why}); set it to {only} or remove it")
+    if cfg.engines.backend == "embedded" and len(cfg.engines.extra_args):
+        raise ConfigError(
+            "'engines.extra_args' is passed to sglang.launch_server; with engines.backend=embedded remove it"
+        )
+
+
+def _validate_algorithm(cfg: DictConfig) -> None:
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+    from rllm.experimental.fully_async.algorithms.advantages import SUPPORTED_ESTIMATORS, AdvantageConfig
+    from rllm.experimental.fully_async.algorithms.corrections import build_correction
+    from rllm.experimental.fully_async.algorithms.filters import build_group_filter
+
+    estimator = cfg.algorithm.adv_estimator
+    if estimator not in SUPPORTED_ESTIMATORS:
+        raise ConfigError(
+            f"'algorithm.adv_estimator' must be one of {', '.join(sorted(SUPPORTED_ESTIMATORS))}; got {estimator!r}"
+        )
+    if estimator == "gae":
+        from rllm.experimental.fully_async.backends.critic import validate_critic_section
+
+        try:
+            validate_critic_section(cfg.critic)
+        except ValueError as exc:
+            raise ConfigError(_first_line(exc)) from exc
+        if int(cfg.trainer.n_gpus_per_node) * int(cfg.trainer.nnodes) != 1:
+            raise ConfigError(
+                "'trainer.n_gpus_per_node' x 'trainer.nnodes' must be 1 with algorithm.adv_estimator=gae "
+                "(verl's critic is unpatched: its loss is not proven correct across ranks)"
+            )
+    # The algorithm sections validate themselves when built; their errors name the key.
+    built = {}
+    for build in (AdvantageConfig.from_config, build_correction, build_group_filter):
+        try:
+            built[build] = build(cfg)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(_first_line(exc)) from exc
+    loss_mode = cfg.actor_rollout_ref.actor.policy_loss.loss_mode
+    correction = built[build_correction]
+    if correction is not None and correction.policy_loss_mode is not None and loss_mode != "vanilla":
+        raise ConfigError(
+            "'actor_rollout_ref.actor.policy_loss.loss_mode' must be 'vanilla' with algorithm.off_policy_correction"
+            f".prox_log_probs=loglinear (its decoupled loss replaces it); got {loss_mode!r}"
+        )
+    if loss_mode not in POLICY_LOSS_REGISTRY:
+        raise ConfigError(
+            "'actor_rollout_ref.actor.policy_loss.loss_mode' must be one of "
+            f"{', '.join(sorted(POLICY_LOSS_REGISTRY))}; got {loss_mode!r}"
+        )
+    group_estimators = {"grpo", "rloo", "reinforce_plus_plus_baseline", "gigpo", "grpo_passk", "opo"}
+    if estimator in group_estimators and cfg.actor_rollout_ref.rollout.n < 2:
+        raise ConfigError(
+            f"'actor_rollout_ref.rollout.n' must be >= 2 for the group-relative estimator '{estimator}' "
+            "(set actor_rollout_ref.rollout.n=8, or algorithm.adv_estimator=reinforce_plus_plus)"
+        )
+
+
+def _validate_cross_fields(cfg: DictConfig) -> None:
+    at = cfg.async_training
+    actor = cfg.actor_rollout_ref.actor
+    if actor.use_kl_loss:
+        raise ConfigError(
+            "'actor_rollout_ref.actor.use_kl_loss' needs a reference model, which the fully-async trainer "
+            "does not run; set it to false"
+        )
+    if actor.ppo_epochs != 1:
+        raise ConfigError(
+            "'actor_rollout_ref.actor.ppo_epochs' must be 1: the fully-async trainer makes exactly one optimizer "
+            "step per batch (raise async_training.required_samples for larger steps)"
+        )
+    if cfg.engines.backend != cfg.actor_rollout_ref.rollout.name:
+        raise ConfigError(
+            f"'engines.backend' ({cfg.engines.backend}) and 'actor_rollout_ref.rollout.name' "
+            f"({cfg.actor_rollout_ref.rollout.name}) disagree; set both to the same engine"
+        )
+    if cfg.param_sync.transport == "nccl" and cfg.engines.backend != "sglang":
+        raise ConfigError("'param_sync.transport=nccl' needs engines.backend=sglang on GPUs; use transport=disk")
+    micro = actor.ppo_micro_batch_size_per_gpu
+    if not actor.use_dynamic_bsz and (micro is None or micro < 1):
+        raise ConfigError(
+            "'actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu' must be >= 1 "
+            "(or set actor_rollout_ref.actor.use_dynamic_bsz=true)"
+        )
+    if at.max_concurrent_rollouts < int(cfg.actor_rollout_ref.rollout.n):
+        raise ConfigError(
+            "'async_training.max_concurrent_rollouts' must be >= actor_rollout_ref.rollout.n "
+            f"({cfg.actor_rollout_ref.rollout.n}) so one prompt group can run"
+        )
+    if at.queue_max_groups < at.required_samples:
+        raise ConfigError(
+            f"'async_training.queue_max_groups' ({at.queue_max_groups}) must be >= "
+            f"async_training.required_samples ({at.required_samples}) or the trainer can never get a batch"
+        )
+    if at.use_rollout_log_probs and at.compute_prox_log_prob and at.max_staleness == 0:
+        logger.info("compute_prox_log_prob with max_staleness=0: proximal and behaviour policies coincide")
+    if cfg.task.name is None:
+        for key in ("data.train_files", "actor_rollout_ref.model.path"):
+            if not OmegaConf.select(cfg, key):
+                raise ConfigError(f"'{key}' must be set when task.name is null (or set task.name=addition)")
+    if cfg.workflow.path is None and cfg.workflow.name != "single_turn":
+        raise ConfigError(
+            f"'workflow.name' {cfg.workflow.name!r} is not a built-in workflow (single_turn); "
+            "set workflow.path to the file that defines it"
+        )
+    if cfg.task.name is not None and cfg.task.name not in task_names():
+        raise ConfigError(unknown_task_message(cfg.task.name))
+    total = cfg.trainer.total_training_steps
+    if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 1):
+        raise ConfigError(f"'trainer.total_training_steps' must be a positive integer or null, got {total!r}")
