@@ -28,6 +28,7 @@ PERTURB: dict[str, str] = {
     "engines.extra_args": "{mem_fraction_static: 0.5}",
     "param_sync.transport": "nccl",
     "param_sync.weights_dir": "/tmp/elsewhere",
+    "param_sync.dtype": "bfloat16",
     "task.name": "smollm2",
     "task.cache_dir": "/tmp/cache",
     "workflow.name": "my_agent",

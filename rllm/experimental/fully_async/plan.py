@@ -95,7 +95,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--nodes", type=int, default=1, help="number of nodes, with --gpus-per-node")
     args, overrides = parser.parse_known_args(argv)
     try:
-        cfg = load_config(args.config, overrides)
+        cfg = load_config(args.config, overrides, check_host=False)  # planning a GPU host from anywhere
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2

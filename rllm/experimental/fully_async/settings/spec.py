@@ -122,6 +122,7 @@ class ParamSyncSpec:
     transport: str
     weights_dir: str
     timeout_s: float
+    dtype: str  # auto (the trainer's parameter dtype: bf16 on GPU) | float32 | bfloat16
 
 
 @dataclass(frozen=True)
@@ -243,6 +244,7 @@ def build_run_spec(cfg: DictConfig) -> RunSpec:
         transport=str(cfg.param_sync.transport),
         weights_dir=str(cfg.param_sync.weights_dir),
         timeout_s=float(cfg.param_sync.timeout_s),
+        dtype=str(cfg.param_sync.dtype),
     )
     t = cfg.trainer
     run = RunSectionSpec(

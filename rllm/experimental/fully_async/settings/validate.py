@@ -62,9 +62,10 @@ _LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
 }
 
 
-def validate(cfg: DictConfig) -> None:
-    """Ranges, choices and cross-field rules, each failure one line naming the key."""
-    refuse_unsupported(cfg)
+def validate(cfg: DictConfig, *, check_host: bool = True) -> None:
+    """Ranges, choices and cross-field rules, each failure one line naming the key. `check_host=False` skips what
+    depends on this machine (CUDA present), for commands that plan a run elsewhere (`plan`, `simulate`)."""
+    refuse_unsupported(cfg, check_host=check_host)
     for key, choices in _CHOICES.items():
         value = OmegaConf.select(cfg, key)
         if value not in choices:
@@ -86,7 +87,7 @@ def validate(cfg: DictConfig) -> None:
     _validate_cross_fields(cfg)
 
 
-def refuse_unsupported(cfg: DictConfig) -> None:
+def refuse_unsupported(cfg: DictConfig, *, check_host: bool = True) -> None:
     """Refuse settings this build or this machine cannot honour (a transport, strategy, device or topology it lacks),
     rather than running something else."""
     if cfg.param_sync.transport == "nccl":
@@ -113,7 +114,7 @@ def refuse_unsupported(cfg: DictConfig) -> None:
     if cfg.trainer.device == "cuda":
         import torch
 
-        if not torch.cuda.is_available():
+        if check_host and not torch.cuda.is_available():
             raise ConfigError("'trainer.device=cuda' but CUDA is not available here; set trainer.device=cpu")
     elif cfg.trainer.device != "cpu":
         raise ConfigError(f"'trainer.device' must be cpu or cuda, got {cfg.trainer.device!r}")
