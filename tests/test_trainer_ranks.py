@@ -46,6 +46,17 @@ def assert_same_params(got: dict, expected: dict) -> None:
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def assert_same_state(got: dict, expected: dict) -> None:
+    """Model, Adam moments and step counts, LR schedule: bit for bit (same world size, nothing recomputed)."""
+    assert_same_params(full_params(got), full_params(expected))
+    assert got["optimizer_steps"] == expected["optimizer_steps"] and got["lr_scheduler"] == expected["lr_scheduler"]
+    exp_state, got_state = expected["optimizer"]["state"], got["optimizer"]["state"]
+    assert set(got_state) == set(exp_state) and exp_state
+    for name, moments in exp_state.items():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(got_state[name][key], moments[key], rtol=0, atol=0, msg=f"{name}.{key}")
+
+
 def test_split_is_balanced_by_tokens_with_masked_padding():
     data = DataProto.concat([make_batch(1), make_batch(2)[:1]])
     shards, parts, rows = split_by_tokens(data, 2)
@@ -105,23 +116,22 @@ def test_fresh_two_rank_group_resumes_identical_state_and_a_dead_rank_fails_in_o
     two_ranks, tiny_model_dir, tmp_path
 ):
     two_ranks.save_checkpoint(tmp_path / "dcp")
-    expected = two_ranks.state_dict()
+    at_checkpoint = two_ranks.state_dict()
+    single = FSDPPolicyBackend(tiny_model_dir, CFG)
+    two_ranks.update_policy(odd_batch(14, single))
+    later = two_ranks.state_dict()
     fresh = DistributedPolicyBackend(tiny_model_dir, CFG, world=2, device="cpu", seed=7, **TIMEOUTS)
     try:
+        # the trainer's own checkpoint path: the full state gathered on rank 0, broadcast back from rank 0
+        fresh.load_state_dict(later)
+        assert_same_state(fresh.state_dict(), later)
+        # torch.distributed.checkpoint: each rank reads its own shard
         fresh.load_checkpoint(tmp_path / "dcp")
-        got = fresh.state_dict()
-        assert_same_params(full_params(got), full_params(expected))
-        assert got["optimizer_steps"] == expected["optimizer_steps"] and got["lr_scheduler"] == expected["lr_scheduler"]
-        exp_state, got_state = expected["optimizer"]["state"], got["optimizer"]["state"]
-        assert set(got_state) == set(exp_state)
-        for name, moments in exp_state.items():
-            for key in ("exp_avg", "exp_avg_sq", "step"):
-                torch.testing.assert_close(got_state[name][key], moments[key], rtol=0, atol=0, msg=f"{name}.{key}")
+        assert_same_state(fresh.state_dict(), at_checkpoint)
 
         import ray
 
         ray.kill(fresh._ranks[1])
-        single = FSDPPolicyBackend(tiny_model_dir, CFG)
         with pytest.raises(RankFailedError, match=r"^trainer rank 1 of 2 died during update_policy: ") as info:
             fresh.update_policy(odd_batch(13, single))
         assert "\n" not in str(info.value)

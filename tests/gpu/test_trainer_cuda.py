@@ -54,7 +54,7 @@ def test_one_bf16_update_on_cuda_matches_an_fp32_reference(tiny_model_dir):
     assert cosine > 0.9, f"bf16 and fp32 steps diverge: cosine {cosine:.3f}"
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs CUDA (2 devices)")
 def test_two_nccl_ranks_take_the_step_of_one_rank(ray_session, tiny_model_dir):
     from test_fsdp_backend import actor_cfg
 
