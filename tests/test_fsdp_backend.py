@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_verl_patch import BATCH_SIZE, RESPONSE_LEN, TEMPERATURE, make_batch, response_log_probs
+from test_verl_patch import BATCH_SIZE, RESPONSE_LEN, TEMPERATURE, make_batch, make_verl_copy, response_log_probs
 from transformers import AutoModelForCausalLM
 from verl import DataProto
 
@@ -187,36 +187,49 @@ def test_megatron_backend_builds_a_fully_async_config_and_needs_megatron_to_buil
 # ----------------------------------------------------------------------------------------------------------------
 
 _FSDP2_WORKER = r"""
-import json, sys, torch, torch.distributed as dist
+import json, sys, datetime, torch, torch.distributed as dist
 from test_verl_patch import make_batch
 from test_fsdp_backend import actor_cfg
 from rllm.experimental.fully_async.backends.fsdp import FSDPPolicyBackend
 
 rank, world = int(sys.argv[1]), int(sys.argv[2])
 store_path, model_dir, out = sys.argv[3:6]
-dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
-backend = FSDPPolicyBackend(model_dir, actor_cfg())
+spec = json.loads(sys.argv[6])
+# gloo honours the timeout: a collective left waiting by the other rank raises instead of hanging
+timeout = datetime.timedelta(seconds=60)
+dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world, timeout=timeout)
+backend = FSDPPolicyBackend(model_dir, actor_cfg(**spec["cfg"]))
 data = make_batch(seed=11)
 data.batch["response_mask"] = data.batch["response_mask"].float()
 data.batch["old_log_probs"] = torch.load(out + ".old.pt")
-shard = data[rank::world]  # every other row: each rank holds a different half of the batch
+shard = data[spec["rows"][rank]]  # each rank holds a different part of the batch
+log_probs = backend.compute_log_prob(shard)
 metrics = backend.update_policy(shard)
 state = backend.state_dict()["model"]  # collective; full tensors on rank 0
+torch.save(log_probs, f"{out}.logp{rank}.pt")
 if rank == 0:
     torch.save({k: v.float() for k, v in state.items()}, out)
     json.dump({"metrics": metrics, "rows": len(shard)}, open(out + ".json", "w"))
 dist.destroy_process_group()
 """
 
+WORLD_TIMEOUT_S = 240.0
 
-def _run_world(world: int, model_dir: Path, tmp_path: Path, old_log_probs: torch.Tensor) -> tuple[dict, dict]:
-    """Run _FSDP2_WORKER on `world` processes (a FileStore rendezvous: no ports); rank 0's weights and report."""
+
+def _run_world(
+    rows: list[list[int]], model_dir: Path, tmp_path: Path, old_log_probs: torch.Tensor, **cfg
+) -> tuple[dict, dict, list[torch.Tensor]]:
+    """Run _FSDP2_WORKER on one process per entry of `rows` (a FileStore rendezvous: no ports).
+
+    Returns rank 0's full weights, its report and every rank's log-probs of its rows (before the step).
+    """
+    world = len(rows)
     out = tmp_path / f"world{world}.pt"
     torch.save(old_log_probs, f"{out}.old.pt")
     store = tmp_path / f"store{world}"
     tests_dir = Path(__file__).parent
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(tests_dir), str(tests_dir.parent)])}
-    args = [str(store), str(model_dir), str(out)]
+    args = [str(store), str(model_dir), str(out), json.dumps({"rows": rows, "cfg": cfg})]
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", _FSDP2_WORKER, str(rank), str(world), *args],
@@ -227,28 +240,133 @@ def _run_world(world: int, model_dir: Path, tmp_path: Path, old_log_probs: torch
         )
         for rank in range(world)
     ]
-    for proc in procs:
-        _, stderr = proc.communicate(timeout=240)
-        assert proc.returncode == 0, stderr[-4000:]
-    return torch.load(out), json.loads(Path(f"{out}.json").read_text())
+    try:
+        for rank, proc in enumerate(procs):
+            try:
+                _, stderr = proc.communicate(timeout=WORLD_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"rank {rank} of {world} still running after {WORLD_TIMEOUT_S:.0f} s: a collective hung")
+            assert proc.returncode == 0, stderr[-4000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+    log_probs = [torch.load(f"{out}.logp{rank}.pt") for rank in range(world)]
+    return torch.load(out), json.loads(Path(f"{out}.json").read_text()), log_probs
 
 
-def test_fsdp2_world_of_two_takes_the_same_step_as_one_process(model_dir, tmp_path):
-    """Half the batch on each of two ranks (FSDP2, gloo) must give the whole-batch step of a single process."""
-    single = FSDPPolicyBackend(model_dir, actor_cfg())
+def _single_process_step(model_dir: Path, **cfg) -> tuple[FSDPPolicyBackend, torch.Tensor, torch.Tensor, dict]:
+    """The reference: one process, the whole batch. Returns the backend, old_log_probs, log-probs, metrics."""
+    single = FSDPPolicyBackend(model_dir, actor_cfg(**cfg))
     data = make_batch(seed=11)
     data.batch["response_mask"] = data.batch["response_mask"].float()
     noise = 0.3 * torch.randn(BATCH_SIZE, RESPONSE_LEN, generator=torch.Generator().manual_seed(0))
-    old = single.compute_log_prob(data) + noise
-    data.batch["old_log_probs"] = old
-    single_metrics = single.update_policy(data)
+    log_probs = single.compute_log_prob(data)
+    data.batch["old_log_probs"] = log_probs + noise
+    metrics = single.update_policy(data)
+    return single, data.batch["old_log_probs"], log_probs, metrics
 
-    sharded, report = _run_world(2, model_dir, tmp_path, old)
-    sharded_metrics = report["metrics"]
-    assert report["rows"] == BATCH_SIZE // 2
+
+def _assert_same_step(single: FSDPPolicyBackend, single_metrics: dict, sharded: dict, sharded_metrics: dict) -> None:
     assert single_metrics["actor/optimizer_step"] == sharded_metrics["actor/optimizer_step"] == 1.0
     assert sharded_metrics["actor/grad_norm"] == pytest.approx(single_metrics["actor/grad_norm"], rel=1e-5)
     single_state = single.state_dict()["model"]
     assert set(single_state) == set(sharded)
     for name, value in single_state.items():
         torch.testing.assert_close(sharded[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_fsdp2_world_of_two_takes_the_same_step_as_one_process(model_dir, tmp_path):
+    """Half the batch on each of two ranks (FSDP2, gloo) must give the whole-batch step of a single process."""
+    single, old, _, single_metrics = _single_process_step(model_dir)
+    rows = [list(range(0, BATCH_SIZE, 2)), list(range(1, BATCH_SIZE, 2))]
+    sharded, report, _ = _run_world(rows, model_dir, tmp_path, old)
+    assert report["rows"] == BATCH_SIZE // 2
+    _assert_same_step(single, single_metrics, sharded, report["metrics"])
+
+
+# Rows 0, 3, 5 hold 25 tokens, rows 1, 2, 4 hold 12 (PROMPT_LENGTHS + RESPONSE_LENGTHS): with a budget of 9 tokens
+# (the longest row) rank 0 alone would cut 3 dynamic micro-batches and rank 1 alone 2.
+UNBALANCED_ROWS = [[0, 3, 5], [1, 2, 4]]
+DYNAMIC = {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 9, "ppo_infer_max_token_len_per_gpu": 9}
+
+
+def test_fsdp2_dynamic_micro_batches_with_unbalanced_tokens_finish_and_match(model_dir, tmp_path):
+    """use_dynamic_bsz on two FSDP2 ranks whose token counts differ: the patch agrees the micro-batch count, so
+    every forward/backward has its partner on the other rank; the step and the log-probs equal one process's."""
+    single, old, single_log_probs, single_metrics = _single_process_step(model_dir, **DYNAMIC)
+    sharded, report, log_probs = _run_world(UNBALANCED_ROWS, model_dir, tmp_path, old, **DYNAMIC)
+    for rank, rows in enumerate(UNBALANCED_ROWS):
+        torch.testing.assert_close(log_probs[rank], single_log_probs[rows], rtol=1e-5, atol=1e-5)
+    _assert_same_step(single, single_metrics, sharded, report["metrics"])
+
+
+_COUNT_WORKER = r"""
+import datetime, json, sys, torch.distributed as dist
+import verl.workers.actor.dp_actor as dp_actor
+from test_verl_patch import build_actor, make_batch, make_batch_copy, set_old_log_probs
+
+rank, world = int(sys.argv[1]), 2
+store_path, model_dir, state, rows = sys.argv[2:6]
+timeout = datetime.timedelta(seconds=60)
+dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world, timeout=timeout)
+counts = []
+original = dp_actor.prepare_dynamic_batch
+
+
+def counting(*args, **kwargs):
+    micro_batches, index = original(*args, **kwargs)
+    counts.append(len(micro_batches))
+    return micro_batches, index
+
+
+dp_actor.prepare_dynamic_batch = counting
+data = make_batch(seed=1)
+set_old_log_probs(model_dir, data, shift=0.0, seed=1)
+shard = data[json.loads(rows)[rank]]
+# A plain module, not FSDP: nothing here is collective except what the actor itself does, so the pristine copy
+# shows its micro-batch counts instead of hanging.
+actor, _, _ = build_actor(model_dir, patched=state == "patched", dynamic_max_tokens=9)
+shard.meta_info.update(micro_batch_size=1, use_dynamic_bsz=True, max_token_len=9)
+actor.compute_log_prob(make_batch_copy(shard))
+actor.update_policy(make_batch_copy(shard))
+print(json.dumps({"counts": counts, "verl_file": dp_actor.__file__}))
+dist.destroy_process_group()
+"""
+
+
+def test_dynamic_micro_batch_counts_agree_across_ranks_only_with_the_patch(tmp_path, tiny_model_dir):
+    """The same two unbalanced ranks against a patched and a pristine copy of verl: pristine verl cuts 3 and 2
+    micro-batches (under FSDP the rank with 2 would leave the other's third all-gather waiting forever)."""
+    tests_dir = Path(__file__).parent
+    counts = {}
+    for state in ("patched", "pristine"):
+        root = make_verl_copy(tmp_path / state, patched=state == "patched")
+        path = os.pathsep.join([str(root), str(tests_dir), str(tests_dir.parent)])
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+        args = [str(tmp_path / f"store_{state}"), str(tiny_model_dir), state, json.dumps(UNBALANCED_ROWS)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", _COUNT_WORKER, str(rank), *args],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for rank in range(2)
+        ]
+        reports = []
+        for proc in procs:
+            try:
+                stdout, stderr = proc.communicate(timeout=WORLD_TIMEOUT_S)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+            assert proc.returncode == 0, stderr[-4000:]
+            reports.append(json.loads(stdout.strip().splitlines()[-1]))
+            assert reports[-1]["verl_file"].startswith(str(root)), "the worker imported the wrong verl"
+        counts[state] = [report["counts"] for report in reports]
+    # [compute_log_prob, update_policy] on each rank
+    assert counts["patched"] == [[3, 3], [3, 3]], counts
+    assert counts["pristine"] == [[3, 3], [2, 2]], counts

@@ -2,8 +2,10 @@
 
 The trainer (a Ray actor; world size 1 by default) calls four things: `compute_log_prob` for old or proximal
 log-probs, `update_policy` for exactly one optimizer step on one batch, `save_hf` to hand weights to ParamSync's
-disk transport, and `state_dict`/`load_state_dict` for checkpoints. The backend knows nothing of Ray, queues or
-policy versions.
+disk transport, and `state_dict`/`load_state_dict` for checkpoints (or `save_checkpoint`/`load_checkpoint`: one
+shard per rank through torch.distributed.checkpoint, resumable at another world size). With several ranks,
+runtime/trainer_ranks.py runs one backend per rank behind the same interface. The backend knows nothing of Ray,
+queues or policy versions.
 
 The PPO math is verl's: `DataParallelPPOActor.update_policy` with the actor config's `fully_async` flag on
 (`FULLY_ASYNC_FLAG`; added by patches/verl_dp_actor.patch, see patches/README.md). Under that flag one call is one
@@ -75,6 +77,9 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
+
+# Written next to torch.distributed.checkpoint's shards: what is not a tensor (LR schedule, steps taken).
+CHECKPOINT_EXTRA = "extra.pt"
 
 _CPU_AUTOCAST_WARNING = "In CPU autocast, but the target dtype is not supported"
 
@@ -308,6 +313,37 @@ class FSDPPolicyBackend:
             )
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.optimizer_steps = int(state["optimizer_steps"])
+
+    def save_checkpoint(self, directory: str | os.PathLike[str]) -> None:
+        """Write model and optimizer with torch.distributed.checkpoint, each rank its own shard; collective.
+
+        Resumable at any world size (DCP reshards on load). The LR schedule and step count, the same on every
+        rank, go to `extra.pt` from rank 0.
+        """
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(directory))
+        if self.rank == 0:
+            extra = {"lr_scheduler": self.lr_scheduler.state_dict(), "optimizer_steps": self.optimizer_steps}
+            torch.save(extra, Path(directory) / CHECKPOINT_EXTRA)
+        if self.world_size > 1:
+            dist.barrier()  # extra.pt is on disk before any rank returns
+
+    def load_checkpoint(self, directory: str | os.PathLike[str]) -> None:
+        """Restore what `save_checkpoint` wrote (possibly by another world size); collective."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        # get_state_dict initialises AdamW's lazy state (a zero-lr step), so the moments have tensors to load into
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_state, "optimizer": optim_state}
+        dcp.load(state, checkpoint_id=str(directory))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        extra = torch.load(Path(directory) / CHECKPOINT_EXTRA, weights_only=False)
+        self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+        self.optimizer_steps = int(extra["optimizer_steps"])
 
     # ------------------------------------------------------------------------------------------------------------
 

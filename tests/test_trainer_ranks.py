@@ -1,0 +1,141 @@
+"""The trainer's worker group on CPU: two gloo ranks as Ray actors behind FSDPPolicyBackend's interface.
+
+One 2-rank group (dynamic micro-batching, a 7-row batch with uneven token counts, so it is padded and split by
+tokens) is judged against one in-process rank on the same batch: log-probs, the optimizer step, the HF export, and
+a torch.distributed.checkpoint written by 2 ranks resumed by a fresh 2-rank group and by 1 rank. A killed rank
+fails the next call with one line.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_fsdp_backend import actor_cfg
+from test_verl_patch import BATCH_SIZE, RESPONSE_LEN, make_batch, response_log_probs
+from transformers import AutoModelForCausalLM
+from verl import DataProto
+
+from rllm.experimental.fully_async.backends.fsdp import FSDPPolicyBackend
+from rllm.experimental.fully_async.runtime.trainer_ranks import (
+    DistributedPolicyBackend,
+    RankFailedError,
+    split_by_tokens,
+)
+
+# A budget of 9 tokens (the longest row) cuts several dynamic micro-batches per rank, of different counts.
+CFG = actor_cfg(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=9, ppo_infer_max_token_len_per_gpu=9)
+TIMEOUTS = {"call_timeout_s": 120.0, "setup_timeout_s": 180.0}
+
+
+def odd_batch(seed: int, backend: FSDPPolicyBackend) -> DataProto:
+    """7 rows (6 + 1: not divisible by 2 ranks) with old_log_probs off the current policy by some noise."""
+    data = DataProto.concat([make_batch(seed), make_batch(seed + 100)[:1]])
+    data.batch["response_mask"] = data.batch["response_mask"].float()
+    noise = 0.3 * torch.randn(len(data), RESPONSE_LEN, generator=torch.Generator().manual_seed(seed))
+    data.batch["old_log_probs"] = backend.compute_log_prob(data) + noise
+    return data
+
+
+def full_params(state: dict) -> dict[str, torch.Tensor]:
+    return {k: v.float() for k, v in state["model"].items()}
+
+
+def assert_same_params(got: dict, expected: dict) -> None:
+    assert set(got) == set(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def assert_same_state(got: dict, expected: dict) -> None:
+    """Model, Adam moments and step counts, LR schedule: bit for bit (same world size, nothing recomputed)."""
+    assert_same_params(full_params(got), full_params(expected))
+    assert got["optimizer_steps"] == expected["optimizer_steps"] and got["lr_scheduler"] == expected["lr_scheduler"]
+    exp_state, got_state = expected["optimizer"]["state"], got["optimizer"]["state"]
+    assert set(got_state) == set(exp_state) and exp_state
+    for name, moments in exp_state.items():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(got_state[name][key], moments[key], rtol=0, atol=0, msg=f"{name}.{key}")
+
+
+def test_split_is_balanced_by_tokens_with_masked_padding():
+    data = DataProto.concat([make_batch(1), make_batch(2)[:1]])
+    shards, parts, rows = split_by_tokens(data, 2)
+    assert rows == 7 and sorted(i for p in parts for i in p) == list(range(8))
+    assert [len(s) for s in shards] == [4, 4]
+    tokens = [int(s.batch["attention_mask"].sum()) for s in shards]
+    assert abs(tokens[0] - tokens[1]) <= 9, tokens  # within one row's length
+    holder = next(r for r, p in enumerate(parts) if 7 in p)
+    assert shards[holder].batch["response_mask"][parts[holder].index(7)].sum() == 0  # the padding row adds no loss
+    assert data.batch["response_mask"][0].sum() > 0  # the caller's batch is untouched
+
+
+@pytest.fixture(scope="module")
+def two_ranks(ray_session, tiny_model_dir):
+    group = DistributedPolicyBackend(tiny_model_dir, CFG, world=2, device="cpu", **TIMEOUTS)
+    yield group
+    group.shutdown()
+
+
+def test_two_ranks_match_one_rank_then_resume_from_their_checkpoint(two_ranks, tiny_model_dir, tmp_path):
+    single = FSDPPolicyBackend(tiny_model_dir, CFG)
+    data = odd_batch(11, single)
+
+    # log-probs come back in the batch's row order, padding dropped
+    torch.testing.assert_close(two_ranks.compute_log_prob(data), single.compute_log_prob(data), rtol=1e-5, atol=1e-5)
+
+    # one optimizer step across both ranks equals the whole-batch step of one rank
+    single_metrics, group_metrics = single.update_policy(data), two_ranks.update_policy(data)
+    assert group_metrics["actor/optimizer_step"] == single_metrics["actor/optimizer_step"] == 1.0
+    assert group_metrics["actor/grad_norm"] == pytest.approx(single_metrics["actor/grad_norm"], rel=1e-5)
+    assert group_metrics["actor/pg_loss"] == pytest.approx(single_metrics["actor/pg_loss"], rel=1e-4, abs=1e-7)
+    group_state = two_ranks.state_dict()
+    assert_same_params(full_params(group_state), single.state_dict()["model"])
+
+    # full HF weights from rank 0 load into transformers and give the same log-probs
+    two_ranks.save_hf(tmp_path / "hf")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32, attn_implementation="sdpa")
+    probe = make_batch(seed=9)
+    with torch.no_grad():
+        torch.testing.assert_close(response_log_probs(loaded, probe), single.compute_log_prob(probe))
+
+    # a checkpoint written shard by shard resumes into one rank: the next step lands where the group's does,
+    # so the Adam moments and the schedule came along
+    two_ranks.save_checkpoint(tmp_path / "dcp")
+    resumed = FSDPPolicyBackend(tiny_model_dir, CFG, seed=5)
+    resumed.load_checkpoint(tmp_path / "dcp")
+    assert resumed.optimizer_steps == 1
+    assert_same_params(resumed.state_dict()["model"], full_params(group_state))
+    second = odd_batch(12, single)
+    resumed.update_policy(second)
+    two_ranks.update_policy(second)
+    assert_same_params(resumed.state_dict()["model"], full_params(two_ranks.state_dict()))
+    assert BATCH_SIZE == 6  # odd_batch's 7 rows assume it
+
+
+def test_fresh_two_rank_group_resumes_identical_state_and_a_dead_rank_fails_in_one_line(
+    two_ranks, tiny_model_dir, tmp_path
+):
+    two_ranks.save_checkpoint(tmp_path / "dcp")
+    at_checkpoint = two_ranks.state_dict()
+    single = FSDPPolicyBackend(tiny_model_dir, CFG)
+    two_ranks.update_policy(odd_batch(14, single))
+    later = two_ranks.state_dict()
+    fresh = DistributedPolicyBackend(tiny_model_dir, CFG, world=2, device="cpu", seed=7, **TIMEOUTS)
+    try:
+        # the trainer's own checkpoint path: the full state gathered on rank 0, broadcast back from rank 0
+        fresh.load_state_dict(later)
+        assert_same_state(fresh.state_dict(), later)
+        # torch.distributed.checkpoint: each rank reads its own shard
+        fresh.load_checkpoint(tmp_path / "dcp")
+        assert_same_state(fresh.state_dict(), at_checkpoint)
+
+        import ray
+
+        ray.kill(fresh._ranks[1])
+        with pytest.raises(RankFailedError, match=r"^trainer rank 1 of 2 died during update_policy: ") as info:
+            fresh.update_policy(odd_batch(13, single))
+        assert "\n" not in str(info.value)
+        with pytest.raises(RankFailedError, match="down since: trainer rank 1"):
+            fresh.compute_log_prob(odd_batch(13, single))
+    finally:
+        fresh.shutdown()
