@@ -51,7 +51,7 @@ def test_overrides_win_over_the_file():
         ("engines.backend=vllm", "engines.backend"),
         ("algorithm.adv_estimator=magic", "algorithm.adv_estimator"),
         ("actor_rollout_ref.rollout.n=1", "actor_rollout_ref.rollout.n"),
-        ("trainer.n_gpus_per_node=3", "trainer.n_gpus_per_node"),
+        ("trainer.n_gpus_per_node=0", "trainer.n_gpus_per_node"),
         ("param_sync.transport=nccl", "param_sync.transport=disk"),
         ("actor_rollout_ref.actor.strategy=megatron", "Megatron backend is not wired"),
         ("async_training.require_batches=2", "async_training.required_samples"),

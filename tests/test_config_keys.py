@@ -89,8 +89,6 @@ REFUSED: dict[str, str] = {
     "actor_rollout_ref.actor.strategy": "FSDP2 only",
     "actor_rollout_ref.actor.use_kl_loss": "needs a reference model",
     "actor_rollout_ref.actor.ppo_epochs": "exactly one optimizer step",
-    "trainer.n_gpus_per_node": "one trainer rank only",
-    "trainer.nnodes": "one trainer rank only",
     "data.train_batch_size": "is read only when async_training.required_samples is null",
 }
 try:

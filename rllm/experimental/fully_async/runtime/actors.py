@@ -68,7 +68,27 @@ class FullyAsyncTrainerActor:
         if correction is not None and correction.policy_loss_mode is not None:
             # decoupled PPO with the proximal policy from the update itself: its loss replaces verl's vanilla one
             c.actor_rollout_ref.actor.policy_loss.loss_mode = correction.policy_loss_mode
-        backend = FSDPPolicyBackend(model_path, c.actor_rollout_ref.actor, seed=int(c.run.seed))
+        world = int(c.trainer.n_gpus_per_node) * int(c.trainer.nnodes)
+        if world > 1:
+            # N rank actors in one torch.distributed group (gloo on CPU, NCCL on GPU), each with its FSDP2 shard;
+            # one optimizer step per batch across them (runtime/trainer_ranks.py). verl counts trainer devices as
+            # n_gpus_per_node x nnodes: one rank per device.
+            from rllm.experimental.fully_async.runtime.trainer_ranks import DistributedPolicyBackend
+
+            backend: Any = DistributedPolicyBackend(
+                model_path,
+                c.actor_rollout_ref.actor,
+                world=world,
+                device=str(c.trainer.device),
+                nnodes=int(c.trainer.nnodes),
+                seed=int(c.run.seed),
+                enable_gradient_checkpointing=bool(c.actor_rollout_ref.model.enable_gradient_checkpointing),
+            )
+            param_dtype = "float32"  # the ranks hold fp32 parameters (FSDP2 mixed precision computes in bf16)
+        else:
+            backend = FSDPPolicyBackend(model_path, c.actor_rollout_ref.actor, seed=int(c.run.seed))
+            param_dtype = str(next(backend.model.parameters()).dtype)
+        self.backend = backend
         at = c.async_training
         timeout_s = float(c.param_sync.timeout_s)
         self.param_sync = ParamSync(
@@ -77,9 +97,7 @@ class FullyAsyncTrainerActor:
             pause_timeout_s=timeout_s,
             update_timeout_s=timeout_s,
             continue_timeout_s=timeout_s,
-            weights_dtype=resolve_sync_dtype(
-                str(c.param_sync.dtype), str(c.trainer.device), str(next(backend.model.parameters()).dtype)
-            ),
+            weights_dtype=resolve_sync_dtype(str(c.param_sync.dtype), str(c.trainer.device), param_dtype),
         )
         settings = TrainerSettings(
             required_samples=int(at.required_samples),
@@ -131,6 +149,12 @@ class FullyAsyncTrainerActor:
 
     def load_state_dict(self, state: dict) -> None:
         self.trainer.load_state_dict(state)
+
+    def shutdown(self) -> None:
+        """End the trainer's rank actors, if it has any (a multi-rank trainer); the driver calls it before
+        killing this actor, so no rank outlives the run."""
+        if hasattr(self.backend, "shutdown"):
+            self.backend.shutdown()
 
     def version(self) -> int:
         return self.trainer.version

@@ -117,6 +117,7 @@ class Run:
         )
         self.trainer = FullyAsyncTrainerActor.remote(self.container, engines.urls, self.rollouts)
         self._stack.callback(_stop_actors, self.rollouts, self.trainer)
+        self._stack.callback(_shutdown_trainer, self.trainer)  # first (LIFO): a multi-rank trainer's ranks
         self.sync_timeout_s = float(cfg.param_sync.timeout_s) * 4
         self.validate_timeout_s = float(cfg.engines.request_timeout_s)
         if resumed is not None:
@@ -324,6 +325,15 @@ def _stop_actors(*handles: Any) -> None:
             ray.kill(handle)
         except Exception:  # already gone
             logger.debug("actor already gone", exc_info=True)
+
+
+def _shutdown_trainer(trainer: Any) -> None:
+    import ray
+
+    try:
+        ray.get(trainer.shutdown.remote(), timeout=60)
+    except Exception:  # the actor is gone or broken: killing it (next) also ends its rank actors' owner
+        logger.debug("trainer shutdown failed", exc_info=True)
 
 
 def _install_signal_handlers() -> None:

@@ -77,7 +77,7 @@ class TrainerSpec:
 
     model_path: str
     device: str  # trainer.device
-    world_size: int  # trainer.n_gpus_per_node x trainer.nnodes (1 until the multi-rank trainer lands)
+    world_size: int  # trainer ranks = trainer.n_gpus_per_node x trainer.nnodes (verl counts devices; one rank each)
     seed: int
     required_samples: int
     sync_every_steps: int

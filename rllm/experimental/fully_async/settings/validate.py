@@ -42,6 +42,8 @@ _LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "async_training.queue_max_groups": (1, False),
     "async_training.queue_get_timeout_s": (0, True),
     "engines.num_engines": (1, False),
+    "trainer.n_gpus_per_node": (1, False),
+    "trainer.nnodes": (1, False),
     "engines.max_running_requests": (1, False),
     "engines.startup_timeout_s": (0, True),
     "engines.request_timeout_s": (0, True),
@@ -104,12 +106,6 @@ def refuse_unsupported(cfg: DictConfig, *, check_host: bool = True) -> None:
     if strategy != "fsdp2":
         raise ConfigError(
             f"'actor_rollout_ref.actor.strategy={strategy}': the trainer shards with FSDP2 only; use strategy: fsdp2"
-        )
-    world = int(cfg.trainer.n_gpus_per_node) * int(cfg.trainer.nnodes)
-    if world != 1:
-        raise ConfigError(
-            f"'trainer.n_gpus_per_node' x 'trainer.nnodes' = {world}: one trainer rank only until the multi-rank "
-            "trainer lands; set trainer.n_gpus_per_node=1 trainer.nnodes=1"
         )
     if cfg.trainer.device == "cuda":
         import torch

@@ -66,7 +66,7 @@ VERL_KEYS_READ: dict[str, str] = {
     "trainer.experiment_name": "RunSpec.run (run.dir default, metrics sink)",
     "trainer.logger": "RunSpec.run (metrics sink)",
     "trainer.device": "RunSpec.trainer (cuda refused without CUDA)",
-    "trainer.n_gpus_per_node": "RunSpec.trainer.world_size (1 until the multi-rank trainer lands)",
+    "trainer.n_gpus_per_node": "RunSpec.trainer.world_size (trainer ranks, runtime/trainer_ranks.py)",
     "trainer.nnodes": "RunSpec.trainer.world_size",
     # rewards
     "reward.custom_reward_function.path": "RunSpec.executor.reward_fn_path",
