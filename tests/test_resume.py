@@ -91,7 +91,10 @@ def _sigkill_tree(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
-def test_sigkill_then_resume_trains_every_prompt_of_the_epoch_exactly_once(small_task, tmp_path):
+# Two trainer ranks (gloo, one rank actor each) take the same path: their checkpoint is the full state gathered on
+# rank 0, and the resumed group loads it back into both shards.
+@pytest.mark.parametrize("ranks", [1, 2], ids=["one-rank", "two-ranks"])
+def test_sigkill_then_resume_trains_every_prompt_of_the_epoch_exactly_once(small_task, tmp_path, ranks):
     model_dir, train, val = small_task
     run_dir = tmp_path / "run"
     command = _command(
@@ -102,6 +105,7 @@ def test_sigkill_then_resume_trains_every_prompt_of_the_epoch_exactly_once(small
         "trainer.total_training_steps=null",
         "trainer.total_epochs=1",
         "trainer.save_freq=1",
+        f"trainer.n_gpus_per_node={ranks}",
     )
     first = _start(command, tmp_path)
     _wait_for_line(first, "step    3/", timeout_s=400)

@@ -272,7 +272,8 @@ def train(cfg: DictConfig) -> RunSummary:
             raise
         except Exception as exc:
             cause = root_cause(exc)
-            logger.error("run failed at step %d", run.step_count, exc_info=exc)
+            # The one-line cause reaches the console from __main__; the traceback only at run.log_level=DEBUG.
+            logger.debug("run failed at step %d", run.step_count, exc_info=exc)
             saved = run.try_checkpoint()
             raise RunFailedError(f"step {run.step_count + 1}: {type(cause).__name__}: {cause} [{saved}]") from exc
     print_summary(summary)

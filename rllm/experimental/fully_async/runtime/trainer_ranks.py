@@ -22,7 +22,9 @@ is broken: the run restarts from its last checkpoint).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import io
 import logging
 import os
 import tempfile
@@ -94,7 +96,13 @@ class _PolicyRank:
         else:
             init = f"tcp://{rendezvous['address']}:{rendezvous['port']}"
             dist.init_process_group(backend, init_method=init, rank=self.rank, world_size=self.world, timeout=timeout)
-        self.backend = FSDPPolicyBackend(model_path, actor_cfg, **kwargs)
+        # verl's actor prints its settings ("Actor use_remove_padding=False", ...) from rank 0; Ray would forward
+        # them to the console between progress lines. Keep them in the debug log instead.
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            self.backend = FSDPPolicyBackend(model_path, actor_cfg, **kwargs)
+        if printed.getvalue().strip():
+            logger.debug("rank %d: %s", self.rank, printed.getvalue().strip())
         return os.getpid()
 
     def call(self, method: str, *args: Any) -> Any:
@@ -203,9 +211,10 @@ class DistributedPolicyBackend:
         keys = set().union(*results)
         return {k: sum(r[k] for r in results if k in r) / sum(1 for r in results if k in r) for k in sorted(keys)}
 
-    def save_hf(self, path: str | os.PathLike[str]) -> None:
-        """Full HF weights written by rank 0 (every rank takes part in gathering them)."""
-        self._fan_out("save_hf", [(str(path),)] * self.world)
+    def save_hf(self, path: str | os.PathLike[str], dtype: str | None = None) -> None:
+        """Full HF weights written by rank 0 (every rank takes part in gathering them), floating-point tensors cast
+        to `dtype` when given (param_sync.dtype), as FSDPPolicyBackend.save_hf."""
+        self._fan_out("save_hf", [(str(path), dtype)] * self.world)
 
     def state_dict(self) -> dict[str, Any]:
         """Full (unsharded) model, optimizer and schedule state, gathered on rank 0 and returned from it."""
