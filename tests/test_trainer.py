@@ -43,6 +43,7 @@ class LocalRollouts:
         self.requests: list[BatchRequest] = []
         self.trained: list[str] = []
         self.acked_groups = 0
+        self.syncs_open = 0  # begin_weight_sync without its end_weight_sync (the validation gate left closed)
 
     def take_batch(self, request: BatchRequest) -> Batch:
         self.requests.append(request)
@@ -58,6 +59,13 @@ class LocalRollouts:
     def acknowledge(self, ack: Ack) -> None:
         self.trained += ack.sample_ids
         self.acked_groups += ack.groups
+
+    def begin_weight_sync(self) -> float:
+        self.syncs_open += 1
+        return 0.0
+
+    def end_weight_sync(self) -> None:
+        self.syncs_open -= 1
 
     @property
     def versions(self) -> list[int]:
@@ -296,15 +304,16 @@ def test_a_sync_finding_every_engine_dead_goes_on_only_when_a_restart_will_bring
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there: a killed engine
     backend = FSDPPolicyBackend(tiny_model_dir, _actor_cfg())
     with ParamSync([dead], DiskTransport(tmp_path / "weights"), pause_timeout_s=5) as param_sync:
-        trainer = FullyAsyncTrainer(
-            _settings(on_engine_failure=policy), backend, LocalRollouts([]), param_sync, _advantages()
-        )
+        rollouts = LocalRollouts([])
+        trainer = FullyAsyncTrainer(_settings(on_engine_failure=policy), backend, rollouts, param_sync, _advantages())
         if policy != "restart":
             with pytest.raises(SyncError, match=dead):
                 trainer.sync_weights()
             assert trainer.version == 0 and param_sync.engine_urls == [dead]
+            assert rollouts.syncs_open == 0, "a failed sync must reopen the validation gate"
             return
-        assert trainer.sync_weights() == {"sync/engines_lost": 1.0}
+        assert trainer.sync_weights() == {"sync/engines_lost": 1.0, "sync/wait_validation_s": 0.0}
+        assert rollouts.syncs_open == 0
         # The version moves on and its weights are staged for the restarted engine to load.
         assert trainer.version == 1
         assert param_sync.engine_urls == [] and (tmp_path / "weights" / "v1" / "model.safetensors").exists()

@@ -77,7 +77,9 @@ def groups_to_dataproto(
         # The reward sits on the last response token; an empty response has none, so it sits at position 0. Its
         # mask is all zero, so it trains nothing (the patched actor's empty-mask guard), but its reward counts in
         # its group's statistics (estimators score a row by the sum of its token_level_rewards).
-        score_rows.append([0.0] * (max(r, 1) - 1) + [reward] + [0.0] * pad_r)
+        score_row = [0.0] * response_len
+        score_row[max(r, 1) - 1] = reward
+        score_rows.append(score_row)
     input_ids = torch.tensor(ids_rows, dtype=torch.long)
     attention_mask = torch.tensor(attention_rows, dtype=torch.long)
     response_mask = torch.tensor(mask_rows, dtype=torch.float32)

@@ -64,3 +64,10 @@ class RolloutSource(Protocol):
 
     def acknowledge(self, ack: Ack) -> None:
         """Deliver an acknowledgement without taking a batch (before a checkpoint or at the end of a run)."""
+
+    def begin_weight_sync(self) -> float:
+        """Before the engines' weights change: wait for a running validation (it is pinned to one version);
+        returns the seconds waited (runtime/pinned_validation.py)."""
+
+    def end_weight_sync(self) -> None:
+        """After the weight sync: validations may start again."""

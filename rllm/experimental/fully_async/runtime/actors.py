@@ -24,8 +24,9 @@ RAY_TRANSFER_SLACK_S = 60.0  # on top of a take_batch's own wait: moving the gro
 class _RolloutServiceClient:
     """The trainer's blocking view of the RolloutService actor (core.messages.RolloutSource), with timeouts."""
 
-    def __init__(self, handle: Any) -> None:
+    def __init__(self, handle: Any, sync_gate_timeout_s: float) -> None:
         self.handle = handle
+        self.sync_gate_timeout_s = sync_gate_timeout_s
 
     def take_batch(self, request: Any) -> Any:
         timeout_s = request.timeout_s + RAY_TRANSFER_SLACK_S
@@ -35,12 +36,20 @@ class _RolloutServiceClient:
             raise TimeoutError(f"no answer from the rollout service's take_batch within {timeout_s:g}s") from exc
 
     def acknowledge(self, ack: Any) -> None:
+        self._call("acknowledge", ack, timeout_s=RAY_CALL_TIMEOUT_S)
+
+    def begin_weight_sync(self) -> float:
+        # The service itself bounds the wait for a running validation by param_sync.timeout_s.
+        return self._call("begin_weight_sync", timeout_s=self.sync_gate_timeout_s + RAY_TRANSFER_SLACK_S)
+
+    def end_weight_sync(self) -> None:
+        self._call("end_weight_sync", timeout_s=RAY_CALL_TIMEOUT_S)
+
+    def _call(self, name: str, *args: Any, timeout_s: float) -> Any:
         try:
-            ray.get(self.handle.acknowledge.remote(ack), timeout=RAY_CALL_TIMEOUT_S)
+            return ray.get(getattr(self.handle, name).remote(*args), timeout=timeout_s)
         except ray.exceptions.GetTimeoutError as exc:
-            raise TimeoutError(
-                f"no answer from the rollout service's acknowledge within {RAY_CALL_TIMEOUT_S:g}s"
-            ) from exc
+            raise TimeoutError(f"no answer from the rollout service's {name} within {timeout_s:g}s") from exc
 
 
 # `replace_engine` has a thread of its own: it must not wait behind a `train_step` that waits for rollouts from the
@@ -119,7 +128,7 @@ class FullyAsyncTrainerActor:
         self.trainer = FullyAsyncTrainer(
             settings,
             backend,
-            _RolloutServiceClient(rollouts),
+            _RolloutServiceClient(rollouts, sync_gate_timeout_s=timeout_s),
             self.param_sync,
             advantages=AdvantageConfig.from_config(c),
             correction=correction,

@@ -166,9 +166,12 @@ class FullyAsyncTrainer:
             return {}
         from rllm.experimental.fully_async.runtime.param_sync import SyncError
 
+        # A validation in progress is pinned to the engines' current weights: the sync waits for it to finish.
+        waited_s = self.rollouts.begin_weight_sync()
         try:
             report = self.param_sync.sync(self.backend.save_hf, new_version)
         except SyncError as exc:
+            self.rollouts.end_weight_sync()
             # Engines whose process is gone are dropped from syncs when the config allows it; any other failure (an
             # engine that answered with an error, a timeout) stops the run. Under `continue` some engine must have
             # taken the update; under `restart` none need have: the restarted engines load these weights.
@@ -184,12 +187,17 @@ class FullyAsyncTrainer:
                 "left out of weight syncs until restarted" if policy == "restart" else "dropped for the rest of the run"
             )
             logger.warning("step %d: dead engine(s) %s %s", self.step, ", ".join(sorted(lost)), plan)
-            return {"sync/engines_lost": float(len(lost))}
+            return {"sync/engines_lost": float(len(lost)), "sync/wait_validation_s": waited_s}
+        except BaseException:
+            self.rollouts.end_weight_sync()
+            raise
+        self.rollouts.end_weight_sync()
         self.version = report.version
         return {
             "sync/total_s": report.total_s,
             "sync/pause_s": report.pause_s,
             "sync/write_s": report.write_s,
+            "sync/wait_validation_s": waited_s,
         }
 
     def state_dict(self) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from the config and adds validation and the checkpoint part it writes itself.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -33,6 +34,7 @@ from rllm.experimental.fully_async.core.protocol import TrajectoryGroup
 from rllm.experimental.fully_async.core.staleness import is_too_stale
 from rllm.experimental.fully_async.observe.reporting import prefixed
 from rllm.experimental.fully_async.runtime.message_queue import MessageQueue
+from rllm.experimental.fully_async.runtime.pinned_validation import SyncGate, pinned_version
 from rllm.experimental.fully_async.runtime.rollout_executor import RolloutExecutor
 
 logger = logging.getLogger(__name__)
@@ -237,6 +239,11 @@ class RolloutServiceActor:
             executor.load_state_dict(state, queued)
             queue.put(queued)
         self.service = RolloutService(executor, queue, max_staleness=int(at.max_staleness))
+        # Validations beside training, pinned to one weight version (runtime/pinned_validation.py).
+        self.gate = SyncGate()
+        self.gate_timeout_s = float(c.param_sync.timeout_s)
+        self._validation: asyncio.Task | None = None
+        self._finished_validations: list[dict[str, float]] = []
 
     async def run(self) -> dict:
         return await self.service.run()
@@ -266,6 +273,51 @@ class RolloutServiceActor:
         """Route rollouts to a restarted engine (already at the trainer's weights) instead of its dead predecessor."""
         self.client.replace_engine(old_url, new_url)
 
+    async def begin_weight_sync(self) -> float:
+        return await self.gate.begin_sync(self.gate_timeout_s)
+
+    async def end_weight_sync(self) -> None:
+        await self.gate.end_sync()
+
+    async def start_validation(self, step: int) -> tuple[bool, list[dict[str, float]]]:
+        """Start a validation of the weights the engines hold now, in the background, unless one is running.
+        Returns whether it started, and the results of validations finished since the last call."""
+        finished, self._finished_validations = self._finished_validations, []
+        if self._validation is not None and not self._validation.done():
+            return False, finished
+        self._validation = asyncio.create_task(self._validate_pinned(step))
+        return True, finished
+
+    async def finished_validations(self) -> list[dict[str, float]]:
+        """Wait for a running validation, then return every result not yet returned (the end of a run)."""
+        if self._validation is not None:
+            await asyncio.gather(self._validation, return_exceptions=True)  # its own errors are in its result
+        finished, self._finished_validations = self._finished_validations, []
+        return finished
+
+    async def _validate_pinned(self, step: int) -> None:
+        started, started_at = time.monotonic(), time.time()
+        try:
+            async with self.gate.validation(self.gate_timeout_s):
+                urls = self.client.alive_urls
+                versions = await asyncio.gather(*(self.client.get_weight_version(u) for u in urls))
+                pinned = pinned_version(dict(zip(urls, versions, strict=True)))
+                result = await self.validate()
+            off = result.get("val/min_version", pinned) != pinned or result.get("val/version", pinned) != pinned
+            result |= {"val/pinned_version": float(pinned), "val/off_version_answers": float(off)}
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # an engine error or a timeout: this validation is lost, the run goes on
+            logger.warning("validation started at step %d failed: %s: %s", step, type(exc).__name__, exc)
+            result = {"val/failed": 1.0}
+        result |= {
+            "val/step": float(step),
+            "val/duration_s": time.monotonic() - started,
+            "val/started_at": started_at,  # wall clock, comparable with metrics.jsonl's `time`
+            "val/finished_at": time.time(),
+        }
+        self._finished_validations.append(result)
+
     async def validate(self) -> dict:
         from rllm.experimental.fully_async.runtime.validation import evaluate
 
@@ -284,6 +336,7 @@ class RolloutServiceActor:
             "val/num_prompts": float(result.num_prompts),
             "val/num_failed": float(result.num_failed),
             "val/version": float(max(result.versions, default=-1)),
+            "val/min_version": float(min(result.versions, default=-1)),
         }
 
     async def aclose(self) -> None:

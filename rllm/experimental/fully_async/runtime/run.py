@@ -157,10 +157,19 @@ class Run:
         # step. The ledger's `trained` therefore counts up to the previous step.
         metrics.update(self.supervisor.metrics())
         test_freq, save_freq = int(cfg.trainer.test_freq), int(cfg.trainer.save_freq)
+        finished: list[dict[str, float]] = []
         if test_freq > 0 and step % test_freq == 0 and step != self.total:
-            metrics.update(ray.get(self.rollouts.validate.remote(), timeout=self.validate_timeout_s))
+            # Validation runs beside training, pinned to the weights the engines hold now; its result comes back
+            # with a later call and is logged at the step it was started at (runtime/pinned_validation.py).
+            started, finished = ray.get(self.rollouts.start_validation.remote(step), timeout=60)
+            if not started:
+                logger.warning("step %d: the previous validation is still running; this one is skipped", step)
         self.sink.log(step, metrics)
-        self.progress.update(step, metrics)
+        shown = dict(metrics)
+        for result in finished:
+            self.sink.log(int(result["val/step"]), result | {"val/logged_at_step": float(step)})
+            shown |= result
+        self.progress.update(step, shown)
         if save_freq > 0 and step % save_freq == 0:
             self.checkpoint()
         return metrics
@@ -231,6 +240,8 @@ class Run:
             ray.get(self.trainer.sync_weights.remote(), timeout=self.sync_timeout_s)
         if getattr(self, "_last_checkpoint_step", None) != step:
             self.checkpoint()
+        for result in ray.get(self.rollouts.finished_validations.remote(), timeout=self.validate_timeout_s):
+            self.sink.log(int(result["val/step"]), result | {"val/logged_at_step": float(step)})
         ray.get(self.rollouts.stop.remote(), timeout=60)
         ray.get(self._run_ref, timeout=120)
         val = ray.get(self.rollouts.validate.remote(), timeout=self.validate_timeout_s)
