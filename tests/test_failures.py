@@ -32,7 +32,8 @@ from engine_helpers import wait_for_decoding
 
 from rllm.experimental.fully_async.algorithms.advantages import AdvantageConfig
 from rllm.experimental.fully_async.core.batch import groups_to_dataproto
-from rllm.experimental.fully_async.core.ledger import SampleLedger, SampleState, history_counts
+from rllm.experimental.fully_async.core.ledger import SampleLedger
+from rllm.experimental.fully_async.core.ledger_format import SampleState, history_counts
 from rllm.experimental.fully_async.core.protocol import TrajectoryGroup
 from rllm.experimental.fully_async.data import DataError, PromptDataset, PromptIterator
 from rllm.experimental.fully_async.engines import EmbeddedEngineCommand, EngineLauncher

@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rllm.experimental.fully_async.core.ledger import LedgerError, SampleLedger, SampleState, history_counts
+from rllm.experimental.fully_async.core.ledger import SampleLedger
+from rllm.experimental.fully_async.core.ledger_format import LedgerError, SampleState, history_counts
 from rllm.experimental.fully_async.runtime.ledger_journal import journaled_ledger, read_journal
 
 END_STATES = ["trained", "filtered", "dropped_stale", "failed"]
@@ -396,7 +397,7 @@ def test_the_audit_rejects_an_impossible_history(tmp_path, lines, message):
 def test_the_audit_ignores_a_torn_last_line(tmp_path, caplog):
     journal = tmp_path / "ledger.jsonl"
     journal.write_text('{"event":"issued","uids":["a"]}\n{"event":"trained","ui')
-    with caplog.at_level(logging.WARNING, logger="rllm.experimental.fully_async.core.ledger"):
+    with caplog.at_level(logging.WARNING, logger="rllm.experimental.fully_async.core.ledger_format"):
         assert finals(read_journal(journal)) == {"a": ("in_flight", None)}
     assert "torn last line" in caplog.text
 

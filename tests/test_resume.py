@@ -20,7 +20,7 @@ import psutil
 import pytest
 from conftest import QUICK_WARMUP_STEPS, leftover_processes
 
-from rllm.experimental.fully_async.core.ledger import SampleState, history_counts
+from rllm.experimental.fully_async.core.ledger_format import SampleState, history_counts
 from rllm.experimental.fully_async.runtime.checkpoint import CheckpointManager
 from rllm.experimental.fully_async.runtime.ledger_journal import read_journal
 from rllm.experimental.fully_async.tasks.addition import prepare_addition_assets

@@ -18,7 +18,8 @@ import ray
 import ray.cloudpickle
 
 from rllm.experimental.fully_async.core.ids import SampleId
-from rllm.experimental.fully_async.core.ledger import SampleLedger, history_counts
+from rllm.experimental.fully_async.core.ledger import SampleLedger
+from rllm.experimental.fully_async.core.ledger_format import history_counts
 from rllm.experimental.fully_async.core.messages import Ack, BatchRequest
 from rllm.experimental.fully_async.core.protocol import Sequence, Trajectory
 from rllm.experimental.fully_async.data import PromptIterator, PromptRecord

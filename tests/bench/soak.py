@@ -388,7 +388,7 @@ class JournalAudit:
 
 
 def audit_journal(run_dir: Path) -> JournalAudit:
-    from rllm.experimental.fully_async.core.ledger import LedgerError, history_counts
+    from rllm.experimental.fully_async.core.ledger_format import LedgerError, history_counts
     from rllm.experimental.fully_async.runtime.ledger_journal import read_journal
 
     path = run_dir / "ledger.jsonl"

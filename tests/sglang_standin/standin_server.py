@@ -38,8 +38,9 @@ import torch
 from aiohttp import web
 
 from rllm.experimental.fully_async.engines.model_runner import ModelRunner, load_model
+from rllm.experimental.fully_async.engines.requests import WeightUpdateError
 from rllm.experimental.fully_async.engines.sampling import SamplingParams
-from rllm.experimental.fully_async.engines.scheduler import PAUSE_MODES, Scheduler, WeightUpdateError
+from rllm.experimental.fully_async.engines.scheduler import PAUSE_MODES, Scheduler
 from rllm.experimental.fully_async.engines.weights import WeightLoader
 
 logger = logging.getLogger("sglang_standin")

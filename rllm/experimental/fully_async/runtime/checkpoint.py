@@ -50,6 +50,7 @@ One writer per root: a save removes every `.tmp-` directory it finds, so two pro
 same root at once (only the trainer's driver saves).
 
 How each part is encoded and checked, and the RNG capture a trainer part carries, live in `checkpoint_codec`.
+Reading and verifying a committed checkpoint (`load_checkpoint`, `CheckpointError`) lives in `checkpoint_load`.
 """
 
 from __future__ import annotations
@@ -62,11 +63,8 @@ import secrets
 import shutil
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
-
-import torch
 
 from rllm.experimental.fully_async.core.protocol import TrajectoryGroup
 
@@ -80,12 +78,20 @@ from rllm.experimental.fully_async.runtime.checkpoint_codec import (
     check_torch_safe,
     config_hash,
     encode_rollout_part,
-    file_sha256,
-    group_from_json,
     json_bytes,
     restore_rng_state,
     write_bytes,
     write_torch,
+)
+
+# Re-exported too (they are in __all__): the driver, the CLI and the tests import them from here.
+from rllm.experimental.fully_async.runtime.checkpoint_load import (
+    COMPLETE_MARKER,
+    FORMAT_VERSION,
+    PART_FILES,
+    Checkpoint,
+    CheckpointError,
+    load_checkpoint,
 )
 
 __all__ = [
@@ -109,31 +115,12 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1  # bump when the layout or a part's encoding changes; load refuses newer formats
-COMPLETE_MARKER = "COMPLETE"
-PART_FILES = (TRAINER_FILE, ROLLOUT_FILE, QUEUE_FILE, META_FILE)
 RESUME_MODES = ("auto", "disable", "resume_path")
 
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _REPLACED_DIR = re.compile(r"^\.replaced-step_(\d{8,})-[0-9a-f]+$")
 _TMP_PREFIX = ".tmp-"
 _TRASH_PREFIX = ".trash-"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used (missing, incomplete, corrupted, unknown format); the message is one line."""
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """One loaded checkpoint: the three parts as they were given to `save`, and its meta."""
-
-    path: Path
-    step: int
-    meta: dict[str, Any]  # format_version, step, saved_at and the caller's keys (version, config_hash, ...)
-    trainer: dict[str, Any]  # as given to save; tensors on CPU
-    rollout: dict[str, Any]
-    queue: list[TrajectoryGroup]
 
 
 class CheckpointManager:
@@ -300,39 +287,6 @@ class CheckpointManager:
                 logger.info("retention: removed %s (keep_last=%d)", path, self.keep_last)
 
 
-def load_checkpoint(path: str | Path) -> Checkpoint:
-    """Load and verify one checkpoint directory; anything missing or damaged raises CheckpointError."""
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint {path} does not exist or is not a directory")
-    marker_path = path / COMPLETE_MARKER
-    if not marker_path.is_file():
-        raise CheckpointError(f"checkpoint {path} is incomplete: no {COMPLETE_MARKER} marker (its save did not finish)")
-    marker = _parse_json(_read_verified(marker_path, None), marker_path)
-    files = marker.get("files") if isinstance(marker, dict) else None
-    if not isinstance(files, dict) or any(not isinstance(files.get(name), dict) for name in PART_FILES):
-        raise CheckpointError(f"{marker_path} is not a valid manifest: it must list {', '.join(PART_FILES)}")
-    _check_format(marker.get("format_version"), marker_path)
-
-    meta = _parse_json(_read_verified(path / META_FILE, files[META_FILE]), path / META_FILE)
-    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
-        raise CheckpointError(f"{path / META_FILE} has no integer 'step'")
-    _check_format(meta.get("format_version"), path / META_FILE)
-    rollout = _parse_json(_read_verified(path / ROLLOUT_FILE, files[ROLLOUT_FILE]), path / ROLLOUT_FILE)
-    queue_doc = _parse_json(_read_verified(path / QUEUE_FILE, files[QUEUE_FILE]), path / QUEUE_FILE)
-    queue = _queue_from_json(queue_doc, path / QUEUE_FILE)
-
-    trainer_path = path / TRAINER_FILE
-    _verify(trainer_path, files[TRAINER_FILE])  # streamed: the trainer part can be larger than spare memory
-    try:
-        trainer = torch.load(trainer_path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise CheckpointError(f"{trainer_path} cannot be loaded: {_one_line(exc)}") from exc
-    if not isinstance(trainer, dict) or not isinstance(rollout, dict):
-        raise CheckpointError(f"checkpoint {path}: the trainer and rollout parts must be dicts")
-    return Checkpoint(path=path, step=meta["step"], meta=meta, trainer=trainer, rollout=rollout, queue=queue)
-
-
 def find_resume_checkpoint(
     root: str | Path, mode: Literal["auto", "disable", "resume_path"], resume_from_path: str | None
 ) -> Path | None:
@@ -375,15 +329,6 @@ def _meta_doc(step: int, meta: Mapping[str, Any]) -> dict[str, Any]:
     return {"format_version": FORMAT_VERSION, "step": step, "saved_at": time.time(), **meta}
 
 
-def _queue_from_json(doc: Any, file: Path) -> list[TrajectoryGroup]:
-    if not isinstance(doc, list):
-        raise CheckpointError(f"{file} must hold a list of groups")
-    try:
-        return [group_from_json(item, f"queue[{index}]") for index, item in enumerate(doc)]
-    except (TypeError, ValueError, KeyError) as exc:
-        raise CheckpointError(f"{file}: {_one_line(exc)}") from exc
-
-
 # ---- file I/O ----------------------------------------------------------------------------------------------------
 
 
@@ -396,46 +341,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _read_verified(path: Path, expected: Mapping[str, Any] | None) -> bytes:
-    """Read a whole (small) file, after checking it against its manifest entry when there is one."""
-    if expected is not None:
-        _verify(path, expected)
-    try:
-        return path.read_bytes()
-    except OSError as exc:
-        raise CheckpointError(f"{path} cannot be read: {_one_line(exc)}") from exc
-
-
-def _verify(path: Path, expected: Mapping[str, Any]) -> None:
-    """Check a file's size and sha256 against the manifest, so that any damage is reported with the file's name."""
-    try:
-        size = path.stat().st_size
-        if size != expected.get("bytes"):
-            raise CheckpointError(f"{path} is damaged: {size} bytes, the manifest says {expected.get('bytes')}")
-        digest = file_sha256(path)
-    except OSError as exc:
-        raise CheckpointError(f"{path} cannot be read: {_one_line(exc)}") from exc
-    if digest != expected.get("sha256"):
-        raise CheckpointError(f"{path} is damaged: its sha256 does not match the manifest")
-
-
-def _parse_json(data: bytes, path: Path) -> Any:
-    try:
-        return json.loads(data)
-    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are both ValueErrors
-        raise CheckpointError(f"{path} is not valid JSON: {_one_line(exc)}") from exc
-
-
-def _check_format(version: Any, path: Path) -> None:
-    if not isinstance(version, int) or not 1 <= version <= FORMAT_VERSION:
-        raise CheckpointError(f"{path} has format_version {version!r}; this code reads 1..{FORMAT_VERSION}")
-
-
-def _one_line(exc: BaseException, limit: int = 300) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text[:limit]}"
 
 
 def _entries(root: Path) -> list[Path]:

@@ -1,10 +1,10 @@
 """The sample ledger's journal as a file: append-only JSON lines in the run dir, its audit, and a ledger that writes it.
 
-The state machine and the line format are pure (`core/ledger.py`); this module is the file under them.
-Each record is one write flushed to the OS, so a killed process loses none of it; only `sync()` (called by the
-ledger's `state_dict()` for a checkpoint) pays for an fsync. A new journal is started at its first record,
-overwriting a file an earlier run left in the same place; a restored one is cut back to the checkpoint's size
-(what was written after it belongs to samples that will be issued or end again).
+The state machine and the line format are pure (`core/ledger.py`, `core/ledger_format.py`); this module is the
+file under them. Each record is one write flushed to the OS, so a killed process loses none of it; only `sync()`
+(called by the ledger's `state_dict()` for a checkpoint) pays for an fsync. A new journal is started at its first
+record, overwriting a file an earlier run left in the same place; a restored one is cut back to the checkpoint's
+size (what was written after it belongs to samples that will be issued or end again).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, Any
 
-from rllm.experimental.fully_async.core.ledger import SampleLedger, SampleState, replay_journal
+from rllm.experimental.fully_async.core.ledger import SampleLedger
+from rllm.experimental.fully_async.core.ledger_format import SampleState, replay_journal
 
 
 class JournalFile:
@@ -74,6 +75,6 @@ def journaled_ledger(path: str | os.PathLike[str]) -> SampleLedger:
 
 
 def read_journal(path: str | os.PathLike[str]) -> dict[str, tuple[SampleState, str | None]]:
-    """Replay and audit a journal file (`core.ledger.replay_journal`): each sample's final (state, reason)."""
+    """Replay and audit a journal file (`core.ledger_format.replay_journal`): each sample's final (state, reason)."""
     with open(path, "rb") as f:
         return replay_journal(f, str(path))

@@ -13,11 +13,9 @@ This module provides everything the embedded default needs, offline:
 - the reward, with verl's custom-reward signature;
 - a tiny Qwen2 built from a config and a supervised warm-up, cached on disk by `prepare_addition_assets`.
 
-Why a warm-up: RL from a random init gets no reward signal on this task. The warm-up stops at a FIXED step count
-so the RL run starts in the 20-50% held-out window with room to improve. The window is narrow (accuracy climbs
-from ~15% to ~60% between steps 280 and 360 and differs by seed), so the count was measured, not guessed: see
-WARMUP_STEPS. It never stops on the held-out score: that would make the starting point depend on the evaluation
-set and on timing.
+Why a warm-up: RL from a random init gets no reward signal on this task. The warm-up runs a FIXED, measured step
+count (WARMUP_STEPS) so RL starts in the narrow 20-50% held-out window, never stopping on the held-out score
+(that would make the starting point depend on the evaluation set and on timing).
 """
 
 from __future__ import annotations
@@ -47,8 +45,7 @@ DATA_SOURCE = "fully_async/addition"
 PAD_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "<eos>", "<unk>"
 # Ids 0/1 for pad/eos match the test fixtures' tiny model; digits are contiguous so ids are easy to read in logs.
 VOCAB: dict[str, int] = {PAD_TOKEN: 0, EOS_TOKEN: 1, UNK_TOKEN: 2} | {c: 3 + i for i, c in enumerate("0123456789+=")}
-# Renders each message's content verbatim, with no role markers and no generation prompt: the prompt the model
-# sees is exactly "ab+cd=". Any chat-template consumer (verl's RLHFDataset, data.py) then works unchanged.
+# Each message's content verbatim, no role markers, no generation prompt: the model sees exactly "ab+cd=".
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 ANSWER_TOKENS = 4  # three digits + EOS
 
