@@ -239,7 +239,9 @@ def test_known_failures_print_one_line_and_exit_by_kind(monkeypatch, capsys):
     from rllm.experimental.fully_async import __main__ as cli
     from rllm.experimental.fully_async.engines.launcher import EngineStartupError
     from rllm.experimental.fully_async.errors import DataError, FullyAsyncError
+    from rllm.experimental.fully_async.runtime.checkpoint import CheckpointError
     from rllm.experimental.fully_async.runtime.run import RunFailedError
+    from rllm.experimental.fully_async.verl_patch import UnpatchedVerlError
 
     def raising(exc: BaseException):
         def handler(line):
@@ -252,9 +254,11 @@ def test_known_failures_print_one_line_and_exit_by_kind(monkeypatch, capsys):
         (ConfigError("'x.y' must be set"), 2),
         (RunFailedError("step 4: EngineDiedError: engine 1 exited"), 1),
         (EngineStartupError("engine 0 did not answer /health within 5s"), 1),
+        (UnpatchedVerlError("verl is not patched: run bash install/apply_verl_patch.sh"), 2),
+        (CheckpointError("checkpoint runs/x/step_3 is incomplete"), 1),
     ]
     for exc, code in cases:
-        assert isinstance(exc, FullyAsyncError) or cli.known_failure_code(exc) is not None
+        assert isinstance(exc, FullyAsyncError)
         monkeypatch.setitem(cli.COMMANDS, "boom", raising(exc))
         assert cli.main(["boom"]) == code
         err = capsys.readouterr().err

@@ -119,3 +119,67 @@ def test_plan_of_the_cpu_default_needs_no_gpu(capsys):
     out = capsys.readouterr().out
     assert out.startswith("CPU run: 2 embedded engine process(es)")
     assert out.count("engines.embedded_server") == 2
+
+
+# --- the plan enforced through Ray on one host (runtime/gpu_placement.py) ---------------------------------------
+
+RAY_GPU_SCRIPT = """
+import json, os
+import ray
+from rllm.experimental.fully_async.core.placement import plan_placement
+from rllm.experimental.fully_async.engines.sglang import SGLangEngineCommand
+from rllm.experimental.fully_async.runtime.gpu_placement import ray_gpu_environment, ray_num_gpus
+
+plan = plan_placement([8], num_engines=2, tp_size=2, trainer_ranks=4)
+with ray_gpu_environment(plan):
+    ray.init(num_cpus=4, num_gpus=ray_num_gpus(plan), include_dashboard=False, object_store_memory=100_000_000,
+             configure_logging=False, log_to_driver=False)
+
+@ray.remote(num_gpus=1, num_cpus=0)
+class Rank:
+    def devices(self):
+        return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+ranks = [Rank.remote() for _ in range(4)]
+seen = ray.get([r.devices.remote() for r in ranks], timeout=120)
+command = SGLangEngineCommand(model_path="m", tp_size=2)
+engines = [command.env(i)["CUDA_VISIBLE_DEVICES"] for i in range(2)]
+print(json.dumps({"ranks": sorted(seen), "engines": engines, "driver": os.environ.get("CUDA_VISIBLE_DEVICES")}))
+ray.shutdown()
+"""
+
+
+def test_ray_declaring_gpus_gives_each_rank_one_trainer_gpu_and_never_an_engine_gpu(tmp_path):
+    """Ray declares 8 GPUs this machine does not have: 2 engines of tp 2 keep GPUs 0-3, the 4 ranks get 4-7."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", RAY_GPU_SCRIPT], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["ranks"] == ["4", "5", "6", "7"]  # one GPU each, none of the engines'
+    assert seen["engines"] == ["0,1", "2,3"]
+    assert seen["driver"] is None  # the driver's own environment is restored after Ray started
+
+
+def test_the_host_plan_follows_the_run_spec():
+    from rllm.experimental.fully_async.runtime.gpu_placement import host_gpu_plan, trainer_actor_gpus
+    from rllm.experimental.fully_async.settings import load_config
+    from rllm.experimental.fully_async.settings.spec import build_run_spec
+
+    cpu = build_run_spec(load_config(None, []))
+    assert host_gpu_plan(cpu, gpus_on_host=8) is None and trainer_actor_gpus(cpu) == 0
+    overrides = ["engines.num_engines=3", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]
+    gpu = build_run_spec(load_config(GPU_CONFIG, [*overrides, "trainer.n_gpus_per_node=2"], check_host=False))
+    plan = host_gpu_plan(gpu, gpus_on_host=8)
+    assert [s.gpus for s in plan.engines] == [(0, 1), (2, 3), (4, 5)]
+    assert [s.gpus for s in plan.trainer] == [(6,), (7,)]
+    assert trainer_actor_gpus(gpu) == 0  # two ranks: they ask for their GPUs, the coordinating actor for none
+    one_rank = build_run_spec(load_config(GPU_CONFIG, overrides, check_host=False))
+    assert trainer_actor_gpus(one_rank) == 1

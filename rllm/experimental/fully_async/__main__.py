@@ -16,7 +16,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rllm.experimental.fully_async.errors import EXIT_BAD_INPUT, EXIT_FAILED, FullyAsyncError, first_line
+from rllm.experimental.fully_async.errors import EXIT_BAD_INPUT, FullyAsyncError, first_line
 from rllm.experimental.fully_async.settings.loader import DEFAULT_CONFIG, load_config
 
 EXIT_BAD_CONFIG = EXIT_BAD_INPUT  # kept for callers of the old name
@@ -117,26 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted: engines and actors stopped", file=sys.stderr)
         return 130
-    except Exception as exc:
-        code = known_failure_code(exc)
-        if code is None:
-            raise
-        return _fail(exc, code, line)
-
-
-def known_failure_code(exc: BaseException) -> int | None:
-    """Exit code for failures raised by modules whose classes do not yet derive from FullyAsyncError (the lead
-    folds them into errors.py at merge); None: not a known failure, let its traceback show."""
-    from rllm.experimental.fully_async.engines.launcher import EngineStartupError
-    from rllm.experimental.fully_async.runtime.checkpoint import CheckpointError
-    from rllm.experimental.fully_async.tasks.smollm2 import SmolLM2NotInstalledError
-    from rllm.experimental.fully_async.verl_patch import UnpatchedVerlError
-
-    if isinstance(exc, (UnpatchedVerlError, SmolLM2NotInstalledError)):
-        return EXIT_BAD_INPUT  # the installation, fixed before starting (the message names the command)
-    if isinstance(exc, (EngineStartupError, CheckpointError)):
-        return EXIT_FAILED
-    return None
+    # Anything else is a bug: its traceback shows.
 
 
 def _fail(exc: BaseException, code: int, line: CommandLine) -> int:

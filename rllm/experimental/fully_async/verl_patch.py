@@ -23,6 +23,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from rllm.experimental.fully_async.errors import EXIT_BAD_INPUT, FullyAsyncError
+
 logger = logging.getLogger(__name__)
 
 EXPECTED_VERL_VERSION = "0.7.1"
@@ -67,8 +69,10 @@ class PatchStatus:
         return apply
 
 
-class UnpatchedVerlError(RuntimeError):
+class UnpatchedVerlError(FullyAsyncError, RuntimeError):
     """verl is not 0.7.1 with patches/verl_dp_actor.patch applied; the message is one line ending in the fix."""
+
+    exit_code = EXIT_BAD_INPUT  # the installation: fixed before starting (the message names the command)
 
 
 def verl_package_dir() -> Path | None:

@@ -356,7 +356,11 @@ def build_correction(cfg: Any) -> OffPolicyCorrector | None:
     decoupled + ``prox_log_probs=loglinear`` also registers its policy loss in verl's registry (in this process);
     the corrector's `policy_loss_mode` names it, for the actor config.
     """
-    config = correction_config_from(cfg)
+    return corrector_for(correction_config_from(cfg), compute_prox_log_prob=_compute_prox_log_prob(cfg))
+
+
+def corrector_for(config: CorrectionConfig | None, *, compute_prox_log_prob: bool) -> OffPolicyCorrector | None:
+    """`OffPolicyCorrector` for a correction config (the run spec's), or None; see `build_correction`."""
     if config is None:
         return None
     policy_loss_mode = None
@@ -365,7 +369,7 @@ def build_correction(cfg: Any) -> OffPolicyCorrector | None:
         from rllm.experimental.fully_async.algorithms.decoupled_loss import register_update_time_decoupled_loss
 
         policy_loss_mode = register_update_time_decoupled_loss(config)
-    measure = config.mode == "decoupled" and config.prox_log_probs == "loglinear" and _compute_prox_log_prob(cfg)
+    measure = config.mode == "decoupled" and config.prox_log_probs == "loglinear" and compute_prox_log_prob
     return OffPolicyCorrector(config, policy_loss_mode=policy_loss_mode, measure_approximation=measure)
 
 

@@ -13,6 +13,8 @@ from collections.abc import Iterable, Mapping
 from enum import Enum
 from typing import Any
 
+from rllm.experimental.fully_async.errors import FullyAsyncError
+
 logger = logging.getLogger(__name__)
 
 ISSUED = "issued"  # the journal's event for an issue; ends use the SampleState values
@@ -32,7 +34,7 @@ ENDED_STATES = (SampleState.TRAINED, SampleState.FILTERED, SampleState.DROPPED_S
 _NEEDS_REASON = (SampleState.FILTERED, SampleState.FAILED)
 
 
-class LedgerError(ValueError):
+class LedgerError(FullyAsyncError, ValueError):
     """An impossible transition (a sample issued twice, ended twice, or ended without being issued), or a
     checkpointed state or journal that is malformed or inconsistent."""
 

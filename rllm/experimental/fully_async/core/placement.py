@@ -15,8 +15,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from rllm.experimental.fully_async.errors import FullyAsyncError
 
-class PlacementError(ValueError):
+
+class PlacementError(FullyAsyncError, ValueError):
     """The cluster cannot host the requested engines and trainer ranks; the message names what is missing."""
 
 

@@ -14,8 +14,10 @@ from typing import Any
 
 import aiohttp
 
+from rllm.experimental.fully_async.errors import FullyAsyncError
 
-class EngineError(RuntimeError):
+
+class EngineError(FullyAsyncError, RuntimeError):
     """Base class of every error an engine call raises; the message names the engine URL."""
 
 

@@ -30,6 +30,8 @@ from typing import Protocol
 
 import httpx
 
+from rllm.experimental.fully_async.errors import FullyAsyncError
+
 logger = logging.getLogger(__name__)
 
 # The directory that contains the `rllm` package, so `python -m rllm...` works in the child from any cwd.
@@ -37,7 +39,7 @@ _PROJECT_ROOT = str(Path(__file__).resolve().parents[4])
 _BIND_RETRIES = 3  # a free port can be taken by someone else between probing and binding
 
 
-class EngineStartupError(RuntimeError):
+class EngineStartupError(FullyAsyncError, RuntimeError):
     """An engine exited or did not answer /health in time; the message carries its log tail."""
 
 

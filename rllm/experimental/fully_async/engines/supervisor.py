@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from rllm.experimental.fully_async.engines.launcher import EngineProcess, EngineStartupError
+from rllm.experimental.fully_async.errors import FullyAsyncError
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ def decide_on_engine_death(policy: EngineFailurePolicy, restarts_used: int, max_
     return "drop"
 
 
-class EngineDiedError(RuntimeError):
+class EngineDiedError(FullyAsyncError, RuntimeError):
     """An engine process died and `engines.on_engine_failure` says to stop (or no engine is left to serve)."""
 
 

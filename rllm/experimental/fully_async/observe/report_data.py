@@ -17,6 +17,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rllm.experimental.fully_async.errors import EXIT_BAD_INPUT, FullyAsyncError
+
 logger = logging.getLogger(__name__)
 
 STALENESS_HIST_PREFIX = "staleness/hist/"
@@ -25,8 +27,10 @@ LEDGER_PREFIX = "ledger/"
 LEDGER_TOTALS = ("issued", "trained", "filtered", "dropped_stale", "failed", "in_flight")
 
 
-class ReportDataError(ValueError):
+class ReportDataError(FullyAsyncError, ValueError):
     """A metrics file that cannot be read as a run's records (names the file and the line)."""
+
+    exit_code = EXIT_BAD_INPUT
 
 
 @dataclass(frozen=True)

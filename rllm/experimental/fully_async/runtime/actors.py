@@ -57,80 +57,78 @@ class _RolloutServiceClient:
 # `state_dict` never runs beside an update.
 @ray.remote(num_cpus=1, concurrency_groups={"engines": 1})
 class FullyAsyncTrainerActor:
-    def __init__(self, cfg: dict, engine_urls: list[str], rollouts: Any) -> None:
+    def __init__(self, spec: Any, engine_urls: list[str], rollouts: Any) -> None:
+        """`spec` is the run's frozen RunSpec (settings/spec.py), built once by the driver: every setting this actor
+        honours is read from it."""
         from transformers import AutoTokenizer
 
-        from rllm.experimental.fully_async.algorithms.advantages import AdvantageConfig
-        from rllm.experimental.fully_async.algorithms.corrections import build_correction
+        from rllm.experimental.fully_async.algorithms.corrections import corrector_for
         from rllm.experimental.fully_async.backends.fsdp import FSDPPolicyBackend
         from rllm.experimental.fully_async.runtime.fully_async_trainer import FullyAsyncTrainer, TrainerSettings
         from rllm.experimental.fully_async.runtime.param_sync import DiskTransport, ParamSync, resolve_sync_dtype
+        from rllm.experimental.fully_async.settings.spec import thaw
         from rllm.experimental.fully_async.verl_patch import require_patched_verl
 
         logging.basicConfig(level=os.environ.get("RLLM_LOG_LEVEL", "WARNING"))
         require_patched_verl()
-        c = OmegaConf.create(cfg)
-        self.cfg = c
-        model_path = c.actor_rollout_ref.model.path
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-        correction = build_correction(c)
+        t, sync = spec.trainer, spec.param_sync
+        tokenizer = AutoTokenizer.from_pretrained(t.model_path)
+        correction = corrector_for(t.correction, compute_prox_log_prob=t.compute_prox_log_prob)
+        actor_cfg = OmegaConf.create(thaw(t.actor))  # verl builds its own dataclasses from a mutable copy
         if correction is not None and correction.policy_loss_mode is not None:
             # decoupled PPO with the proximal policy from the update itself: its loss replaces verl's vanilla one
-            c.actor_rollout_ref.actor.policy_loss.loss_mode = correction.policy_loss_mode
-        world = int(c.trainer.n_gpus_per_node) * int(c.trainer.nnodes)
-        if world > 1:
+            actor_cfg.policy_loss.loss_mode = correction.policy_loss_mode
+        if t.world_size > 1:
             # N rank actors in one torch.distributed group (gloo on CPU, NCCL on GPU), each with its FSDP2 shard;
             # one optimizer step per batch across them (runtime/trainer_ranks.py). verl counts trainer devices as
             # n_gpus_per_node x nnodes: one rank per device.
             from rllm.experimental.fully_async.runtime.trainer_ranks import DistributedPolicyBackend
 
             backend: Any = DistributedPolicyBackend(
-                model_path,
-                c.actor_rollout_ref.actor,
-                world=world,
-                device=str(c.trainer.device),
-                nnodes=int(c.trainer.nnodes),
-                seed=int(c.run.seed),
-                enable_gradient_checkpointing=bool(c.actor_rollout_ref.model.enable_gradient_checkpointing),
+                t.model_path,
+                actor_cfg,
+                world=t.world_size,
+                device=t.device,
+                nnodes=t.nnodes,
+                seed=t.seed,
+                enable_gradient_checkpointing=t.enable_gradient_checkpointing,
             )
             param_dtype = "float32"  # the ranks hold fp32 parameters (FSDP2 mixed precision computes in bf16)
         else:
-            backend = FSDPPolicyBackend(model_path, c.actor_rollout_ref.actor, seed=int(c.run.seed))
+            backend = FSDPPolicyBackend(t.model_path, actor_cfg, seed=t.seed)
             param_dtype = str(next(backend.model.parameters()).dtype)
         self.backend = backend
-        at = c.async_training
-        timeout_s = float(c.param_sync.timeout_s)
         self.param_sync = ParamSync(
             engine_urls,
-            DiskTransport(Path(c.param_sync.weights_dir)),
-            pause_timeout_s=timeout_s,
-            update_timeout_s=timeout_s,
-            continue_timeout_s=timeout_s,
-            weights_dtype=resolve_sync_dtype(str(c.param_sync.dtype), str(c.trainer.device), param_dtype),
+            DiskTransport(Path(sync.weights_dir)),
+            pause_timeout_s=sync.timeout_s,
+            update_timeout_s=sync.timeout_s,
+            continue_timeout_s=sync.timeout_s,
+            weights_dtype=resolve_sync_dtype(sync.dtype, t.device, param_dtype),
         )
         settings = TrainerSettings(
-            required_samples=int(at.required_samples),
-            max_staleness=int(at.max_staleness),
-            trigger_parameter_sync_step=int(at.trigger_parameter_sync_step),
-            use_rollout_log_probs=bool(at.use_rollout_log_probs),
-            compute_prox_log_prob=bool(at.compute_prox_log_prob),
-            temperature=float(c.actor_rollout_ref.rollout.temperature),
+            required_samples=t.required_samples,
+            max_staleness=t.max_staleness,
+            trigger_parameter_sync_step=t.sync_every_steps,
+            use_rollout_log_probs=t.use_rollout_log_probs,
+            compute_prox_log_prob=t.compute_prox_log_prob,
+            temperature=t.temperature,
             pad_token_id=int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0),
-            queue_get_timeout_s=float(at.queue_get_timeout_s),
-            on_engine_failure=str(c.engines.on_engine_failure),
-            max_response_length=int(c.data.max_response_length),
+            queue_get_timeout_s=t.queue_get_timeout_s,
+            on_engine_failure=spec.engines.on_engine_failure,
+            max_response_length=t.max_response_length,
         )
         critic = None
-        if c.algorithm.adv_estimator == "gae":
+        if t.critic is not None:  # algorithm.adv_estimator=gae
             from rllm.experimental.fully_async.backends.critic import FSDPCriticBackend
 
-            critic = FSDPCriticBackend(model_path, c.critic, seed=int(c.run.seed))
+            critic = FSDPCriticBackend(t.model_path, OmegaConf.create(thaw(t.critic)), seed=t.seed)
         self.trainer = FullyAsyncTrainer(
             settings,
             backend,
-            _RolloutServiceClient(rollouts, sync_gate_timeout_s=timeout_s),
+            _RolloutServiceClient(rollouts, sync_gate_timeout_s=sync.timeout_s),
             self.param_sync,
-            advantages=AdvantageConfig.from_config(c),
+            advantages=t.advantages,
             correction=correction,
             critic=critic,
         )

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from rllm.experimental.fully_async.core.protocol import TrajectoryGroup
+from rllm.experimental.fully_async.errors import FullyAsyncError
 from rllm.experimental.fully_async.runtime.checkpoint_codec import (
     META_FILE,
     QUEUE_FILE,
@@ -31,7 +32,7 @@ COMPLETE_MARKER = "COMPLETE"
 PART_FILES = (TRAINER_FILE, ROLLOUT_FILE, QUEUE_FILE, META_FILE)
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(FullyAsyncError, RuntimeError):
     """A checkpoint that cannot be used (missing, incomplete, corrupted, unknown format); the message is one line."""
 
 

@@ -30,11 +30,12 @@ import torch
 from rllm.experimental.fully_async.core.batch import PAD_VERSION, groups_to_dataproto
 from rllm.experimental.fully_async.core.messages import Ack, BatchRequest, RolloutSource
 from rllm.experimental.fully_async.core.protocol import TrajectoryGroup, TrajectoryStatus
+from rllm.experimental.fully_async.errors import FullyAsyncError
 
 logger = logging.getLogger(__name__)
 
 
-class QueueTimeoutError(TimeoutError):
+class QueueTimeoutError(FullyAsyncError, TimeoutError):
     """The trainer waited longer than async_training.queue_get_timeout_s for a batch."""
 
 

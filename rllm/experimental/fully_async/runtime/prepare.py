@@ -66,7 +66,7 @@ def check_data(cfg: DictConfig) -> int:
     return len(train)
 
 
-def init_ray(num_cpus: int | None = None) -> None:
+def init_ray(num_cpus: int | None = None, num_gpus: int | None = None) -> None:
     """Loopback-only Ray with a small footprint (ENVIRONMENT.md)."""
     import ray
 
@@ -82,6 +82,7 @@ def init_ray(num_cpus: int | None = None) -> None:
     if not ray.is_initialized():
         ray.init(
             num_cpus=num_cpus or max(4, os.cpu_count() or 1),
+            num_gpus=num_gpus,  # None: Ray detects them; a GPU run declares the plan's trainer GPUs (gpu_placement.py)
             include_dashboard=False,
             object_store_memory=1_000_000_000,
             configure_logging=False,

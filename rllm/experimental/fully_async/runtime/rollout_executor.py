@@ -27,12 +27,13 @@ from rllm.experimental.fully_async.core.ids import SampleId, prompt_uid
 from rllm.experimental.fully_async.core.ledger import SampleLedger
 from rllm.experimental.fully_async.core.protocol import Trajectory, TrajectoryGroup, TrajectoryStatus
 from rllm.experimental.fully_async.core.staleness import StalenessManager
+from rllm.experimental.fully_async.errors import FullyAsyncError
 from rllm.experimental.fully_async.runtime.message_queue import MessageQueue
 
 logger = logging.getLogger(__name__)
 
 
-class EnginesExhaustedError(RuntimeError):
+class EnginesExhaustedError(FullyAsyncError, RuntimeError):
     """No inference engine is left to serve rollouts: the run cannot continue."""
 
 

@@ -9,6 +9,7 @@ Everything started here is stopped in `finally`, so a failed or interrupted run 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -29,7 +30,14 @@ from rllm.experimental.fully_async.observe.reporting import (
     prefixed,
     print_summary,
 )
+from rllm.experimental.fully_async.runtime.gpu_placement import (
+    host_gpu_plan,
+    ray_gpu_environment,
+    ray_num_gpus,
+    trainer_actor_gpus,
+)
 from rllm.experimental.fully_async.runtime.prepare import check_data, init_ray, prepare_task
+from rllm.experimental.fully_async.settings.spec import build_run_spec
 
 __all__ = ["Run", "RunFailedError", "check_data", "init_ray", "prepare_task", "train"]
 
@@ -89,6 +97,9 @@ class Run:
         settle_run_dir(cfg)  # already finished? a fresh start? a resume whose config may change? (runtime/run_dir.py)
         self.total = cfg.trainer.total_training_steps  # None: until the data (trainer.total_epochs) is exhausted
         self.container = OmegaConf.to_container(cfg, resolve=True)
+        # Built once, here, after the task filled in its paths; the trainer reads every setting from it.
+        self.spec = build_run_spec(cfg)
+        self.gpu_plan = _host_plan(self.spec)
         os.environ.setdefault("RLLM_LOG_LEVEL", str(cfg.run.log_level))
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", keep_last=2)
         resume_path = find_resume_checkpoint(
@@ -109,13 +120,18 @@ class Run:
             max_restarts=int(cfg.engines.max_restarts),
             startup_timeout_s=float(cfg.engines.startup_timeout_s),
         )
-        self._stack.enter_context(ray_lifetime(init_ray))  # also stops a half-started Ray (runtime/processes.py)
+        # Ray sees only the plan's trainer GPUs, so no rank can land on an engine's GPU (runtime/gpu_placement.py).
+        with ray_gpu_environment(self.gpu_plan):
+            start_ray = functools.partial(init_ray, num_gpus=ray_num_gpus(self.gpu_plan))
+            self._stack.enter_context(ray_lifetime(start_ray))  # also stops a half-started Ray (processes.py)
         # One rollout service (executor, queue, budget, ledger) and the trainer, which takes a batch from it with
         # one call per step; a resume hands each its own part of the checkpoint.
         self.rollouts = RolloutServiceActor.remote(
             self.container, engines.urls, resumed.rollout if resumed else None, resumed.queue if resumed else None
         )
-        self.trainer = FullyAsyncTrainerActor.remote(self.container, engines.urls, self.rollouts)
+        self.trainer = FullyAsyncTrainerActor.options(num_gpus=trainer_actor_gpus(self.spec)).remote(
+            self.spec, engines.urls, self.rollouts
+        )
         self._stack.callback(_stop_actors, self.rollouts, self.trainer)
         self._stack.callback(_shutdown_trainer, self.trainer)  # first (LIFO): a multi-rank trainer's ranks
         self.sync_timeout_s = float(cfg.param_sync.timeout_s) * 4
@@ -337,6 +353,23 @@ def _stop_actors(*handles: Any) -> None:
             ray.kill(handle)
         except Exception:  # already gone
             logger.debug("actor already gone", exc_info=True)
+
+
+def _host_plan(spec: Any) -> Any:
+    """This host's GPU placement plan, or None when the run uses no GPU or the host has none (SGLang then fails
+    on its own; the test stand-in needs none). Too few GPUs is a one-line configuration error."""
+    import torch
+
+    from rllm.experimental.fully_async.core.placement import PlacementError
+    from rllm.experimental.fully_async.errors import ConfigError
+
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        return None
+    try:
+        return host_gpu_plan(spec, gpus)
+    except PlacementError as exc:
+        raise ConfigError(f"GPU placement on this host: {exc}") from exc
 
 
 def _shutdown_trainer(trainer: Any) -> None:

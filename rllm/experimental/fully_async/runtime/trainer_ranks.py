@@ -35,6 +35,8 @@ from typing import Any
 
 import ray
 
+from rllm.experimental.fully_async.errors import FullyAsyncError
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["DistributedPolicyBackend", "RankFailedError", "split_by_tokens"]
@@ -43,7 +45,7 @@ SETUP_TIMEOUT_S = 600.0  # model load + FSDP2 sharding + first collective, per r
 CALL_TIMEOUT_S = 1800.0  # one PPO step on a large batch; also torch.distributed's own collective timeout
 
 
-class RankFailedError(RuntimeError):
+class RankFailedError(FullyAsyncError, RuntimeError):
     """A trainer rank died, raised or did not answer in time; the worker group cannot take further steps."""
 
 

@@ -78,6 +78,7 @@ class TrainerSpec:
     model_path: str
     device: str  # trainer.device
     world_size: int  # trainer ranks = trainer.n_gpus_per_node x trainer.nnodes (verl counts devices; one rank each)
+    nnodes: int  # trainer.nnodes: one node keeps the ranks' rendezvous on this machine
     seed: int
     required_samples: int
     sync_every_steps: int
@@ -207,6 +208,7 @@ def build_run_spec(cfg: DictConfig) -> RunSpec:
         model_path=model_path,
         device=str(cfg.trainer.device),
         world_size=int(cfg.trainer.n_gpus_per_node) * int(cfg.trainer.nnodes),
+        nnodes=int(cfg.trainer.nnodes),
         seed=run_seed,
         required_samples=int(at.required_samples),
         sync_every_steps=int(at.trigger_parameter_sync_step),
@@ -281,6 +283,16 @@ def _frozen(section: Any) -> Mapping[str, Any]:
     """A read-only deep copy of a config section (dicts become mappingproxies, lists tuples)."""
     raw = OmegaConf.to_container(section, resolve=True) if isinstance(section, DictConfig) else section
     return _freeze(raw)
+
+
+def thaw(value: Any) -> Any:
+    """A mutable deep copy of a frozen section (mappingproxies become dicts, tuples lists), for code that builds its
+    own objects from it (verl's actor and critic configs)."""
+    if isinstance(value, Mapping):
+        return {k: thaw(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return [thaw(v) for v in value]
+    return value
 
 
 def _freeze(value: Any) -> Any:

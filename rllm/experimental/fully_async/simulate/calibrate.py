@@ -29,12 +29,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rllm.experimental.fully_async.errors import EXIT_BAD_INPUT, FullyAsyncError
 from rllm.experimental.fully_async.simulate.engine import simulate
 from rllm.experimental.fully_async.simulate.model import SimConfig
 
 
-class CalibrationError(ValueError):
+class CalibrationError(FullyAsyncError, ValueError):
     """The metrics cannot support a fit (too few steps, missing columns)."""
+
+    exit_code = EXIT_BAD_INPUT
 
 
 @dataclass(frozen=True)

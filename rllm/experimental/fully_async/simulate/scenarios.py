@@ -22,14 +22,17 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from rllm.experimental.fully_async.core.staleness import check_sync_interval
+from rllm.experimental.fully_async.errors import EXIT_BAD_INPUT, FullyAsyncError
 from rllm.experimental.fully_async.simulate.engine import SimResult, simulate
 from rllm.experimental.fully_async.simulate.model import SimConfig, check
 
 SCENARIO_KEYS = frozenset({"description", "simulate", "published"})
 
 
-class ScenarioError(ValueError):
+class ScenarioError(FullyAsyncError, ValueError):
     """A bad scenario or simulate key; `str()` is one line naming it."""
+
+    exit_code = EXIT_BAD_INPUT
 
 
 def build_config(base: SimConfig, layers: list[Mapping[str, Any]]) -> SimConfig:

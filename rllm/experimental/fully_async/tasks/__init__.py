@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rllm.experimental.fully_async.errors import EXIT_BAD_INPUT, FullyAsyncError
+
 
 @dataclass(frozen=True)
 class TaskAssets:
@@ -43,8 +45,10 @@ _REGISTRY: dict[str, str | TaskPrepare] = {
 }
 
 
-class UnknownTaskError(KeyError):
+class UnknownTaskError(FullyAsyncError, KeyError):
     """`task.name` names no registered task; the message lists the registered ones."""
+
+    exit_code = EXIT_BAD_INPUT
 
     def __str__(self) -> str:  # KeyError's str() would quote the whole message
         return str(self.args[0])

