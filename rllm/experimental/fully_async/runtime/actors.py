@@ -69,7 +69,12 @@ class FullyAsyncTrainerActor:
             # decoupled PPO with the proximal policy from the update itself: its loss replaces verl's vanilla one
             c.actor_rollout_ref.actor.policy_loss.loss_mode = correction.policy_loss_mode
         world = int(c.trainer.n_gpus_per_node) * int(c.trainer.nnodes)
-        if world > 1:
+        if c.actor_rollout_ref.actor.strategy == "megatron":  # verl's Megatron worker, CUDA only (backends/megatron.py)
+            from rllm.experimental.fully_async.backends.megatron import build_megatron_backend
+
+            backend = build_megatron_backend(c, seed=int(c.run.seed))
+            param_dtype = backend.param_dtype
+        elif world > 1:
             # N rank actors in one torch.distributed group (gloo on CPU, NCCL on GPU), each with its FSDP2 shard;
             # one optimizer step per batch across them (runtime/trainer_ranks.py). verl counts trainer devices as
             # n_gpus_per_node x nnodes: one rank per device.
