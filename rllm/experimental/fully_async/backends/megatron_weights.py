@@ -50,7 +50,14 @@ def build_name_converter(hf_config: Any, *, use_mbridge: bool = True, dtype: tor
     if use_mbridge:
         from verl.models.mcore.mbridge import AutoBridge
 
-        return AutoBridge.from_config(hf_config, dtype=dtype)
+        bridge = AutoBridge.from_config(hf_config, dtype=dtype)
+        # mbridge 0.15.1 writes the tied-embedding entry into a class-level dict, so a tied model built earlier in
+        # the process maps an untied one's output_layer to embed_tokens: give this bridge its own, correct copy.
+        tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        mapping = dict(bridge._DIRECT_MAPPING)
+        mapping["output_layer.weight"] = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        bridge._DIRECT_MAPPING = mapping
+        return bridge
     from verl.models.mcore import get_mcore_weight_converter
 
     return get_mcore_weight_converter(hf_config, dtype)
@@ -87,6 +94,8 @@ def _split_fused(converter: Any, name: str, tensor: torch.Tensor) -> list[torch.
     (one shard: megatron-core's tensor-parallel size must be 1, the full tensor after gathering)."""
     from verl.utils.megatron_utils import default_tp_concat_fn
 
+    if not (_is_qkv(name) or "linear_fc1.weight" in name):
+        return [tensor]  # per_tensor_generator passes every other tensor through unchanged
     hf = converter.hf_config
     parts = default_tp_concat_fn(LAYER_NAME_MAPPING, name, tensor, [tensor], hf, hf, True)
     return parts if isinstance(parts, list) else [parts]
