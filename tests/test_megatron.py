@@ -93,7 +93,8 @@ def test_megatron_config_refusals_are_one_line(overrides, named):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here: the strategy is not refused")
 @pytest.mark.parametrize("config", ["fully_async_ppo_megatron_trainer.yaml", "tiny_cpu.yaml"])
 def test_without_cuda_megatron_is_refused_in_one_line_before_anything_else(config):
-    from rllm.experimental.fully_async.backends.megatron import CUDA_REFUSAL, build_megatron_backend
+    from rllm.experimental.fully_async.backends.megatron import CUDA_REFUSAL
+    from rllm.experimental.fully_async.backends.megatron_backend import build_megatron_backend
     from rllm.experimental.fully_async.errors import ConfigError
     from rllm.experimental.fully_async.settings.loader import load_config
 

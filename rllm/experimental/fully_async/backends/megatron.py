@@ -1,4 +1,4 @@
-"""Megatron policy backend, the part that runs without CUDA: configs, the CUDA check, and the door to the GPU part.
+"""Megatron policy backend, the part that runs without CUDA: configs and the CUDA check (GPU part: megatron_backend.py).
 
 `actor_rollout_ref.actor.strategy: megatron` trains through verl 0.7.1's own Megatron code. The GPU part,
 `backends/megatron_backend.py` (`MegatronPolicyBackend`), builds verl's `ActorRolloutRefWorker` in role "actor"
@@ -10,7 +10,8 @@ tokens skipped on every data-parallel rank) and exports weights in HF layout (`b
 
 This module imports neither megatron nor CUDA code: `build_worker_config` (the `actor_rollout_ref` section verl's
 worker reads, with the flag on) and `build_actor_config` (verl's McoreActorConfig) are tested on CPU;
-`require_cuda` is the one-line refusal a machine without CUDA gets.
+`require_cuda` is the one-line refusal a machine without CUDA gets (`megatron_backend.build_megatron_backend` calls
+it before touching megatron).
 
 Not done (see patches/README.md): "token-mean" independent of the micro-batch split, which on Megatron needs a
 change to megatron-core's loss scaling; on Megatron it stays verl's mean of micro-batch token means.
@@ -31,7 +32,6 @@ __all__ = [
     "FULLY_ASYNC_FLAG",
     "INSTALL_HINT",
     "build_actor_config",
-    "build_megatron_backend",
     "build_worker_config",
     "megatron_available",
     "require_cuda",
@@ -94,11 +94,3 @@ def build_worker_config(actor_rollout_ref: Mapping[str, Any]) -> Any:
     actor[FULLY_ASYNC_FLAG] = True
     build_actor_config(actor)  # fails here, on any machine, where the worker would fail on the GPU
     return OmegaConf.create(raw)
-
-
-def build_megatron_backend(cfg: Any, *, seed: int = 0) -> Any:
-    """The GPU backend for a loaded config (`cfg.actor_rollout_ref`); refuses in one line without CUDA."""
-    require_cuda()
-    from rllm.experimental.fully_async.backends.megatron_backend import MegatronPolicyBackend
-
-    return MegatronPolicyBackend(cfg.actor_rollout_ref, seed=seed)

@@ -31,11 +31,19 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MegatronPolicyBackend"]
+__all__ = ["MegatronPolicyBackend", "build_megatron_backend"]
 
 LOG_PROB_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
 UPDATE_KEYS = (*LOG_PROB_KEYS, "response_mask", "old_log_probs", "advantages")
 OPTIONAL_UPDATE_KEYS = ("rollout_log_probs", "rollout_is_weights")
+
+
+def build_megatron_backend(cfg: Any, *, seed: int = 0) -> MegatronPolicyBackend:
+    """The backend for a loaded config (`cfg.actor_rollout_ref`); refuses in one line without CUDA or megatron."""
+    from rllm.experimental.fully_async.backends.megatron import require_cuda
+
+    require_cuda()
+    return MegatronPolicyBackend(cfg.actor_rollout_ref, seed=seed)
 
 
 def _single_process_env() -> None:

@@ -70,7 +70,7 @@ class FullyAsyncTrainerActor:
             c.actor_rollout_ref.actor.policy_loss.loss_mode = correction.policy_loss_mode
         world = int(c.trainer.n_gpus_per_node) * int(c.trainer.nnodes)
         if c.actor_rollout_ref.actor.strategy == "megatron":  # verl's Megatron worker, CUDA only (backends/megatron.py)
-            from rllm.experimental.fully_async.backends.megatron import build_megatron_backend
+            from rllm.experimental.fully_async.backends.megatron_backend import build_megatron_backend
 
             backend = build_megatron_backend(c, seed=int(c.run.seed))
             param_dtype = backend.param_dtype
