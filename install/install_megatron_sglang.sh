@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # Sets up a GPU host for Megatron training with SGLang engines: everything install_fsdp_sglang.sh installs (CUDA
-# torch 2.9.1, sglang 0.5.6, flash-attn, this package, patched verl 0.7.1), then TransformerEngine 2.10,
-# megatron-core 0.16.1 and mbridge (verl 0.7.1's `mcore` extra). Versions come from install/constraints-gpu.txt.
+# torch 2.9.1, sglang 0.5.6, a prebuilt flash-attn if one matches, this package, patched verl 0.7.1), then
+# megatron-core 0.16.1 and mbridge (verl 0.7.1's `mcore` extra) and TransformerEngine 2.10 from prebuilt wheels only.
+# Versions come from install/constraints-gpu.txt.
 #
 # Usage: bash install/install_megatron_sglang.sh [--dry-run]
 #   --dry-run   print every step and its command without running anything (works on any machine)
-# Environment: as install_fsdp_sglang.sh (PYTHON, VENV, MAX_JOBS). TransformerEngine compiles its torch extension
-# against the installed torch: it needs nvcc and cuDNN headers (the CUDA 12.8 toolkit) and takes a long time.
+# Environment: as install_fsdp_sglang.sh (PYTHON, VENV), and
+#   TE_WHEEL    a transformer-engine-torch wheel file or URL built for torch 2.9.1 + CUDA 12 (e.g. from NVIDIA's
+#               PyTorch container), used instead of searching the index for one
+#   BUILD_TE=1  allow compiling TransformerEngine's torch extension from source (needs nvcc and cuDNN headers,
+#               about an hour; MAX_JOBS applies). Off by default: nothing is compiled.
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -30,12 +34,20 @@ te_version="${te_version#*==}"
 echo "[$tag] the FSDP + SGLang stack first: install/install_fsdp_sglang.sh"
 bash "$repo_root/install/install_fsdp_sglang.sh" "${pass_args[@]}"
 
-# TransformerEngine's torch extension is built against the installed torch 2.9.1, so no build isolation.
-step "install TransformerEngine" -- env NVTE_FRAMEWORK=pytorch "MAX_JOBS=${MAX_JOBS:-8}" "${pip[@]}" \
-  --no-build-isolation "transformer-engine[pytorch]==$te_version"
-step "install megatron-core and mbridge" -- "${pip[@]}" "$(pin megatron-core)" "$(pin mbridge)"
+# TransformerEngine: its CUDA core ships as binary wheels (transformer-engine-cu12), its torch extension often only
+# as source. Binary wheels only unless BUILD_TE=1; without TransformerEngine, Megatron's layers (verl builds them
+# with TransformerEngine) cannot run, and the doctor below says so.
+if [[ "${BUILD_TE:-0}" == 1 ]]; then
+  step "build TransformerEngine from source (BUILD_TE=1)" -- env NVTE_FRAMEWORK=pytorch "MAX_JOBS=${MAX_JOBS:-8}" \
+    "${pip[@]}" --no-build-isolation "transformer-engine[pytorch]==$te_version"
+else
+  optional_step "install TransformerEngine from prebuilt wheels" \
+    "no prebuilt TransformerEngine wheel for torch $(pin torch): the Megatron backend needs it; pass TE_WHEEL=<wheel> or BUILD_TE=1 (compiles, about an hour)" \
+    -- "${pip[@]}" --only-binary=:all: "transformer-engine[pytorch]==$te_version" ${TE_WHEEL:+"$TE_WHEEL"}
+fi
+step "install megatron-core and mbridge" -- "${pip[@]}" --only-binary=:all: "$(pin megatron-core)" "$(pin mbridge)" "$(pin einops)"
 step "check that the Megatron stack imports" -- "$vpy" -c \
-  'import transformer_engine.pytorch, megatron.core, mbridge; from verl.workers.actor.megatron_actor import MegatronPPOActor'
+  'import megatron.core, mbridge; from verl.workers.megatron_workers import ActorRolloutRefWorker'
 # Re-run the patch step: a no-op ("already applied") unless something above reinstalled verl.
 step "patch verl for fully-async training" -- env "VERL_PYTHON=$vpy" bash "$repo_root/install/apply_verl_patch.sh"
 step "check the installation" -- "$vpy" -m rllm.experimental.fully_async doctor

@@ -53,7 +53,7 @@ def test_overrides_win_over_the_file():
         ("actor_rollout_ref.rollout.n=1", "actor_rollout_ref.rollout.n"),
         ("trainer.n_gpus_per_node=0", "trainer.n_gpus_per_node"),
         ("param_sync.transport=nccl", "param_sync.transport=disk"),
-        ("actor_rollout_ref.actor.strategy=megatron", "Megatron backend is not wired"),
+        ("actor_rollout_ref.actor.strategy=megatron", "needs CUDA"),
         ("async_training.require_batches=2", "async_training.required_samples"),
         ("actor_rollout_ref.ref.fsdp_config.param_offload=true", "is verl's, not used by the fully-async trainer"),
         ("algorithm.use_kl_in_reward=true", "algorithm.use_kl_in_reward"),

@@ -168,20 +168,6 @@ def test_state_dict_restores_model_optimizer_and_schedule(model_dir):
     torch.testing.assert_close(params(restored), params(original), rtol=0, atol=1e-7)
 
 
-def test_megatron_backend_builds_a_fully_async_config_and_needs_megatron_to_build_an_actor():
-    from rllm.experimental.fully_async.backends import megatron
-
-    config = megatron.build_actor_config({"ppo_micro_batch_size_per_gpu": 2, "optim": {"lr": 1e-5}})
-    assert type(config).__name__ == "McoreActorConfig" and config.fully_async is True
-    assert type(config.optim).__name__ == "McoreOptimizerConfig"
-    if megatron.megatron_available():
-        pytest.skip("megatron-core is installed: building an actor needs real Megatron modules and a GPU")
-    with pytest.raises(RuntimeError, match=r"install_megatron_sglang\.sh"):
-        megatron.build_megatron_actor(
-            {}, model_config=None, hf_config=None, tf_config=None, actor_module=None, actor_optimizer=None
-        )
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # World size 2: FSDP2 over a gloo CPU mesh, each rank holding half the batch
 # ----------------------------------------------------------------------------------------------------------------

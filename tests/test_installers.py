@@ -98,6 +98,12 @@ def test_dry_run_prints_every_pinned_step_and_runs_nothing(script, tmp_path):
         ]
     for fragment in expected:
         assert any(fragment in command for command in commands), f"no step with {fragment!r}:\n{out}"
+    if script == "install_megatron_sglang.sh":
+        # nothing is compiled by default: TransformerEngine, megatron-core and mbridge from binary wheels only
+        megatron_steps = [c for c in commands if "transformer-engine" in c or "megatron-core" in c]
+        assert len(megatron_steps) == 2, out
+        assert all("--only-binary=:all:" in c and "--no-build-isolation" not in c for c in megatron_steps)
+        assert "install TransformerEngine from prebuilt wheels (optional)" in out
     # flash-attn is never compiled: PyPI only has its source, so without a prebuilt wheel the trainer uses sdpa.
     flash = [c for c in commands if "flash-attn" in c]
     assert flash and all("--only-binary=flash-attn" in c and "--no-build-isolation" not in c for c in flash)
@@ -107,6 +113,31 @@ def test_dry_run_prints_every_pinned_step_and_runs_nothing(script, tmp_path):
     patch_steps = [i for i, c in enumerate(commands) if "apply_verl_patch.sh" in c]
     assert patch_steps and patch_steps[-1] > last_install
     assert "nothing run" in out.splitlines()[-1]
+
+
+def test_megatron_installer_compiles_transformer_engine_only_when_asked(tmp_path):
+    venv = tmp_path / "venv-that-must-not-appear"
+    env = {**os.environ, "VENV": str(venv), "PYTHON": "python3", "BUILD_TE": "1", "TE_WHEEL": "/w/te.whl"}
+    result = subprocess.run(
+        ["bash", str(INSTALL / "install_megatron_sglang.sh"), "--dry-run"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    te = [line for line in result.stdout.splitlines() if "transformer-engine" in line and line.strip().startswith("$")]
+    assert len(te) == 1 and "--no-build-isolation" in te[0] and "NVTE_FRAMEWORK=pytorch" in te[0]
+    # and a given wheel is used when nothing is compiled
+    env.pop("BUILD_TE")
+    result = subprocess.run(
+        ["bash", str(INSTALL / "install_megatron_sglang.sh"), "--dry-run"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert any("--only-binary=:all:" in line and "/w/te.whl" in line for line in result.stdout.splitlines())
 
 
 def test_installers_reject_unknown_arguments():

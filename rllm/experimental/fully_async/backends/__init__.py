@@ -1,7 +1,8 @@
 """Policy backends: the trainer's one door to the model, its optimizer and verl's (patched) PPO update.
 
 `fsdp.FSDPPolicyBackend` wraps verl's `DataParallelPPOActor` (CPU and GPU, world size 1 as a plain module or N with
-FSDP2); `megatron.build_megatron_actor` builds verl's `MegatronPPOActor` (GPU only). Both switch on the
+FSDP2); `megatron_backend.MegatronPolicyBackend` builds verl's Megatron worker and `MegatronPPOActor` (GPU only,
+configs in `megatron`). Both switch on the
 `fully_async` flag that `patches/verl_dp_actor.patch` adds to verl's actor config (see patches/README.md), through
 `build_verl_actor_config` below. Import the submodule you need: importing this package costs nothing and needs
 neither torch nor megatron.

@@ -78,7 +78,14 @@ class FullyAsyncTrainerActor:
         if correction is not None and correction.policy_loss_mode is not None:
             # decoupled PPO with the proximal policy from the update itself: its loss replaces verl's vanilla one
             actor_cfg.policy_loss.loss_mode = correction.policy_loss_mode
-        if t.world_size > 1:
+        if t.strategy == "megatron":  # verl's Megatron worker, CUDA only (backends/megatron.py)
+            from rllm.experimental.fully_async.backends.megatron_backend import build_megatron_backend
+
+            rollout_ref = OmegaConf.create(thaw(t.actor_rollout_ref))
+            rollout_ref.actor = actor_cfg  # with the decoupled loss, if any
+            backend = build_megatron_backend(rollout_ref, seed=t.seed)
+            param_dtype = backend.param_dtype
+        elif t.world_size > 1:
             # N rank actors in one torch.distributed group (gloo on CPU, NCCL on GPU), each with its FSDP2 shard;
             # one optimizer step per batch across them (runtime/trainer_ranks.py). verl counts trainer devices as
             # n_gpus_per_node x nnodes: one rank per device.

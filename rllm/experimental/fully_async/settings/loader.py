@@ -3,7 +3,9 @@
 Composition, lowest priority first:
 1. verl 0.7.1's full `ppo_trainer` defaults (`verl/trainer/config/_generated_ppo_trainer.yaml`), so every verl key
    a user knows (`actor_rollout_ref.actor.optim.lr`, `algorithm.adv_estimator`, `data.max_response_length`, ...)
-   means what it means in verl;
+   means what it means in verl; its `ppo_megatron_trainer` defaults instead when the actor strategy is megatron
+   (in any file or override) or a file lists `ppo_megatron_trainer` in `defaults:`, so tensor/pipeline/context-
+   parallel keys (`actor_rollout_ref.actor.megatron.*`) are valid;
 2. this project's sections, typed dataclasses in `settings/schema.py` (`async_training`, `engines`, `param_sync`,
    `task`, `workflow`, `run`) and a few fully-async defaults for verl keys (`FULLY_ASYNC_VERL_DEFAULTS`);
 3. the files named in the YAML's optional `defaults:` list (siblings, without `.yaml`), then the YAML itself;
@@ -18,6 +20,7 @@ This module loads and merges; `settings/derive.py` fills derived values, `settin
 
 from __future__ import annotations
 
+import copy
 import difflib
 import functools
 import logging
@@ -70,24 +73,42 @@ DEFAULT_CONFIG = REPO_CONFIG_DIR / "tiny_cpu.yaml"
 # --------------------------------------------------------------------------------------------------------------
 
 
-def verl_base_config() -> DictConfig:
-    """verl 0.7.1's flattened ppo_trainer defaults (`_generated_ppo_trainer.yaml`, shipped in the wheel)."""
-    return OmegaConf.create(_verl_base_container())
+MEGATRON_BASE = "ppo_megatron_trainer"
+
+
+def verl_base_config(megatron: bool = False) -> DictConfig:
+    """verl 0.7.1's flattened ppo_trainer defaults (`_generated_ppo_trainer.yaml`, shipped in the wheel), or its
+    ppo_megatron_trainer defaults (`_generated_ppo_megatron_trainer.yaml`)."""
+    return OmegaConf.create(_verl_base_container(f"_generated_{MEGATRON_BASE if megatron else 'ppo_trainer'}.yaml"))
 
 
 @functools.cache
-def _verl_base_container() -> dict:
+def _verl_base_container(name: str) -> dict:
     # Parsing the 700-line YAML takes ~0.3 s; every load_config needs it twice.
     import verl
 
-    path = Path(verl.__file__).parent / "trainer" / "config" / "_generated_ppo_trainer.yaml"
+    path = Path(verl.__file__).parent / "trainer" / "config" / name
     return OmegaConf.to_container(OmegaConf.load(path), resolve=False)
 
 
-def base_config() -> DictConfig:
-    """verl's defaults plus this project's sections and fully-async defaults, before any user file."""
-    cfg = verl_base_config()
-    cfg = OmegaConf.merge(cfg, FULLY_ASYNC_VERL_DEFAULTS)
+def _fully_async_verl_defaults(megatron: bool) -> dict[str, Any]:
+    """FULLY_ASYNC_VERL_DEFAULTS; on the Megatron base the actor is megatron's (no fsdp_config) and the critic's
+    FSDP defaults are left out (gae is refused with megatron)."""
+    if not megatron:
+        return FULLY_ASYNC_VERL_DEFAULTS
+    defaults = copy.deepcopy(FULLY_ASYNC_VERL_DEFAULTS)
+    actor = defaults["actor_rollout_ref"]["actor"]
+    actor["strategy"] = "megatron"
+    actor.pop("fsdp_config", None)
+    defaults.pop("critic", None)
+    return defaults
+
+
+def base_config(megatron: bool = False) -> DictConfig:
+    """verl's defaults (its Megatron ones if `megatron`) plus this project's sections and fully-async defaults,
+    before any user file."""
+    cfg = verl_base_config(megatron)
+    cfg = OmegaConf.merge(cfg, _fully_async_verl_defaults(megatron))
     for name, schema in PROJECT_SECTIONS.items():
         cfg[name] = OmegaConf.structured(schema)
     return cfg
@@ -103,10 +124,16 @@ def load_config(
     from rllm.experimental.fully_async.settings.validate import validate
     from rllm.experimental.fully_async.settings.verl_keys import refuse_unread_verl_keys
 
-    cfg = base_config()
     path = Path(config_file) if config_file is not None else DEFAULT_CONFIG
+    chain = _file_chain(path)
+    megatron = _wants_megatron(chain, overrides or [])
+    if megatron and check_host:
+        from rllm.experimental.fully_async.settings.validate import refuse_megatron_without_cuda
+
+        refuse_megatron_without_cuda()  # first: on this machine nothing else about the config matters
+    cfg = base_config(megatron)
     rllm_keys: dict[str, Any] = {}  # keys of rLLM's fully-async YAML that verl's tree lacks (settings/rllm_yaml.py)
-    for layer_path in _file_chain(path):
+    for layer_path in chain:
         layer = _read_yaml(layer_path)
         extract_rllm_keys(layer, rllm_keys)
         _merge_strict(cfg, layer, origin=str(layer_path))
@@ -114,7 +141,7 @@ def load_config(
         layer = _parse_overrides(overrides)
         extract_rllm_keys(layer, rllm_keys)
         _merge_strict(cfg, layer, origin="the command line")
-    base = base_config()
+    base = base_config(megatron)
     apply_rllm_keys(cfg, rllm_keys, base)
     # Before derived values: those write verl keys (optim.total_training_steps) the user did not set.
     refuse_unread_verl_keys(cfg, base)
@@ -134,15 +161,26 @@ def _file_chain(path: Path, seen: tuple[Path, ...] = ()) -> list[Path]:
     for parent in layer.get("defaults", []) or []:
         if not isinstance(parent, str):
             raise ConfigError(f"{path}: `defaults:` entries must be sibling config names, got {parent!r}")
-        if parent in ("ppo_trainer", "_self_"):  # verl's defaults are always the base
+        if parent in ("ppo_trainer", MEGATRON_BASE, "_self_"):  # verl's defaults are always the base
             continue
-        if parent == "ppo_megatron_trainer":
-            raise ConfigError(
-                f"{path}: `defaults: ppo_megatron_trainer` (actor strategy megatron): the Megatron backend is not "
-                "wired to the fully-async trainer yet; compose on ppo_trainer (FSDP2)"
-            )
         chain.extend(_file_chain(path.parent / f"{parent}.yaml", (*seen, path)))
     return [*chain, path]
+
+
+def _wants_megatron(chain: list[Path], overrides: list[str]) -> bool:
+    """Compose on verl's Megatron defaults? Yes when a file lists ppo_megatron_trainer in `defaults:`, or when the
+    last file or override that sets actor_rollout_ref.actor.strategy sets megatron."""
+    strategy = None
+    for layer_path in chain:
+        layer = _read_yaml(layer_path, keep_defaults=True)
+        if MEGATRON_BASE in (layer.get("defaults", []) or []):
+            return True  # settings/validate.py then refuses any strategy but megatron on this base
+        strategy = OmegaConf.select(layer, "actor_rollout_ref.actor.strategy", default=strategy)
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key.strip() == "actor_rollout_ref.actor.strategy":
+            strategy = value.strip()
+    return strategy == "megatron"
 
 
 def _read_yaml(path: Path, keep_defaults: bool = False) -> DictConfig:

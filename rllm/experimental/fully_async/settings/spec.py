@@ -90,6 +90,8 @@ class TrainerSpec:
     enable_gradient_checkpointing: bool  # actor_rollout_ref.model.enable_gradient_checkpointing
     max_response_length: int  # Dr.GRPO's constant normaliser (actor.loss_scale_factor, derived)
     actor: Mapping[str, Any]  # actor_rollout_ref.actor, handed to verl's FSDPActorConfig
+    strategy: str  # actor_rollout_ref.actor.strategy: fsdp2 | megatron
+    actor_rollout_ref: Mapping[str, Any] | None  # the whole section, for verl's Megatron worker (megatron only)
     advantages: AdvantageConfig
     correction: CorrectionConfig | None
     critic: Mapping[str, Any] | None  # the critic section when algorithm.adv_estimator=gae
@@ -220,6 +222,8 @@ def build_run_spec(cfg: DictConfig) -> RunSpec:
         enable_gradient_checkpointing=bool(cfg.actor_rollout_ref.model.enable_gradient_checkpointing),
         max_response_length=int(cfg.data.max_response_length),
         actor=_frozen(actor),
+        strategy=str(actor.strategy),
+        actor_rollout_ref=_frozen(cfg.actor_rollout_ref) if str(actor.strategy) == "megatron" else None,
         advantages=AdvantageConfig.from_config(cfg),
         correction=correction_config_from(cfg),
         critic=_frozen(cfg.critic) if gae else None,

@@ -99,11 +99,13 @@ def refuse_unsupported(cfg: DictConfig, *, check_host: bool = True) -> None:
         )
     strategy = cfg.actor_rollout_ref.actor.strategy
     if strategy == "megatron":
+        _refuse_unsupported_megatron(cfg, check_host=check_host)
+    elif "megatron" in cfg.actor_rollout_ref.actor:
         raise ConfigError(
-            "'actor_rollout_ref.actor.strategy=megatron': the Megatron backend is not wired to the fully-async "
-            "trainer yet; use strategy: fsdp2"
+            f"'actor_rollout_ref.actor.strategy={strategy}' on verl's ppo_megatron_trainer defaults: set strategy: "
+            "megatron, or compose on ppo_trainer for FSDP2"
         )
-    if strategy != "fsdp2":
+    elif strategy != "fsdp2":
         raise ConfigError(
             f"'actor_rollout_ref.actor.strategy={strategy}': the trainer shards with FSDP2 only; use strategy: fsdp2"
         )
@@ -131,6 +133,37 @@ def refuse_unsupported(cfg: DictConfig, *, check_host: bool = True) -> None:
         raise ConfigError(
             "'engines.extra_args' is passed to sglang.launch_server; with engines.backend=embedded remove it"
         )
+
+
+def refuse_megatron_without_cuda() -> None:
+    """strategy megatron on a machine without CUDA: one line, before anything else about the config."""
+    import torch
+
+    from rllm.experimental.fully_async.backends.megatron import CUDA_REFUSAL
+
+    if not torch.cuda.is_available():
+        raise ConfigError(CUDA_REFUSAL)
+
+
+def _refuse_unsupported_megatron(cfg: DictConfig, *, check_host: bool) -> None:
+    """The Megatron backend (backends/megatron.py): CUDA only, one trainer process, no critic."""
+    if check_host:
+        refuse_megatron_without_cuda()
+    if "megatron" not in cfg.actor_rollout_ref.actor:
+        raise ConfigError(
+            "'actor_rollout_ref.actor.strategy=megatron' needs verl's Megatron keys: add ppo_megatron_trainer to "
+            "the YAML's defaults (see config/fully_async_ppo_megatron_trainer.yaml)"
+        )
+    if cfg.trainer.device != "cuda":
+        raise ConfigError("'actor_rollout_ref.actor.strategy=megatron' runs on GPUs only: set trainer.device=cuda")
+    world = int(cfg.trainer.n_gpus_per_node) * int(cfg.trainer.nnodes)
+    if world != 1:
+        raise ConfigError(
+            f"'trainer.n_gpus_per_node x trainer.nnodes' is {world} with strategy megatron: the Megatron trainer runs "
+            "as one process (one GPU) here; set both to 1 or use strategy: fsdp2 for several trainer GPUs"
+        )
+    if cfg.algorithm.adv_estimator == "gae":
+        raise ConfigError("'algorithm.adv_estimator=gae' needs the FSDP critic: use strategy: fsdp2 for GAE")
 
 
 def _validate_algorithm(cfg: DictConfig) -> None:

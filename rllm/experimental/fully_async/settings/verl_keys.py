@@ -81,7 +81,7 @@ VERL_KEYS_READ: dict[str, str] = {
 VERL_ACTOR_KEYS_NOT_READ: dict[str, str] = {
     "actor_rollout_ref.actor.checkpoint.": "checkpoints are this project's (trainer.save_freq)",
     "actor_rollout_ref.actor.profiler.": "verl's profiler is not run",
-    "actor_rollout_ref.actor.megatron.": "the Megatron backend is not wired",
+    "actor_rollout_ref.actor.megatron.": "read only with actor_rollout_ref.actor.strategy=megatron",
     "actor_rollout_ref.actor.kl_loss_coef": "no reference model (use_kl_loss is refused)",
     "actor_rollout_ref.actor.kl_loss_type": "no reference model (use_kl_loss is refused)",
     "actor_rollout_ref.actor.data_loader_seed": "prompts come from the rollout service (data.seed)",
@@ -150,7 +150,10 @@ def _raw(node: Any) -> Any:
 def refuse_unread_verl_keys(cfg: DictConfig, base: DictConfig) -> None:
     """Raise ConfigError (one line) for the first verl key set to a non-default value that nothing reads."""
     gae = cfg.algorithm.adv_estimator == "gae"
+    megatron = cfg.actor_rollout_ref.actor.strategy == "megatron"
     for key in changed_verl_leaves(cfg, base):
+        if megatron and _matches(key, "actor_rollout_ref.actor.megatron."):
+            continue  # verl's Megatron worker reads the section (backends/megatron_backend.py)
         if key.startswith("critic.") and not gae:
             raise ConfigError(f"'{key}' is read only with algorithm.adv_estimator=gae (the critic); remove it")
         if key == "data.train_batch_size" and cfg.async_training.required_samples is not None:

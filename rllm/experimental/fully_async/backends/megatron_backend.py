@@ -1,0 +1,221 @@
+"""MegatronPolicyBackend (CUDA only): verl 0.7.1's Megatron worker and its patched MegatronPPOActor behind the
+trainer's backend interface.
+
+Everything in this module needs CUDA and megatron-core; `backends/megatron.py` is the part that runs anywhere and
+refuses in one line before this module is imported (`build_megatron_backend`). Nothing here has run in this
+project's CI (no GPU): see tests/gpu/test_megatron_gpu.py.
+
+Building: verl's `ActorRolloutRefWorker(config, role="actor")` is constructed in this process and its
+`init_model()` called, so torch.distributed (gloo for CPU tensors + NCCL), megatron-core's parallel state
+(tensor/pipeline/context/expert sizes from `actor.megatron`), the model (mbridge or verl's loader, HF weights from
+`model.path`), the DistributedOptimizer, its LR schedule and the `MegatronPPOActor` are exactly verl's. verl's
+worker is a Ray single-controller worker: it reads WORLD_SIZE/RANK/MASTER_ADDR/MASTER_PORT/LOCAL_RANK, which are
+filled in for a world of one when absent (a multi-GPU trainer is started by torchrun, which sets them).
+
+Interface, as `FSDPPolicyBackend` (backends/fsdp.py): `compute_log_prob`, `update_policy` (one optimizer step per
+call through the patched actor, none for a batch without response tokens), `save_hf` (HF safetensors folder for
+the disk transport; `hf_weight_stream` is the same `(name, tensor)` stream for the distributed one), and
+`state_dict`/`load_state_dict` (this rank's shard: resume needs the same parallel layout).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MegatronPolicyBackend", "build_megatron_backend"]
+
+LOG_PROB_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
+UPDATE_KEYS = (*LOG_PROB_KEYS, "response_mask", "old_log_probs", "advantages")
+OPTIONAL_UPDATE_KEYS = ("rollout_log_probs", "rollout_is_weights")
+
+
+def build_megatron_backend(actor_rollout_ref: Mapping[str, Any], *, seed: int = 0) -> MegatronPolicyBackend:
+    """The backend for a config's `actor_rollout_ref` section; refuses in one line without CUDA or megatron."""
+    from rllm.experimental.fully_async.backends.megatron import require_cuda
+
+    require_cuda()
+    return MegatronPolicyBackend(actor_rollout_ref, seed=seed)
+
+
+def _single_process_env() -> None:
+    """What torchrun would set, for a world of one (verl's Worker reads these)."""
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+    for key, value in (("WORLD_SIZE", "1"), ("RANK", "0"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)
+
+
+class MegatronPolicyBackend:
+    """verl's Megatron actor worker (model, DistributedOptimizer, LR schedule, patched MegatronPPOActor)."""
+
+    def __init__(self, actor_rollout_ref: Mapping[str, Any], *, seed: int = 0) -> None:
+        from verl.workers.megatron_workers import ActorRolloutRefWorker
+
+        from rllm.experimental.fully_async.backends.megatron import build_worker_config, require_cuda
+        from rllm.experimental.fully_async.verl_patch import require_patched_verl
+
+        require_cuda()
+        require_patched_verl()  # unpatched verl would take several optimizer steps per batch
+        config = build_worker_config(actor_rollout_ref)
+        config.actor.megatron.seed = int(seed)
+        _single_process_env()
+        self.worker = ActorRolloutRefWorker(config, role="actor")
+        self.worker.init_model()
+        self.actor = self.worker.actor
+        self.config = config
+        from megatron.core import parallel_state as mpu
+
+        self.rank = torch.distributed.get_rank()
+        self.world_size = torch.distributed.get_world_size()
+        self._last_stage = mpu.is_pipeline_last_stage(ignore_virtual=True)
+        self.param_dtype = str(self.worker.dtype).removeprefix("torch.")
+        self.optimizer_steps = 0
+        logger.info(
+            "megatron backend: %s, world %d (tp %d, pp %d, cp %d, dp %d)",
+            config.model.path,
+            self.world_size,
+            mpu.get_tensor_model_parallel_world_size(),
+            mpu.get_pipeline_model_parallel_world_size(),
+            mpu.get_context_parallel_world_size(),
+            mpu.get_data_parallel_world_size(),
+        )
+
+    # ------------------------------------------------------------------------------------------------------------
+    # PPO
+    # ------------------------------------------------------------------------------------------------------------
+
+    def compute_log_prob(self, data: Any) -> torch.Tensor:
+        """log pi(response token | prefix) at meta_info['temperature'], float32 [B, R] on CPU (last PP stage;
+        broadcast by verl to every stage)."""
+        from verl import DataProto
+
+        _require_keys(data, LOG_PROB_KEYS, "compute_log_prob")
+        rollout = self.config.rollout
+        actor = self.config.actor
+        meta = {
+            "micro_batch_size": rollout.get("log_prob_micro_batch_size_per_gpu") or actor.ppo_micro_batch_size_per_gpu,
+            "max_token_len": rollout.get("log_prob_max_token_len_per_gpu") or actor.ppo_max_token_len_per_gpu,
+            "use_dynamic_bsz": bool(rollout.get("log_prob_use_dynamic_bsz", actor.use_dynamic_bsz)),
+            **data.meta_info,
+        }
+        view = DataProto(batch=data.batch.select(*LOG_PROB_KEYS).clone(), meta_info=meta)
+        log_probs, _, _ = self.actor.compute_log_prob(data=view, calculate_entropy=False)
+        return log_probs.float().cpu()
+
+    def update_policy(self, data: Any) -> dict[str, float]:
+        """One optimizer step on the whole batch (none without response tokens), as FSDPPolicyBackend's.
+
+        Metrics are verl's (valid on the last pipeline stage) plus `actor/lr` and `actor/optimizer_step`.
+        """
+        from verl import DataProto
+        from verl.utils.megatron.optimizer import get_megatron_last_lr
+        from verl.utils.metric import reduce_metrics
+
+        _require_keys(data, UPDATE_KEYS, "update_policy")
+        present = set(data.batch.keys())
+        keys = [*UPDATE_KEYS, *(k for k in OPTIONAL_UPDATE_KEYS if k in present)]
+        meta = {"micro_batch_size": self.config.actor.ppo_micro_batch_size_per_gpu, **data.meta_info}
+        view = DataProto(batch=data.batch.select(*keys).clone(), meta_info=meta)
+        lr = float(get_megatron_last_lr(self.worker.actor_optimizer))
+        # the patched make_minibatch_iterator yields the whole batch once; update_policy skips it without tokens
+        raw = self.actor.update_policy(self.actor.make_minibatch_iterator(view))
+        metrics = {key: float(value) for key, value in reduce_metrics(raw).items()}
+        stepped = "actor/grad_norm" in raw and math.isfinite(metrics.get("actor/grad_norm", math.nan))
+        if stepped:
+            self.worker.actor_optimizer_scheduler.step(1)
+            self.optimizer_steps += 1
+        metrics["actor/lr"] = lr
+        metrics["actor/optimizer_step"] = float(stepped)
+        return metrics
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Weights out
+    # ------------------------------------------------------------------------------------------------------------
+
+    def hf_weight_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full HF-named tensors, one at a time, as verl's rollout_mode hands them to its engines (collective:
+        every rank must drain it; TP/PP gathering happens inside)."""
+        worker = self.worker
+        if worker.bridge is not None:
+            if worker.vanilla_bridge:
+                return worker.bridge.export_weights(self.actor.actor_module)
+            return worker.bridge.export_hf_weights(self.actor.actor_module)
+        from verl.utils.megatron_utils import per_tensor_generator
+
+        return per_tensor_generator(
+            self.actor.actor_module,
+            worker.actor_model_config,
+            worker.weight_converter,
+            worker.tf_config,
+            worker.layer_name_mapping,
+        )
+
+    def save_hf(self, path: str | os.PathLike[str], dtype: str | None = None) -> None:
+        """Write the current weights as an HF safetensors folder (collective; rank 0 writes)."""
+        from rllm.experimental.fully_async.backends.megatron_weights import write_hf_folder
+
+        stream = ((name, tensor.detach().cpu()) for name, tensor in self.hf_weight_stream())
+        if self.rank == 0:
+            write_hf_folder(
+                stream, path, hf_config=self.worker.hf_config, source_dir=self.worker.local_path, dtype=dtype
+            )
+        else:
+            for _ in stream:  # the generator's collectives must run on every rank
+                pass
+        if self.world_size > 1:
+            torch.distributed.barrier()
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Checkpoints: this rank's shard
+    # ------------------------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's model chunks, DistributedOptimizer state and LR schedule (tensors on CPU)."""
+        return {
+            "model": [_to_cpu(chunk.state_dict()) for chunk in self.actor.actor_module],
+            "optimizer": _to_cpu(self.worker.actor_optimizer.state_dict()),
+            "lr_scheduler": self.worker.actor_optimizer_scheduler.state_dict(),
+            "optimizer_steps": self.optimizer_steps,
+            "layout": {"rank": self.rank, "world_size": self.world_size},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what `state_dict` returned on the same rank of the same parallel layout."""
+        layout = {"rank": self.rank, "world_size": self.world_size}
+        if state.get("layout") != layout:
+            raise ValueError(f"checkpoint shard is for {state.get('layout')}, this rank is {layout}")
+        for chunk, chunk_state in zip(self.actor.actor_module, state["model"], strict=True):
+            chunk.load_state_dict(chunk_state)
+        self.worker.actor_optimizer.load_state_dict(state["optimizer"])
+        self.worker.actor_optimizer_scheduler.load_state_dict(state["lr_scheduler"])
+        self.optimizer_steps = int(state["optimizer_steps"])
+
+
+def _require_keys(data: Any, keys: tuple[str, ...], caller: str) -> None:
+    present = set(data.batch.keys())
+    missing = [k for k in keys if k not in present]
+    if missing:
+        raise KeyError(f"{caller} needs batch keys {missing} (has {sorted(present)})")
+    if "temperature" not in data.meta_info:
+        raise KeyError(f"{caller} needs meta_info['temperature'] (the sampling temperature of the rollouts)")
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_cpu(v) for v in value]
+    return value
