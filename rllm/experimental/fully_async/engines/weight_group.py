@@ -149,6 +149,7 @@ class WeightUpdateGroups:
             group_name,
             backend,
         )
+        self.destroy(group_name)  # a rebuild under the same name replaces the old group
         try:
             pg = init_custom_process_group(
                 backend=backend,
@@ -163,10 +164,7 @@ class WeightUpdateGroups:
             logger.error(message)
             return False, message
         with self._lock:
-            old = self._groups.pop(group_name, None)
             self._groups[group_name] = pg
-        if old is not None:
-            destroy_group(old)
         return True, "Succeeded to initialize custom process group."
 
     def destroy(self, group_name: str) -> tuple[bool, str]:

@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -197,7 +198,8 @@ class DistributedTransport:
         if self._pg is not None:
             self._drop_group(client, urls, timeout_s)
         self._builds += 1
-        name = f"rllm_weights_{os.getpid()}_{self._builds}"
+        # Unique per build: an engine may still hold an earlier group (other transports, failed rebuilds).
+        name = f"rllm_weights_{os.getpid()}_{self._builds}_{uuid.uuid4().hex[:6]}"
         tp = [int((await client.get_server_info(u, timeout_s=timeout_s)).get("tp_size") or 1) for u in urls]
         world_size = 1 + sum(tp)
         store = dist.TCPStore(
@@ -222,23 +224,28 @@ class DistributedTransport:
             )
             for url, offset in zip(urls, offsets, strict=True)
         ]
-        join = asyncio.to_thread(
-            init_custom_process_group,
-            backend=self.backend,
-            store=store,
-            world_size=world_size,
-            rank=0,
-            group_name=name,
-            timeout_s=timeout_s,
+        join = asyncio.ensure_future(
+            asyncio.to_thread(
+                init_custom_process_group,
+                backend=self.backend,
+                store=store,
+                world_size=world_size,
+                rank=0,
+                group_name=name,
+                timeout_s=timeout_s,
+            )
         )
-        *answers, pg = await asyncio.gather(*calls, join, return_exceptions=True)
+        answers = await asyncio.gather(*calls, return_exceptions=True)
         failures = {u: a for u, a in zip(urls, answers, strict=True) if isinstance(a, BaseException)}
-        if isinstance(pg, BaseException):
-            failures = failures or {u: EngineError(f"{u}: group {name} did not form: {pg}") for u in urls}
-            raise _GroupError(failures)
-        self._pg, self._store, self.group_name, self.members = pg, store, name, list(urls)
         if failures:
+            # Rank 0's join would wait for the missing ranks until the timeout: leave it to fail on its own.
+            join.add_done_callback(lambda f: f.cancelled() or (f.exception() is None and destroy_group(f.result())))
             raise _GroupError(failures)
+        try:
+            pg = await asyncio.wait_for(join, timeout=timeout_s)
+        except Exception as exc:
+            raise _GroupError({u: EngineError(f"{u}: group {name} did not form: {exc!r}") for u in urls}) from exc
+        self._pg, self._store, self.group_name, self.members = pg, store, name, list(urls)
         logger.info(
             "weight-update group %s built over %d engine(s) (%s, world size %d)",
             name,
