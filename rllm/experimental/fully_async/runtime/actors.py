@@ -55,7 +55,11 @@ class FullyAsyncTrainerActor:
         from rllm.experimental.fully_async.algorithms.corrections import build_correction
         from rllm.experimental.fully_async.backends.fsdp import FSDPPolicyBackend
         from rllm.experimental.fully_async.runtime.fully_async_trainer import FullyAsyncTrainer, TrainerSettings
-        from rllm.experimental.fully_async.runtime.param_sync import DiskTransport, ParamSync, resolve_sync_dtype
+        from rllm.experimental.fully_async.runtime.param_sync import (
+            ParamSync,
+            resolve_sync_dtype,
+            transport_from_config,
+        )
         from rllm.experimental.fully_async.verl_patch import require_patched_verl
 
         logging.basicConfig(level=os.environ.get("RLLM_LOG_LEVEL", "WARNING"))
@@ -71,15 +75,16 @@ class FullyAsyncTrainerActor:
         backend = FSDPPolicyBackend(model_path, c.actor_rollout_ref.actor, seed=int(c.run.seed))
         at = c.async_training
         timeout_s = float(c.param_sync.timeout_s)
+        dtype = resolve_sync_dtype(
+            str(c.param_sync.dtype), str(c.trainer.device), str(next(backend.model.parameters()).dtype)
+        )
         self.param_sync = ParamSync(
             engine_urls,
-            DiskTransport(Path(c.param_sync.weights_dir)),
+            transport_from_config(c.param_sync, backend.model, dtype),
             pause_timeout_s=timeout_s,
             update_timeout_s=timeout_s,
             continue_timeout_s=timeout_s,
-            weights_dtype=resolve_sync_dtype(
-                str(c.param_sync.dtype), str(c.trainer.device), str(next(backend.model.parameters()).dtype)
-            ),
+            weights_dtype=dtype,
         )
         settings = TrainerSettings(
             required_samples=int(at.required_samples),

@@ -40,7 +40,10 @@ import threading
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
+
+import torch
 
 from rllm.experimental.fully_async.engines.client import EngineClient, EngineConnectionError, EngineError
 from rllm.experimental.fully_async.runtime.distributed_transport import DistributedTransport, module_state
@@ -61,6 +64,7 @@ __all__ = [
     "SyncReport",
     "WeightTransport",
     "module_state",
+    "transport_from_config",
 ]
 
 logger = logging.getLogger(__name__)
@@ -99,6 +103,18 @@ class SyncError(RuntimeError):
 
 
 SYNC_DTYPES = ("float32", "bfloat16")
+TRANSPORTS = ("disk", "distributed", "nccl")  # nccl: alias of distributed (verl/rLLM spelling; gloo on CPU)
+
+
+def transport_from_config(param_sync: Any, model: torch.nn.Module, dtype: str | None) -> WeightTransport:
+    """The transport `param_sync.transport` names: disk -> `DiskTransport(param_sync.weights_dir)`; distributed or
+    nccl -> `DistributedTransport` over `model`'s tensors in buckets of `param_sync.bucket_mb`, cast to `dtype`."""
+    kind = str(param_sync.transport)
+    if kind == "disk":
+        return DiskTransport(Path(param_sync.weights_dir))
+    if kind in ("distributed", "nccl"):
+        return DistributedTransport(module_state(model), bucket_mb=float(param_sync.bucket_mb), dtype=dtype)
+    raise ValueError(f"param_sync.transport={kind!r}: use one of {', '.join(TRANSPORTS)}")
 
 
 def resolve_sync_dtype(setting: str, trainer_device: str, param_dtype: str) -> str:
