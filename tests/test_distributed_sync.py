@@ -188,9 +188,12 @@ def test_the_engines_apply_weight_version_as_sglang_does(engines, models, reques
     assert status_missing == (422 if standin else 400)
 
 
-def test_an_engine_killed_mid_broadcast_fails_the_sync_in_time_naming_it_and_the_other_gets_the_weights(
+def test_an_engine_killed_mid_broadcast_fails_the_sync_in_time_and_its_restart_rejoins_through_a_new_group(
     models, tmp_path, monkeypatch
 ):
+    """Killed at the third bucket: SyncError within the timeout naming it and the version, the other engine gets
+    the whole version through a group without it; the restarted engine catches up (a group of its own) and the
+    next sync rebuilds the group over both."""
     cmd = EmbeddedEngineCommand(str(models["a"][0]), num_threads=1)
     with EngineLauncher(cmd, 2, log_dir=tmp_path / "logs") as launcher:
         victim, survivor = launcher.urls
@@ -212,10 +215,28 @@ def test_an_engine_killed_mid_broadcast_fails_the_sync_in_time_naming_it_and_the
             with pytest.raises(SyncError) as err:
                 sync.sync(no_disk, 1)
             elapsed = time.monotonic() - start
-        assert elapsed < timeout_s, f"the error took {elapsed:.1f}s"
-        assert "version 1" in str(err.value) and victim in str(err.value)
-        assert set(err.value.failures) == {victim} and err.value.unreachable == [victim]
-        assert err.value.updated == [survivor]
-        assert asyncio.run(versions([survivor])) == ["1"]
-        (result, *_) = asyncio.run(greedy([survivor]))
-        assert max_abs_diff(result.logprobs, reference_logprobs(models["b"][1], PROMPTS[0], result.output_ids)) < 1e-4
+            assert elapsed < timeout_s, f"the error took {elapsed:.1f}s"
+            assert "version 1" in str(err.value) and victim in str(err.value)
+            assert set(err.value.failures) == {victim} and err.value.unreachable == [victim]
+            assert err.value.updated == [survivor]
+            assert asyncio.run(versions([survivor])) == ["1"]
+            (result, *_) = asyncio.run(greedy([survivor]))
+            expected = reference_logprobs(models["b"][1], PROMPTS[0], result.output_ids)
+            assert max_abs_diff(result.logprobs, expected) < 1e-4
+
+            sync.remove_engine(victim)
+            launcher.restart(0)
+            deadline = time.monotonic() + 60
+            while not launcher.probe(0):
+                assert time.monotonic() < deadline, "the restarted engine did not come up"
+                time.sleep(0.2)
+            restarted = launcher.urls[0]
+            assert sync.replace_engine(victim, restarted) == 1
+            assert transport.members == [restarted]
+            sync.sync(no_disk, 2)
+            assert sorted(transport.members) == sorted([restarted, survivor])
+            assert asyncio.run(versions([restarted, survivor])) == ["2", "2"]
+            for url in (restarted, survivor):
+                for result, prompt in zip(asyncio.run(greedy([url])), PROMPTS, strict=True):
+                    expected = reference_logprobs(models["b"][1], prompt, result.output_ids)
+                    assert max_abs_diff(result.logprobs, expected) < 1e-4, url

@@ -86,7 +86,7 @@ async def update_weights_from_distributed(request: web.Request, state: Any) -> w
 
     async def update() -> tuple[bool, str]:
         try:
-            tensors = await asyncio.to_thread(
+            tensors, buffer = await asyncio.to_thread(
                 groups.receive,
                 body["names"],
                 body["dtypes"],
@@ -94,9 +94,12 @@ async def update_weights_from_distributed(request: web.Request, state: Any) -> w
                 str(body.get("group_name", DEFAULT_GROUP_NAME)),
                 body.get("load_format"),
             )
-            await state.scheduler.update_weights_in_place(
-                lambda model: copy_some_into(model, tensors), None, abort_all_requests=False, drain_timeout_s=600.0
-            )
+            try:
+                await state.scheduler.update_weights_in_place(
+                    lambda model: copy_some_into(model, tensors), None, abort_all_requests=False, drain_timeout_s=600.0
+                )
+            finally:
+                groups.recycle(buffer)
         except (WeightUpdateError, KeyError, ValueError, RuntimeError) as exc:
             return False, (
                 f"Failed to update parameter online: {exc}. The full weights of the ModelRunner are partially "

@@ -105,7 +105,9 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
     if body.get("abort_all_requests"):
         st.scheduler.abort_all("aborted for a weight update")
     try:
-        tensors = await asyncio.to_thread(st.groups.receive, names, dtypes, shapes, group_name, body.get("load_format"))
+        tensors, buffer = await asyncio.to_thread(
+            st.groups.receive, names, dtypes, shapes, group_name, body.get("load_format")
+        )
     except Exception as exc:
         message = f"Failed to update parameter online: {exc}."
         logger.error(message)
@@ -120,6 +122,8 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
     except WeightUpdateError as exc:
         logger.error("update from group %s failed: %s", group_name, exc)
         return _answer(False, f"Failed to update parameter online: {exc}.")
+    finally:
+        st.groups.recycle(buffer)  # copied into the model (or refused): the buffer is free
     message = "Succeeded to update parameter online."
     if version is not None:
         message += f" Weight version updated to {version}."

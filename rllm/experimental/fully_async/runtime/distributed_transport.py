@@ -200,7 +200,14 @@ class DistributedTransport:
         self._builds += 1
         # Unique per build: an engine may still hold an earlier group (other transports, failed rebuilds).
         name = f"rllm_weights_{os.getpid()}_{self._builds}_{uuid.uuid4().hex[:6]}"
-        tp = [int((await client.get_server_info(u, timeout_s=timeout_s)).get("tp_size") or 1) for u in urls]
+        # An engine of tp_size T holds T ranks of the group (SGLang: rank = rank_offset + tp_rank).
+        infos = await asyncio.gather(
+            *(client.get_server_info(u, timeout_s=timeout_s) for u in urls), return_exceptions=True
+        )
+        failed = {u: i for u, i in zip(urls, infos, strict=True) if isinstance(i, BaseException)}
+        if failed:
+            raise _GroupError(failed)
+        tp = [int(info.get("tp_size") or 1) for info in infos]  # type: ignore[union-attr]
         world_size = 1 + sum(tp)
         store = dist.TCPStore(
             self.master_address, 0, world_size, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False

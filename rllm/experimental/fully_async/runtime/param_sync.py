@@ -239,7 +239,14 @@ class ParamSync:
 
     async def _load_into(self, old_url: str, new_url: str, staged: StagedWeights | None) -> int:
         self._client.replace_engine(old_url, new_url)
-        if staged is not None:
+        if staged is not None and isinstance(self.transport, CollectiveTransport):
+            # Several calls (buckets) are atomic for requests only while paused; a disk load is atomic by itself.
+            await self._client.pause_generation(new_url, "abort", timeout_s=self.pause_timeout_s)
+            try:
+                await self._load_and_verify(new_url, staged)
+            finally:
+                await self._client.continue_generation(new_url, timeout_s=self.continue_timeout_s)
+        elif staged is not None:
             await self._load_and_verify(new_url, staged)
         return int(await self._client.get_weight_version(new_url, timeout_s=self.pause_timeout_s))
 
