@@ -19,8 +19,9 @@ against this server. Its HTTP layer reproduces what `sglang/srt/entrypoints/http
   `{"error": {"message"}}`; failed weight loads 400 with `success: false`; `/abort_request` 200 with an empty body;
   `/flush_cache` 400 while requests run; with `--api-key`, every path but /health* and /metrics needs
   `Authorization: Bearer <key>` or gets 401 `{"error": "Unauthorized"}` (`add_api_key_middleware`).
-`/get_server_info` carries `internal_states: [<embedded scheduler stats>]` (SGLang's shape; the keys inside are
-the embedded engine's, which the tests read).
+The distributed weight-update routes are in `distributed_routes.py`. `/get_server_info` carries
+`internal_states: [<embedded scheduler stats>]` (SGLang's shape; the keys inside are the embedded engine's, which
+the tests read).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from typing import Any
 
 import torch
 from aiohttp import web
+from distributed_routes import add_routes as _add_distributed_routes
 
 from rllm.experimental.fully_async.engines.model_runner import ModelRunner, load_model
 from rllm.experimental.fully_async.engines.requests import WeightUpdateError
@@ -284,6 +286,7 @@ async def server_info(request: web.Request) -> web.Response:
 def build_app(scheduler: Scheduler, args: argparse.Namespace) -> web.Application:
     app = web.Application(client_max_size=1 << 30, middlewares=[api_key_middleware])
     app[STATE] = StandinState(scheduler, args)
+    _add_distributed_routes(app, app[STATE])  # /init_weights_update_group & co
     for path, handler, methods in [
         ("/generate", generate, ("POST", "PUT")),
         ("/pause_generation", pause_generation, ("POST",)),

@@ -7,8 +7,8 @@ Routes, request and response fields are SGLang's (`sglang/srt/entrypoints/http_s
 `sglang/srt/managers/io_struct.py`), so the client, the executor and the tests talk to this server and to SGLang
 the same way. The engine is token-in/token-out: `text` prompts are refused (there is no tokenizer) and
 responses carry no `text`. Everything that decides *what* to run lives in `scheduler.py`; this module only
-translates JSON. `/get_server_info` adds `engine_stats` (forward-pass and token counters) so tests can check
-that requests really share forward passes.
+translates JSON (the distributed weight-update routes are in `weight_routes.py`). `/get_server_info` adds
+`engine_stats` (forward-pass and token counters) so tests can check that requests really share forward passes.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from transformers.utils import logging as hf_logging
 from rllm.experimental.fully_async.engines.model_runner import DTYPES, ModelRunner, load_model
 from rllm.experimental.fully_async.engines.sampling import SamplingParams
 from rllm.experimental.fully_async.engines.scheduler import GenerateOutput, Scheduler, WeightUpdateError
+from rllm.experimental.fully_async.engines.weight_routes import add_weight_group_routes
 from rllm.experimental.fully_async.engines.weights import WeightLoader
 
 logger = logging.getLogger(__name__)
@@ -39,8 +40,7 @@ ARGS_KEY = web.AppKey("args", argparse.Namespace)
 
 
 def _error(message: str, status: int = 400) -> web.Response:
-    # SGLang's error body shape.
-    return web.json_response({"error": {"message": message}}, status=status)
+    return web.json_response({"error": {"message": message}}, status=status)  # SGLang's error body shape
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
@@ -293,6 +293,7 @@ def build_app(scheduler: Scheduler, args: argparse.Namespace) -> web.Application
         ("/flush_cache", flush_cache),
     ]:
         app.router.add_get(path, handler)
+    add_weight_group_routes(app, scheduler, args.weight_update_timeout_s)  # /init_weights_update_group & co
     return app
 
 
@@ -306,12 +307,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampler's generator")
     parser.add_argument("--weight-version", default="0", help="weight_version reported before any update")
-    parser.add_argument(
-        "--weight-update-timeout-s",
-        type=float,
-        default=600.0,
-        help="how long an update waits for running requests to finish before it fails",
-    )
+    # How long an update waits for running requests (and a weight-update group for its peers) before failing.
+    parser.add_argument("--weight-update-timeout-s", type=float, default=600.0)
     parser.add_argument("--num-threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (SGLang's --api-key)")

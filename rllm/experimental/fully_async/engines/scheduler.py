@@ -29,16 +29,20 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from rllm.experimental.fully_async.engines.model_runner import ModelRunner
 from rllm.experimental.fully_async.engines.requests import GenerateOutput, WeightUpdateError, _PendingSwap, _Request
 from rllm.experimental.fully_async.engines.sampling import SampleOutput, SamplingParams
 from rllm.experimental.fully_async.engines.weights import WeightLoader
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 logger = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "in_place", "retract")
+_T = TypeVar("_T")
 
 
 class Scheduler:
@@ -254,29 +258,53 @@ class Scheduler:
                     f"{model_path} is a {info.model_type} with vocab {info.vocab_size}, but the engine serves a "
                     f"{self.runner.info.model_type} with vocab {self.runner.info.vocab_size}"
                 )
-            aborted = self.abort_all("aborted for a weight update") if abort_all_requests else 0
-            if self._running and self._paused_mode in ("in_place", "retract"):
-                raise WeightUpdateError(
-                    f"{len(self._running)} requests are paused in place and would never drain; "
-                    "pause with mode=abort or pass abort_all_requests=true"
-                )
-            new_version = weight_version if weight_version is not None else self.weight_version
-            swap = _PendingSwap(model, info, new_version, asyncio.get_running_loop().create_future())
-            self._pending_swap = swap
-            self._wake.set()
-            try:
-                await asyncio.wait_for(asyncio.shield(swap.applied), timeout=drain_timeout_s)
-            except TimeoutError as exc:
-                raise WeightUpdateError(
-                    f"timed out after {drain_timeout_s:.0f}s waiting for {len(self._running)} running requests to "
-                    "finish before swapping weights"
-                ) from exc
-            finally:
-                if self._pending_swap is swap:  # not applied (timeout/cancel): re-open admission
-                    self._pending_swap = None
-                    self._wake.set()
+            version = weight_version if weight_version is not None else self.weight_version
+            return await self._swap_when_drained(
+                _PendingSwap(model, info, version, asyncio.get_running_loop().create_future()),
+                abort_all_requests,
+                drain_timeout_s,
+            )
+
+    async def update_weights_in_place(
+        self,
+        patch: Callable[[PreTrainedModel], None],
+        weight_version: str | None,
+        *,
+        abort_all_requests: bool,
+        drain_timeout_s: float,
+    ) -> int:
+        """Run `patch(model)` on the served model between steps once no request runs (SGLang's update from
+        distributed: a call may carry only some tensors, so there is no whole model to swap in). Same drain,
+        abort and error rules as `update_weights_from_disk`; `patch` must validate before it writes."""
+        async with self._update_lock:
+            version = weight_version if weight_version is not None else self.weight_version
+            swap = _PendingSwap(None, None, version, asyncio.get_running_loop().create_future(), patch)
+            return await self._swap_when_drained(swap, abort_all_requests, drain_timeout_s)
+
+    async def _swap_when_drained(self, swap: _PendingSwap, abort_all_requests: bool, drain_timeout_s: float) -> int:
+        """Queue `swap` for the loop, which applies it once no request runs. Called under the update lock."""
+        aborted = self.abort_all("aborted for a weight update") if abort_all_requests else 0
+        if self._running and self._paused_mode in ("in_place", "retract"):
+            raise WeightUpdateError(
+                f"{len(self._running)} requests are paused in place and would never drain; "
+                "pause with mode=abort or pass abort_all_requests=true"
+            )
+        self._pending_swap = swap
+        self._wake.set()
+        try:
+            await asyncio.wait_for(asyncio.shield(swap.applied), timeout=drain_timeout_s)
+        except TimeoutError as exc:
+            raise WeightUpdateError(
+                f"timed out after {drain_timeout_s:.0f}s waiting for {len(self._running)} running requests to "
+                "finish before swapping weights"
+            ) from exc
+        finally:
+            if self._pending_swap is swap:  # not applied (timeout/cancel): re-open admission
+                self._pending_swap = None
+                self._wake.set()
+                if swap.model is not None and swap.info is not None:
                     self._weight_loader.recycle(swap.model, swap.info)
-            return aborted
+        return aborted
 
     def set_weight_version(self, new_version: str) -> None:
         """Relabel the current weights (SGLang /update_weight_version); requests already admitted keep theirs."""
@@ -321,6 +349,22 @@ class Scheduler:
 
     async def _step(self) -> None:
         swap = self._pending_swap
+        if swap is not None and swap.patch is not None and not self._running:
+            # In a thread so HTTP is served meanwhile; the loop starts no pass until this returns.
+            try:
+                await self._in_thread(swap.patch, self.runner.model)
+            except Exception as exc:
+                self._pending_swap = None
+                if not swap.applied.done():
+                    swap.applied.set_exception(WeightUpdateError(f"in-place weight update failed: {exc}"))
+                return
+            self.runner.clear()  # the cache was computed by the old weights
+            self.weight_version = swap.weight_version
+            self._pending_swap = None
+            self.stats["weight_updates"] += 1
+            if not swap.applied.done():
+                swap.applied.set_result(None)
+            return
         if swap is not None and not self._running:
             retired = (self.runner.model, self.runner.info)
             self.runner.swap_model(swap.model, swap.info)
@@ -350,7 +394,7 @@ class Scheduler:
             self._consume(rows, out)
         self.stats["max_running_seen"] = max(self.stats["max_running_seen"], len(self._running))
 
-    async def _in_thread(self, fn: Callable[..., SampleOutput], *args: Any) -> SampleOutput:
+    async def _in_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
         self._pass_in_progress = True
         try:
             return await asyncio.to_thread(fn, *args)

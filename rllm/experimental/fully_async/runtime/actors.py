@@ -65,7 +65,11 @@ class FullyAsyncTrainerActor:
         from rllm.experimental.fully_async.algorithms.corrections import corrector_for
         from rllm.experimental.fully_async.backends.fsdp import FSDPPolicyBackend
         from rllm.experimental.fully_async.runtime.fully_async_trainer import FullyAsyncTrainer, TrainerSettings
-        from rllm.experimental.fully_async.runtime.param_sync import DiskTransport, ParamSync, resolve_sync_dtype
+        from rllm.experimental.fully_async.runtime.param_sync import (
+            ParamSync,
+            resolve_sync_dtype,
+            transport_from_config,
+        )
         from rllm.experimental.fully_async.settings.spec import thaw
         from rllm.experimental.fully_async.verl_patch import require_patched_verl
 
@@ -105,13 +109,16 @@ class FullyAsyncTrainerActor:
             backend = FSDPPolicyBackend(t.model_path, actor_cfg, seed=t.seed)
             param_dtype = str(next(backend.model.parameters()).dtype)
         self.backend = backend
+        dtype = resolve_sync_dtype(sync.dtype, t.device, param_dtype)
+        # disk: an HF folder per version; distributed (or nccl): buckets broadcast from this process's module
+        # (one trainer rank; several ranks and Megatron are refused when the config loads).
         self.param_sync = ParamSync(
             engine_urls,
-            DiskTransport(Path(sync.weights_dir)),
+            transport_from_config(sync, getattr(backend, "model", None), dtype),
             pause_timeout_s=sync.timeout_s,
             update_timeout_s=sync.timeout_s,
             continue_timeout_s=sync.timeout_s,
-            weights_dtype=resolve_sync_dtype(sync.dtype, t.device, param_dtype),
+            weights_dtype=dtype,
         )
         settings = TrainerSettings(
             required_samples=t.required_samples,

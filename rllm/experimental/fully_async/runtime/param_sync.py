@@ -18,9 +18,10 @@ raised as `SyncError`, naming each failing engine URL and the version being push
 timeout, and the whole sync has an overall guard.
 
 How weights travel is a `WeightTransport`: `DiskTransport` (a shared directory of HF safetensors folders, via
-SGLang's `/update_weights_from_disk`) is implemented here; an NCCL transport (trainer broadcasts buckets while
-engines receive through `/init_weights_update_group` + `/update_weights_from_distributed`) fits the same
-three-method seam and is a later issue.
+SGLang's `/update_weights_from_disk`) or `DistributedTransport` (the trainer broadcasts buckets while the engines
+receive through `/init_weights_update_group` + `/update_weights_from_distributed`; gloo on CPU, NCCL on GPU). The
+latter is a `CollectiveTransport`: its load is one call over all paused engines (`load_all`), after which each
+engine's version is set and read back as for disk.
 
 Engines come and go between syncs: `remove_engine` drops one whose process died, `replace_engine` adds its
 restarted successor after loading the weights the others were last given, so it joins at the trainer's version.
@@ -39,16 +40,32 @@ import threading
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
+import torch
+
 from rllm.experimental.fully_async.engines.client import EngineClient, EngineConnectionError, EngineError
+from rllm.experimental.fully_async.runtime.distributed_transport import DistributedTransport, module_state
 from rllm.experimental.fully_async.runtime.weight_transport import (  # re-exported: the transports' home
+    CollectiveTransport,
     DiskTransport,
     StagedWeights,
     WeightTransport,
 )
 
-__all__ = ["DiskTransport", "ParamSync", "StagedWeights", "SyncError", "SyncReport", "WeightTransport"]
+__all__ = [
+    "CollectiveTransport",
+    "DiskTransport",
+    "DistributedTransport",
+    "ParamSync",
+    "StagedWeights",
+    "SyncError",
+    "SyncReport",
+    "WeightTransport",
+    "module_state",
+    "transport_from_config",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +103,18 @@ class SyncError(RuntimeError):
 
 
 SYNC_DTYPES = ("float32", "bfloat16")
+TRANSPORTS = ("disk", "distributed", "nccl")  # nccl: alias of distributed (verl/rLLM spelling; gloo on CPU)
+
+
+def transport_from_config(param_sync: Any, model: torch.nn.Module, dtype: str | None) -> WeightTransport:
+    """The transport `param_sync.transport` names: disk -> `DiskTransport(param_sync.weights_dir)`; distributed or
+    nccl -> `DistributedTransport` over `model`'s tensors in buckets of `param_sync.bucket_mb`, cast to `dtype`."""
+    kind = str(param_sync.transport)
+    if kind == "disk":
+        return DiskTransport(Path(param_sync.weights_dir))
+    if kind in ("distributed", "nccl"):
+        return DistributedTransport(module_state(model), bucket_mb=float(param_sync.bucket_mb), dtype=dtype)
+    raise ValueError(f"param_sync.transport={kind!r}: use one of {', '.join(TRANSPORTS)}")
 
 
 def resolve_sync_dtype(setting: str, trainer_device: str, param_dtype: str) -> str:
@@ -210,13 +239,23 @@ class ParamSync:
 
     async def _load_into(self, old_url: str, new_url: str, staged: StagedWeights | None) -> int:
         self._client.replace_engine(old_url, new_url)
-        if staged is not None:
+        if staged is not None and isinstance(self.transport, CollectiveTransport):
+            # Several calls (buckets) are atomic for requests only while paused; a disk load is atomic by itself.
+            await self._client.pause_generation(new_url, "abort", timeout_s=self.pause_timeout_s)
+            try:
+                await self._load_and_verify(new_url, staged)
+            finally:
+                await self._client.continue_generation(new_url, timeout_s=self.continue_timeout_s)
+        elif staged is not None:
             await self._load_and_verify(new_url, staged)
         return int(await self._client.get_weight_version(new_url, timeout_s=self.pause_timeout_s))
 
     async def _load_and_verify(self, url: str, staged: StagedWeights) -> None:
         """Load `staged` into engine `url`, set its weight version, and read it back (see the module docstring)."""
         await self.transport.load(self._client, url, staged, timeout_s=self.update_timeout_s)
+        await self._set_and_verify(url, staged)
+
+    async def _set_and_verify(self, url: str, staged: StagedWeights) -> None:
         expected = str(staged.version)
         await self._client.update_weight_version(url, expected, timeout_s=self.pause_timeout_s)
         reported = await self._client.get_weight_version(url, timeout_s=self.pause_timeout_s)
@@ -230,6 +269,8 @@ class ParamSync:
         self._closed = True
         with contextlib.suppress(Exception):
             self._run(self._client.aclose(), timeout_s=10.0, what="closing the HTTP session")
+        if hasattr(self.transport, "close"):
+            self.transport.close()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10.0)
         self._loop.close()
@@ -260,7 +301,8 @@ class ParamSync:
         staged = self.transport.stage(write_weights, new_version)
         self._last_staged = staged
         write_s = time.perf_counter() - start
-        guard_s = self.pause_timeout_s + self.update_timeout_s + self.continue_timeout_s + 30.0
+        # Twice the update: a collective load resends once to the engines left when one fails mid-broadcast.
+        guard_s = self.pause_timeout_s + 2 * self.update_timeout_s + self.continue_timeout_s + 30.0
         outcome = self._run(self._push(staged), timeout_s=guard_s, what=f"syncing weights version {new_version}")
         self.transport.release(staged, self.engine_versions)
         if outcome.failures:
@@ -296,7 +338,16 @@ class ParamSync:
                 self.engine_urls, lambda u: client.pause_generation(u, "abort", timeout_s=self.pause_timeout_s), out
             )
             load_start = time.perf_counter()
-            out.updated = await self._on_all(paused, lambda u: self._load_and_verify(u, staged), out)
+            if isinstance(self.transport, CollectiveTransport):
+                failed = await self.transport.load_all(client, paused, staged, timeout_s=self.update_timeout_s)
+                for url, exc in failed.items():
+                    out.failures.setdefault(url, f"{type(exc).__name__}: {exc}")
+                    if isinstance(exc, EngineConnectionError):
+                        out.unreachable.add(url)
+                loaded = [u for u in paused if u not in failed]
+                out.updated = await self._on_all(loaded, lambda u: self._set_and_verify(u, staged), out)
+            else:
+                out.updated = await self._on_all(paused, lambda u: self._load_and_verify(u, staged), out)
             out.update_s = time.perf_counter() - load_start
             for url in out.updated:
                 self.engine_versions[url] = staged.version

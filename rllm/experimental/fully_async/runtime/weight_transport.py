@@ -1,6 +1,8 @@
-"""How weights travel from the trainer to the engines: the `WeightTransport` seam and the disk transport (HF
-safetensors folders on a filesystem every engine can read). `ParamSync` (param_sync.py) drives them; the names
-are re-exported there.
+"""How weights travel from the trainer to the engines: the `WeightTransport` seam, the disk transport (HF
+safetensors folders on a filesystem every engine can read) and the seam of the distributed transport (a broadcast
+from the trainer through SGLang's weight-update group: `distributed_transport.py`). `ParamSync` (param_sync.py) drives
+them; the names are re-exported there. A transport with `load_all` (`CollectiveTransport`) loads every engine
+in one go, as a collective must; ParamSync calls it instead of `load` per engine.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from rllm.experimental.fully_async.engines.client import EngineClient
 
@@ -41,6 +43,17 @@ class WeightTransport(Protocol):
 
     def release(self, staged: StagedWeights, engine_versions: dict[str, int | None]) -> None:
         """After the sync: free what no engine needs any more (`engine_versions`: what each engine serves)."""
+        ...
+
+
+@runtime_checkable
+class CollectiveTransport(WeightTransport, Protocol):
+    """A transport whose load is one collective over all engines (the distributed broadcast)."""
+
+    async def load_all(
+        self, client: EngineClient, urls: list[str], staged: StagedWeights, *, timeout_s: float
+    ) -> dict[str, BaseException]:
+        """Engine side, while paused: load `staged` into every engine of `urls`; the failed ones and why."""
         ...
 
 

@@ -67,7 +67,10 @@ class EnginesConfig:
 class ParamSyncConfig:
     """How new weights reach the engines."""
 
-    transport: str = "disk"  # disk (HF safetensors folder + /update_weights_from_disk) | nccl (GPU clusters)
+    # disk (HF safetensors folder + /update_weights_from_disk) | distributed (broadcast through SGLang's
+    # weight-update group: NCCL on GPU, gloo on CPU) | nccl (alias of distributed, as verl/rLLM users write it)
+    transport: str = "disk"
+    bucket_mb: float = 256.0  # distributed: MiB per broadcast (one HTTP call + one collective per bucket per sync)
     weights_dir: str | None = None  # shared folder for the disk transport; null: RUN_DIR/weights
     timeout_s: float = 300.0  # each of pause, update and resume, per engine
     # dtype of the weights pushed to engines: auto (bfloat16 when the trainer runs on CUDA, else the trainer's
