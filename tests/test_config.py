@@ -52,7 +52,7 @@ def test_overrides_win_over_the_file():
         ("algorithm.adv_estimator=magic", "algorithm.adv_estimator"),
         ("actor_rollout_ref.rollout.n=1", "actor_rollout_ref.rollout.n"),
         ("trainer.n_gpus_per_node=0", "trainer.n_gpus_per_node"),
-        ("param_sync.transport=nccl", "param_sync.transport=disk"),
+        ("param_sync.transport=gloo", "param_sync.transport"),
         ("actor_rollout_ref.actor.strategy=megatron", "needs CUDA"),
         ("async_training.require_batches=2", "async_training.required_samples"),
         ("actor_rollout_ref.ref.fsdp_config.param_offload=true", "is verl's, not used by the fully-async trainer"),
@@ -70,6 +70,15 @@ def test_bad_settings_give_one_line_naming_the_key(override, named):
     message = str(info.value)
     assert named in message
     assert "\n" not in message
+
+
+def test_the_distributed_transport_is_honoured_for_one_rank_and_refused_for_several():
+    from rllm.experimental.fully_async.settings.spec import build_run_spec
+
+    for name in ("distributed", "nccl"):  # nccl: verl's and rLLM's name; gloo on CPU
+        assert build_run_spec(load_config(None, [f"param_sync.transport={name}"])).param_sync.transport == name
+    with pytest.raises(ConfigError, match=r"with several trainer ranks or Megatron use param_sync\.transport=disk"):
+        load_config(None, ["param_sync.transport=nccl", "trainer.n_gpus_per_node=2"])
 
 
 def test_loglinear_proximal_runs_as_its_own_loss_and_refuses_another_loss_mode():

@@ -26,7 +26,7 @@ PERTURB: dict[str, str] = {
     "engines.dtype": "bfloat16",
     "engines.on_engine_failure": "stop",
     "engines.extra_args": "{mem_fraction_static: 0.5}",
-    "param_sync.transport": "nccl",
+    "param_sync.transport": "distributed",
     "param_sync.weights_dir": "/tmp/elsewhere",
     "param_sync.dtype": "bfloat16",
     "task.name": "smollm2",
@@ -76,7 +76,6 @@ PERTURB: dict[str, str] = {
 REFUSED: dict[str, str] = {
     "async_training.staleness_threshold": "only derives max_staleness when that is null",
     "engines.extra_args": "with engines.backend=embedded remove it",
-    "param_sync.transport": "use param_sync.transport=disk",
     "workflow.name": "not a built-in workflow",
     "algorithm.rollout_correction.rollout_rs": "not supported here",
     "algorithm.rollout_correction.rollout_rs_threshold": "has no counterpart here",

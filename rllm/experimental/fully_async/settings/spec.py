@@ -122,7 +122,8 @@ class EnginesSpec:
 class ParamSyncSpec:
     """How new weights reach the engines."""
 
-    transport: str
+    transport: str  # disk | distributed (nccl: its alias; gloo on CPU, NCCL on GPU)
+    bucket_mb: float  # distributed: MiB per broadcast
     weights_dir: str
     timeout_s: float
     dtype: str  # auto (the trainer's parameter dtype: bf16 on GPU) | float32 | bfloat16
@@ -248,6 +249,7 @@ def build_run_spec(cfg: DictConfig) -> RunSpec:
     )
     param_sync = ParamSyncSpec(
         transport=str(cfg.param_sync.transport),
+        bucket_mb=float(cfg.param_sync.bucket_mb),
         weights_dir=str(cfg.param_sync.weights_dir),
         timeout_s=float(cfg.param_sync.timeout_s),
         dtype=str(cfg.param_sync.dtype),

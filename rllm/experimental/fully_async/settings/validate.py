@@ -19,7 +19,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "engines.backend": ("embedded", "sglang"),
     "engines.dtype": ("float32", "bfloat16"),
     "engines.on_engine_failure": ("restart", "continue", "stop"),
-    "param_sync.transport": ("disk", "nccl"),  # nccl is refused below until the distributed transport lands
+    "param_sync.transport": ("disk", "distributed", "nccl"),  # nccl: verl/rLLM's name for distributed
     "param_sync.dtype": ("auto", "float32", "bfloat16"),
     "actor_rollout_ref.rollout.name": ("embedded", "sglang"),
     "actor_rollout_ref.actor.loss_agg_mode": (
@@ -42,6 +42,7 @@ _LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "async_training.queue_max_groups": (1, False),
     "async_training.queue_get_timeout_s": (0, True),
     "engines.num_engines": (1, False),
+    "param_sync.bucket_mb": (0, True),
     "trainer.n_gpus_per_node": (1, False),
     "trainer.nnodes": (1, False),
     "engines.max_running_requests": (1, False),
@@ -92,11 +93,14 @@ def validate(cfg: DictConfig, *, check_host: bool = True) -> None:
 def refuse_unsupported(cfg: DictConfig, *, check_host: bool = True) -> None:
     """Refuse settings this build or this machine cannot honour (a transport, strategy, device or topology it lacks),
     rather than running something else."""
-    if cfg.param_sync.transport == "nccl":
-        raise ConfigError(
-            "'param_sync.transport=nccl': the distributed weight transport is not built yet (issue 15); "
-            "use param_sync.transport=disk"
-        )
+    if cfg.param_sync.transport in ("distributed", "nccl"):
+        # The broadcast reads full parameters from the trainer's own module: one rank, FSDP (runtime/param_sync.py).
+        world = int(cfg.trainer.n_gpus_per_node) * int(cfg.trainer.nnodes)
+        if world > 1 or cfg.actor_rollout_ref.actor.strategy == "megatron":
+            raise ConfigError(
+                f"'param_sync.transport={cfg.param_sync.transport}' broadcasts from a single FSDP trainer rank; "
+                "with several trainer ranks or Megatron use param_sync.transport=disk"
+            )
     strategy = cfg.actor_rollout_ref.actor.strategy
     if strategy == "megatron":
         _refuse_unsupported_megatron(cfg, check_host=check_host)
@@ -235,8 +239,6 @@ def _validate_cross_fields(cfg: DictConfig) -> None:
             f"'engines.backend' ({cfg.engines.backend}) and 'actor_rollout_ref.rollout.name' "
             f"({cfg.actor_rollout_ref.rollout.name}) disagree; set both to the same engine"
         )
-    if cfg.param_sync.transport == "nccl" and cfg.engines.backend != "sglang":
-        raise ConfigError("'param_sync.transport=nccl' needs engines.backend=sglang on GPUs; use transport=disk")
     micro = actor.ppo_micro_batch_size_per_gpu
     if not actor.use_dynamic_bsz and (micro is None or micro < 1):
         raise ConfigError(
