@@ -194,3 +194,18 @@ def test_weights_travel_in_the_configured_dtype(engines, models, tmp_path):
     with safe_open(str(Path(report.location) / "model.safetensors"), "pt") as f:
         assert {str(f.get_tensor(k).dtype) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict) == {"torch.bfloat16"}
     assert asyncio.run(versions_and_pause_state(engines)) == [("8", None), ("8", None)]
+
+
+def test_sync_and_http_errors_survive_the_trip_between_processes():
+    """A Ray actor's exception crosses processes by pickle; these two have constructors of their own."""
+    import pickle
+
+    from rllm.experimental.fully_async.engines.http import EngineHTTPError
+    from rllm.experimental.fully_async.runtime.param_sync import SyncError
+
+    http = EngineHTTPError("http://127.0.0.1:1", "/update_weights_from_disk", 500, "boom")
+    sync = SyncError(3, {"http://127.0.0.1:1": str(http)}, ["http://127.0.0.1:2"], ["http://127.0.0.1:1"])
+    for error in (http, sync):
+        copy = pickle.loads(pickle.dumps(error))
+        assert type(copy) is type(error) and str(copy) == str(error)
+    assert pickle.loads(pickle.dumps(sync)).unreachable == ["http://127.0.0.1:1"]

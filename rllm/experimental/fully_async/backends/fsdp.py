@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import logging
 import math
 import os
@@ -183,7 +184,13 @@ class FSDPPolicyBackend:
 
         self.optimizer = build_optimizer(self.model.parameters(), self.config.optim)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, self.config.optim, "actor_rollout_ref.actor.optim")
-        self.actor = DataParallelPPOActor(self.config, self.model, self.optimizer)
+        # verl's actor prints its settings ("Actor use_remove_padding=False", ...) on construction; a Ray actor would
+        # forward them between the progress lines. They go to the debug log instead.
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            self.actor = DataParallelPPOActor(self.config, self.model, self.optimizer)
+        if printed.getvalue().strip():
+            logger.debug("verl actor: %s", " ".join(printed.getvalue().split()))
         if self.device.type == "cpu":
             self.actor.param_dtype = torch.float32  # see the module docstring: CPU computes in fp32
         self.optimizer_steps = 0  # steps actually taken; an all-masked batch takes none

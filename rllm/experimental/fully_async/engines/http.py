@@ -28,6 +28,10 @@ class EngineHTTPError(EngineError):
         super().__init__(f"{url}{path} answered HTTP {status}: {body[:500]}")
         self.url, self.path, self.status, self.body = url, path, status, body
 
+    def __reduce__(self) -> tuple:
+        # Pickled across Ray processes with the constructor's arguments, not the message (see SyncError).
+        return (type(self), (self.url, self.path, self.status, self.body))
+
 
 class EngineTimeoutError(EngineError):
     """An engine did not answer within the call's timeout."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,7 +53,8 @@ class _Request:
 
 @dataclass
 class _PendingSwap:
-    model: PreTrainedModel
-    info: ModelInfo
+    model: PreTrainedModel | None  # None: `patch` overwrites tensors of the served model in place instead
+    info: ModelInfo | None
     weight_version: str
     applied: asyncio.Future[None]
+    patch: Callable[[PreTrainedModel], None] | None = None

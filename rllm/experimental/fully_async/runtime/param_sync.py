@@ -46,6 +46,7 @@ from typing import Any, TypeVar
 import torch
 
 from rllm.experimental.fully_async.engines.client import EngineClient, EngineConnectionError, EngineError
+from rllm.experimental.fully_async.errors import FullyAsyncError
 from rllm.experimental.fully_async.runtime.distributed_transport import DistributedTransport, module_state
 from rllm.experimental.fully_async.runtime.weight_transport import (  # re-exported: the transports' home
     CollectiveTransport,
@@ -86,7 +87,7 @@ class SyncReport:
     location: str
 
 
-class SyncError(RuntimeError):
+class SyncError(FullyAsyncError, RuntimeError):
     """A sync failed on some engines; live engines were resumed. `failures` maps engine URL -> reason."""
 
     def __init__(
@@ -100,6 +101,11 @@ class SyncError(RuntimeError):
         self.version, self.failures, self.updated = version, failures, updated
         # Engines that refused connections (process gone), as opposed to ones that answered with an error.
         self.unreachable = unreachable or []
+
+    def __reduce__(self) -> tuple:
+        # Rebuilt from the constructor's arguments: a Ray actor's exception crosses processes by pickle, and the
+        # default (the message as the only argument) would not fit this __init__.
+        return (type(self), (self.version, self.failures, self.updated, self.unreachable))
 
 
 SYNC_DTYPES = ("float32", "bfloat16")

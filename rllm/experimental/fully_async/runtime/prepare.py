@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -72,6 +73,12 @@ def init_ray(num_cpus: int | None = None, num_gpus: int | None = None) -> None:
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    # Ray turns token authentication on by default (generating ~/.ray/auth_token) and logs a notice saying so at
+    # every start. The default stays; the notice goes (setting RAY_AUTH_MODE here would be too late: Ray reads it
+    # when it is imported). Its other warnings (auth disabled, bad token) still show.
+    logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
+        lambda record: "is enabled for this Ray cluster" not in record.getMessage()
+    )
     # gcs_server keeps an event record per actor call (~500 B) up to 100k calls, then remembers each evicted call
     # as "dropped" up to 1M more: a long run grew it by 38 MB in 30 min (tests/bench/README.md, Soak). 2k of each
     # bounds it to a few MB, reached within minutes (10k took 9 and 18 minutes of the default run to fill), and
