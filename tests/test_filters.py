@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 
 import pytest
@@ -13,12 +12,10 @@ from omegaconf import OmegaConf
 from rllm.experimental.fully_async.algorithms.filters import (
     FilterConfig,
     FilterReason,
-    KeepRateEstimate,
     build_group_filter,
     drop_by_length,
     drop_zero_variance,
     filter_groups,
-    groups_to_launch,
     has_zero_reward_variance,
 )
 from rllm.experimental.fully_async.core.protocol import Sequence, Trajectory, TrajectoryGroup
@@ -273,82 +270,3 @@ def test_executor_filter_is_built_from_the_config_and_returns_ledger_reasons():
     ]
     with pytest.raises(ValueError, match=r"unknown key algorithm\.group_filter\.max_len"):
         build_group_filter(OmegaConf.create({"algorithm": {"group_filter": {"max_len": 8}}}))
-
-
-# --- over-sampling -----------------------------------------------------------------------------------------------
-
-
-def test_keep_rate_starts_at_the_prior_and_follows_observations():
-    estimate = KeepRateEstimate(decay=0.5, prior=1.0, prior_weight=2.0)
-    assert estimate.rate == 1.0
-    estimate = estimate.observe(kept=2, seen=8)
-    assert estimate.rate == pytest.approx((2 + 2) / (8 + 2))
-    estimate = estimate.observe(kept=4, seen=8)
-    assert estimate.rate == pytest.approx((0.5 * 2 + 4 + 2) / (0.5 * 8 + 8 + 2))
-
-
-def test_keep_rate_forgets_old_batches():
-    estimate = KeepRateEstimate(decay=0.5, prior_weight=1.0)
-    for _ in range(30):
-        estimate = estimate.observe(kept=10, seen=10)
-    for _ in range(30):
-        estimate = estimate.observe(kept=2, seen=10)
-    # Steady state of the recursion: kept_w = 2 / (1 - 0.5), seen_w = 10 / (1 - 0.5); the first 30 batches weigh 2^-30.
-    assert estimate.rate == pytest.approx((4 + 1) / (20 + 1), abs=1e-6)
-
-
-def test_keep_rate_reads_a_filter_result_and_rejects_bad_counts():
-    result = filter_groups([make_group("a", [1.0, 1.0]), make_group("b", [0.0, 1.0])], FilterConfig())
-    estimate = KeepRateEstimate(prior_weight=1e-9).observe_result(result)
-    assert estimate.rate == pytest.approx(0.5)
-    with pytest.raises(ValueError, match="kept <= seen"):
-        estimate.observe(kept=3, seen=2)
-    with pytest.raises(ValueError, match="keep_rate_decay"):
-        KeepRateEstimate(decay=1.5)
-
-
-@pytest.mark.parametrize(
-    ("target", "kept", "in_flight", "rate", "cap", "expected"),
-    [
-        (8, 0, 0, 1.0, 2.0, 8),  # no filtering: exactly what is missing
-        (8, 3, 2, 1.0, 2.0, 3),
-        (8, 0, 0, 0.5, 4.0, 16),  # half are dropped: twice as many
-        (8, 0, 0, 0.6, 4.0, 14),  # ceil(8 / 0.6) = 14
-        (21, 0, 0, 0.175, 8.0, 120),  # 21 / 0.175 = 120.00000000000001 in floats: still 120, not 121
-        (8, 0, 0, 0.1, 2.0, 16),  # bounded by max_oversample
-        (8, 0, 0, 0.0, 3.0, 24),
-        (8, 0, 20, 0.5, 4.0, 0),  # enough already running
-        (8, 9, 0, 0.5, 2.0, 0),  # already over target
-    ],
-)
-def test_groups_to_launch(target, kept, in_flight, rate, cap, expected):
-    plan = groups_to_launch(target, kept, in_flight, rate, max_oversample=cap)
-    assert plan.to_launch == expected
-
-
-@settings(max_examples=200, deadline=None)
-@given(
-    target=st.integers(0, 64),
-    kept=st.integers(0, 64),
-    in_flight=st.integers(0, 64),
-    rate=st.floats(0.0, 1.0),
-    cap=st.floats(1.0, 8.0),
-)
-def test_launch_plan_reaches_the_target_in_expectation_and_stays_bounded(target, kept, in_flight, rate, cap):
-    plan = groups_to_launch(target, kept, in_flight, rate, max_oversample=cap)
-    missing = max(0, target - kept)
-    r_hat = max(rate, 1 / cap)
-    assert plan.to_launch >= 0
-    assert plan.expected_yield >= min(target, kept + r_hat * in_flight) - 1e-6
-    assert in_flight + plan.to_launch <= max(in_flight, math.ceil(cap * missing + 1e-6))
-    if plan.to_launch > 0:  # minimal: one fewer would fall short
-        assert kept + r_hat * (in_flight + plan.to_launch - 1) < target + 1e-6
-
-
-def test_groups_to_launch_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="max_oversample"):
-        groups_to_launch(4, 0, 0, 0.5, max_oversample=0.5)
-    with pytest.raises(ValueError, match="keep_rate"):
-        groups_to_launch(4, 0, 0, 1.5)
-    with pytest.raises(ValueError, match="non-negative"):
-        groups_to_launch(-1, 0, 0, 0.5)

@@ -174,8 +174,9 @@ def test_one_request_per_step_carries_the_version_and_the_previous_acknowledgeme
     metrics = trainer.train_step()
     assert metrics["staleness/max"] == 1 and metrics["staleness/dropped_groups"] == 0
     # GRPO advantages of rewards alternating 0/1 within each group: centred, spread, none zero
-    assert metrics["advantage/mean"] == pytest.approx(0.0, abs=1e-5) and metrics["advantage/max"] > 0
-    assert metrics["advantage/zero_sample_frac"] == 0.0
+    assert metrics["advantages/adv_mean"] == pytest.approx(0.0, abs=1e-5) and metrics["advantages/adv_abs_max"] > 0
+    assert metrics["advantages/zero_adv_token_fraction"] == 0.0
+    assert metrics["advantages/num_groups"] == GROUPS and metrics["advantages/num_zero_spread_groups"] == 0
     trainer.train_step()
     assert len(rollouts.requests) == 2  # one call per step
     assert rollouts.requests[0].ack == Ack() and rollouts.versions == [3, 4]

@@ -6,8 +6,8 @@
                 registered in verl as ``adv_estimator: gigpo``.
 - `corrections` off-policy corrections for stale and mismatched rollouts: decoupled PPO (AReaL), truncated
                 importance sampling, bypass mode, the log-linear proximal-policy approximation.
-- `filters`     dynamic group filtering (DAPO / slime style) with a reason for every drop, and the over-sampling
-                arithmetic that keeps the trainer's batches full.
+- `filters`     dynamic group filtering (DAPO / slime style) with a reason for every drop (a dropped group frees
+                its budget slot, so the executor's replacements keep the trainer's batches full).
 
 The package import is deliberately empty: `filters` is pure Python and must stay cheap to import, while the other
 modules pull in torch and verl.

@@ -1,4 +1,4 @@
-"""Dynamic group filtering (DAPO / slime style) and the over-sampling arithmetic that keeps batches full.
+"""Dynamic group filtering (DAPO / slime style): what is dropped from a batch, and why.
 
 Group-relative estimators (GRPO, RLOO, GiGPO) learn nothing from a group whose samples all earned the same reward:
 every advantage is zero, the group only dilutes the batch. DAPO (arXiv 2503.14476, Sec. 3.2 "Dynamic Sampling")
@@ -23,18 +23,13 @@ Order of the stages in `filter_groups` (each sees only what the previous one kep
 3. reward variance: with `drop_zero_variance`, a group whose rewards all lie within `reward_tol` of each other is
    dropped. A group of one trajectory has zero variance by definition.
 
-Over-sampling. Filtering makes the executor produce more groups than the trainer consumes. With a keep rate r
-(kept groups / finished groups) the executor must have about (target - kept) / r groups running to deliver the
-`target`. `groups_to_launch` computes that number, bounded so that one batch never launches more than
-`max_oversample` times what it still needs; `KeepRateEstimate` tracks r with exponentially discounted counts and a
-prior, so the estimate follows the keep rate's drift (it falls as the policy solves more prompts) without jumping
-on one unlucky batch. Launching more groups than the staleness budget would allow trades filter losses for
-staleness drops; the executor should still apply its capacity rule to the result.
+Over-sampling needs no arithmetic of its own: a group the filter drops frees its slot in the staleness budget at
+once (`core/staleness.py`, `on_finish(accepted=False)`), so the executor starts a replacement and batches stay full
+(tests/test_rollout_service.py shows it with the zero-variance filter).
 """
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
@@ -299,87 +294,3 @@ def build_group_filter(cfg: Any) -> GroupFilterFn | None:
         return list(result.kept), [(d.group, d.reason.value) for d in result.dropped]
 
     return group_filter
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Over-sampling arithmetic
-# ----------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class KeepRateEstimate:
-    """Exponentially discounted estimate of the group keep rate r, shrunk towards a prior.
-
-        kept_w <- decay * kept_w + kept,    seen_w <- decay * seen_w + seen
-        r = (kept_w + prior * prior_weight) / (seen_w + prior_weight)
-
-    decay: weight of the past per observation (0.9 ~ the last ten batches matter). prior: the rate assumed before any
-    data (1.0: no over-sampling until filtering is seen). prior_weight: how many groups the prior is worth.
-    Immutable: `observe` returns a new estimate, so the executor can keep it in its state and checkpoint it.
-    """
-
-    kept_w: float = 0.0
-    seen_w: float = 0.0
-    decay: float = 0.9
-    prior: float = 1.0
-    prior_weight: float = 4.0
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.decay <= 1.0:
-            raise ValueError(f"async_training.keep_rate_decay must be in [0, 1], got {self.decay}")
-        if not 0.0 < self.prior <= 1.0:
-            raise ValueError(f"keep-rate prior must be in (0, 1], got {self.prior}")
-        if self.prior_weight <= 0:
-            raise ValueError(f"keep-rate prior_weight must be > 0, got {self.prior_weight}")
-
-    @property
-    def rate(self) -> float:
-        return (self.kept_w + self.prior * self.prior_weight) / (self.seen_w + self.prior_weight)
-
-    def observe(self, kept: int, seen: int) -> KeepRateEstimate:
-        """Fold in one filtering outcome: `kept` of `seen` finished groups survived."""
-        if not 0 <= kept <= seen:
-            raise ValueError(f"keep-rate observation needs 0 <= kept <= seen, got kept={kept}, seen={seen}")
-        return replace(self, kept_w=self.decay * self.kept_w + kept, seen_w=self.decay * self.seen_w + seen)
-
-    def observe_result(self, result: FilterResult) -> KeepRateEstimate:
-        return self.observe(result.num_kept_groups, result.num_input_groups)
-
-
-@dataclass(frozen=True)
-class LaunchPlan:
-    """How many groups to start now, and the numbers it was derived from (for logging)."""
-
-    to_launch: int
-    effective_keep_rate: float  # r clipped to >= 1 / max_oversample
-    expected_yield: float  # kept + effective_keep_rate * (in_flight + to_launch)
-
-
-def groups_to_launch(
-    target: int, kept: int, in_flight: int, keep_rate: float, *, max_oversample: float = 2.0
-) -> LaunchPlan:
-    """Groups to start now so that the expected number of kept groups reaches `target`.
-
-        r_hat = max(r, 1 / max_oversample)
-        n     = max(0, ceil((target - kept) / r_hat) - in_flight)
-
-    so that kept + r_hat * (in_flight + n) >= target. Clipping r to 1/max_oversample bounds what one batch can ask
-    for: in_flight + n <= ceil(max_oversample * (target - kept)). With r = 1 this is plain `target - kept -
-    in_flight`. The caller still applies the staleness capacity rule to n.
-    """
-    if target < 0 or kept < 0 or in_flight < 0:
-        raise ValueError(f"groups_to_launch needs non-negative counts, got {target=}, {kept=}, {in_flight=}")
-    if max_oversample < 1.0:
-        raise ValueError(f"async_training.max_oversample must be >= 1, got {max_oversample}")
-    if not 0.0 <= keep_rate <= 1.0:
-        raise ValueError(f"keep_rate must be in [0, 1], got {keep_rate}")
-    r_hat = max(keep_rate, 1.0 / max_oversample)
-    missing = max(0, target - kept)
-    # Round before the ceiling so that e.g. 3 / 0.6 = 5.000000000000001 asks for 5, not 6.
-    needed_running = math.ceil(round(missing / r_hat, 9))
-    n = max(0, needed_running - in_flight)
-    return LaunchPlan(
-        to_launch=n,
-        effective_keep_rate=r_hat,
-        expected_yield=kept + r_hat * (in_flight + n),
-    )

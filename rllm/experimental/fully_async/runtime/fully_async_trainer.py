@@ -137,7 +137,9 @@ class FullyAsyncTrainer:
         if self.critic is not None:
             # Values from the critic's weights before its own step: they anchor the value clip.
             data.batch["values"] = self.critic.compute_values(data)
-        data = self.advantages.compute(data)
+        advantages = self.advantages.compute_with_stats(data)  # advantages/* and, for GiGPO, gigpo/* statistics
+        data = advantages.data
+        metrics.update(advantages.to_metrics())
         metrics.update(self._old_log_probs(data))
         metrics["timing/advantages_s"] = clock.lap()
         if self.critic is not None:
@@ -262,7 +264,7 @@ def _batch_metrics(groups: list[TrajectoryGroup], data: Any) -> dict[str, float]
     newest = torch.where(real, versions, torch.iinfo(versions.dtype).min).amax(-1)
     oldest = torch.where(real, versions, torch.iinfo(versions.dtype).max).amin(-1)
     mixed = int(((newest != oldest) & real.any(-1)).sum())
-    return _advantage_metrics(data) | {
+    return {
         "reward/mean": float(np.mean(rewards)) if rewards else 0.0,
         "batch/groups": float(len(groups)),
         "batch/samples": float(len(rewards)),
@@ -270,24 +272,4 @@ def _batch_metrics(groups: list[TrajectoryGroup], data: Any) -> dict[str, float]
         "response_length/mean": float(lengths.float().mean().item()),
         "partial/resumed_samples": float(resumed),
         "partial/mixed_version_samples": float(mixed),
-    }
-
-
-def _advantage_metrics(data: Any) -> dict[str, float]:
-    """advantage/*: mean, std, min, max over trained tokens, and the share of samples whose advantage is zero
-    (a group with equal rewards teaches nothing under group-relative estimators)."""
-    if "advantages" not in data.batch.keys():  # noqa: SIM118 (a TensorDict)
-        return {}
-    mask = data.batch["response_mask"].bool()
-    values = data.batch["advantages"][mask]
-    if values.numel() == 0:
-        return {}
-    rows = mask.any(-1)
-    per_sample = (data.batch["advantages"].abs() * mask).amax(-1)[rows]
-    return {
-        "advantage/mean": float(values.mean()),
-        "advantage/std": float(values.std()) if values.numel() > 1 else 0.0,
-        "advantage/min": float(values.min()),
-        "advantage/max": float(values.max()),
-        "advantage/zero_sample_frac": float((per_sample == 0).float().mean()),
     }
