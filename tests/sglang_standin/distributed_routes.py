@@ -95,7 +95,7 @@ async def update_weights_from_distributed(request: web.Request, state: Any) -> w
                 body.get("load_format"),
             )
             try:
-                await state.scheduler.update_weights_in_place(
+                await state.scheduler.swaps.update_weights_in_place(
                     lambda model: copy_some_into(model, tensors), None, abort_all_requests=False, drain_timeout_s=600.0
                 )
             finally:

@@ -205,7 +205,7 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
 
     async def load() -> tuple[bool, str]:
         try:
-            await st.scheduler.update_weights_from_disk(
+            await st.scheduler.swaps.update_weights_from_disk(
                 body["model_path"], None, abort_all_requests=False, drain_timeout_s=600.0
             )
         except WeightUpdateError as exc:

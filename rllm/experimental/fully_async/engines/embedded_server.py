@@ -180,7 +180,7 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     except ValueError as exc:
         return web.json_response({"success": False, "message": str(exc), "num_paused_requests": 0}, status=400)
     try:
-        aborted = await scheduler.update_weights_from_disk(
+        aborted = await scheduler.swaps.update_weights_from_disk(
             model_path,
             version,
             abort_all_requests=bool(body.get("abort_all_requests", False)),

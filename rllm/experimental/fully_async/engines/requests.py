@@ -1,21 +1,17 @@
 """What the embedded engine's scheduler holds and returns per request, so the HTTP layer shares the types only.
 
 A generate request's record while it is queued or running (`_Request`) and its result in the shape of SGLang's
-`/generate` (`GenerateOutput`); a loaded model waiting to be swapped in (`_PendingSwap`) and the error a weight
-update that cannot be applied raises (`WeightUpdateError`). The scheduler (`engines/scheduler.py`) does the work.
+`/generate` (`GenerateOutput`); and the error a weight update that cannot be applied raises (`WeightUpdateError`).
+The scheduler (`engines/scheduler.py`) and its weight-update protocol (`engines/weight_swap.py`) do the work.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from transformers import PreTrainedModel
-
-from rllm.experimental.fully_async.engines.model_runner import ModelInfo
 from rllm.experimental.fully_async.engines.sampling import SamplingParams
 
 
@@ -49,12 +45,3 @@ class _Request:
     weight_version: str | None = None
     held: bool = False  # waiting for /continue_generation, not yet queued
     done: bool = False
-
-
-@dataclass
-class _PendingSwap:
-    model: PreTrainedModel | None  # None: `patch` overwrites tensors of the served model in place instead
-    info: ModelInfo | None
-    weight_version: str
-    applied: asyncio.Future[None]
-    patch: Callable[[PreTrainedModel], None] | None = None

@@ -14,9 +14,10 @@ Guarantees the HTTP layer and the client rely on (they mirror SGLang 0.5.6):
 - `pause("abort")` finishes every queued and running request at once with what it has (finish reason abort) and
   holds newly arriving requests until `resume()`; they then run normally. `pause("in_place"|"retract")` stops
   stepping but keeps the running requests (their KV stays), and `resume()` continues them.
-- `update_weights_from_disk` loads the new model off the loop while decoding goes on, then stops admitting,
+- `swaps.update_weights_from_disk` loads the new model off the loop while decoding goes on, then stops admitting,
   waits for the running requests to finish (as SGLang's model-update writer lock does), swaps, and re-opens
-  admission. Each response therefore carries the single `weight_version` that produced all its tokens.
+  admission. Each response therefore carries the single `weight_version` that produced all its tokens. That
+  protocol lives in `engines/weight_swap.py` (`Scheduler.swaps`); this loop only applies the pending swap (step 1).
 - Every request's tokens, log-probs and version come from one model; the version is the one at its prefill.
 - Sampling uses one seeded generator: results are reproducible for the same arrival order and batch makeup.
 """
@@ -29,15 +30,16 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from rllm.experimental.fully_async.engines.model_runner import ModelRunner
-from rllm.experimental.fully_async.engines.requests import GenerateOutput, WeightUpdateError, _PendingSwap, _Request
+from rllm.experimental.fully_async.engines.requests import GenerateOutput, WeightUpdateError, _Request
 from rllm.experimental.fully_async.engines.sampling import SampleOutput, SamplingParams
+from rllm.experimental.fully_async.engines.weight_swap import WeightSwaps
 from rllm.experimental.fully_async.engines.weights import WeightLoader
 
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+# WeightUpdateError is re-exported: the HTTP layers catch it from here.
+__all__ = ["PAUSE_MODES", "GenerateOutput", "Scheduler", "WeightUpdateError"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +65,6 @@ class Scheduler:
         self.max_running_requests = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
         self.weight_version = weight_version
-        self._weight_loader = weight_loader
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []  # row order of runner's KV cache
         self._by_rid: dict[str, _Request] = {}
@@ -71,8 +72,7 @@ class Scheduler:
         self._unpaused = asyncio.Event()
         self._unpaused.set()
         self._wake = asyncio.Event()
-        self._pending_swap: _PendingSwap | None = None
-        self._update_lock = asyncio.Lock()
+        self.swaps = WeightSwaps(self, weight_loader)
         self._task: asyncio.Task[None] | None = None
         self._pass_in_progress = False  # a forward pass runs in the worker thread: the KV cache is not ours
         self.stats: dict[str, int] = {
@@ -106,11 +106,23 @@ class Scheduler:
     def paused(self) -> bool:
         return self._paused_mode is not None
 
+    @property
+    def paused_mode(self) -> str | None:
+        return self._paused_mode
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def wake(self) -> None:
+        """Make the loop look at its state again (a swap was queued or withdrawn)."""
+        self._wake.set()
+
     def snapshot(self) -> dict[str, Any]:
         """Counters for /get_server_info (forward passes prove batching)."""
         return {
             **self.stats,
-            **self._weight_loader.counts,
+            **self.swaps.loader.counts,
             "forward_passes": self.runner.forward_passes,
             "prefill_passes": self.runner.prefill_passes,
             "num_running": len(self._running),
@@ -237,75 +249,7 @@ class Scheduler:
         self._wake.set()
         logger.info("generation continued")
 
-    # ---------------------------------------------------------------- weights
-    async def update_weights_from_disk(
-        self, model_path: str, weight_version: str | None, *, abort_all_requests: bool, drain_timeout_s: float
-    ) -> int:
-        """Load `model_path` off the loop, then swap it in between steps once no request is running.
-
-        Returns the number of requests aborted for the update. Raises WeightUpdateError (engine unchanged) if the
-        folder cannot be loaded, does not match the served model, or running requests do not drain in time.
-        """
-        async with self._update_lock:
-            try:
-                model, info = await asyncio.to_thread(self._weight_loader.load, model_path)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                raise WeightUpdateError(f"failed to load weights from {model_path}: {exc}") from exc
-            if info.vocab_size != self.runner.info.vocab_size or info.model_type != self.runner.info.model_type:
-                raise WeightUpdateError(
-                    f"{model_path} is a {info.model_type} with vocab {info.vocab_size}, but the engine serves a "
-                    f"{self.runner.info.model_type} with vocab {self.runner.info.vocab_size}"
-                )
-            version = weight_version if weight_version is not None else self.weight_version
-            return await self._swap_when_drained(
-                _PendingSwap(model, info, version, asyncio.get_running_loop().create_future()),
-                abort_all_requests,
-                drain_timeout_s,
-            )
-
-    async def update_weights_in_place(
-        self,
-        patch: Callable[[PreTrainedModel], None],
-        weight_version: str | None,
-        *,
-        abort_all_requests: bool,
-        drain_timeout_s: float,
-    ) -> int:
-        """Run `patch(model)` on the served model between steps once no request runs (SGLang's update from
-        distributed: a call may carry only some tensors, so there is no whole model to swap in). Same drain,
-        abort and error rules as `update_weights_from_disk`; `patch` must validate before it writes."""
-        async with self._update_lock:
-            version = weight_version if weight_version is not None else self.weight_version
-            swap = _PendingSwap(None, None, version, asyncio.get_running_loop().create_future(), patch)
-            return await self._swap_when_drained(swap, abort_all_requests, drain_timeout_s)
-
-    async def _swap_when_drained(self, swap: _PendingSwap, abort_all_requests: bool, drain_timeout_s: float) -> int:
-        """Queue `swap` for the loop, which applies it once no request runs. Called under the update lock."""
-        aborted = self.abort_all("aborted for a weight update") if abort_all_requests else 0
-        if self._running and self._paused_mode in ("in_place", "retract"):
-            raise WeightUpdateError(
-                f"{len(self._running)} requests are paused in place and would never drain; "
-                "pause with mode=abort or pass abort_all_requests=true"
-            )
-        self._pending_swap = swap
-        self._wake.set()
-        try:
-            await asyncio.wait_for(asyncio.shield(swap.applied), timeout=drain_timeout_s)
-        except TimeoutError as exc:
-            raise WeightUpdateError(
-                f"timed out after {drain_timeout_s:.0f}s waiting for {len(self._running)} running requests to "
-                "finish before swapping weights"
-            ) from exc
-        finally:
-            if self._pending_swap is swap:  # not applied (timeout/cancel): re-open admission
-                self._pending_swap = None
-                self._wake.set()
-                if swap.model is not None and swap.info is not None:
-                    self._weight_loader.recycle(swap.model, swap.info)
-        return aborted
-
+    # ---------------------------------------------------------------- weights (updates: `self.swaps`)
     def set_weight_version(self, new_version: str) -> None:
         """Relabel the current weights (SGLang /update_weight_version); requests already admitted keep theirs."""
         self.weight_version = new_version
@@ -319,11 +263,11 @@ class Scheduler:
 
     # ---------------------------------------------------------------- the loop
     def _has_work(self) -> bool:
-        if self._pending_swap is not None and not self._running:
+        if self.swaps.pending is not None and not self._running:
             return True
         if self._running and self._paused_mode not in ("in_place", "retract"):
             return True
-        return bool(self._waiting) and self._paused_mode is None and self._pending_swap is None
+        return bool(self._waiting) and self._paused_mode is None and self.swaps.pending is None
 
     async def _loop(self) -> None:
         while True:
@@ -348,34 +292,8 @@ class Scheduler:
                 self.runner.clear()
 
     async def _step(self) -> None:
-        swap = self._pending_swap
-        if swap is not None and swap.patch is not None and not self._running:
-            # In a thread so HTTP is served meanwhile; the loop starts no pass until this returns.
-            try:
-                await self._in_thread(swap.patch, self.runner.model)
-            except Exception as exc:
-                self._pending_swap = None
-                if not swap.applied.done():
-                    swap.applied.set_exception(WeightUpdateError(f"in-place weight update failed: {exc}"))
-                return
-            self.runner.clear()  # the cache was computed by the old weights
-            self.weight_version = swap.weight_version
-            self._pending_swap = None
-            self.stats["weight_updates"] += 1
-            if not swap.applied.done():
-                swap.applied.set_result(None)
-            return
-        if swap is not None and not self._running:
-            retired = (self.runner.model, self.runner.info)
-            self.runner.swap_model(swap.model, swap.info)
-            # No pass runs now and none will use the old model again: the next update may overwrite it.
-            self._weight_loader.recycle(*retired)
-            self.weight_version = swap.weight_version
-            self._pending_swap = None
-            self.stats["weight_updates"] += 1
-            if not swap.applied.done():
-                swap.applied.set_result(None)
-            logger.info("weights swapped to version %s (%s)", swap.weight_version, swap.info.model_path)
+        if self.swaps.pending is not None and not self._running:
+            await self.swaps.apply_pending(self._in_thread)
             return
         admitted = self._admit()
         if admitted:
@@ -402,7 +320,7 @@ class Scheduler:
             self._pass_in_progress = False
 
     def _admit(self) -> list[_Request]:
-        if self._paused_mode is not None or self._pending_swap is not None:
+        if self._paused_mode is not None or self.swaps.pending is not None:
             return []
         admitted: list[_Request] = []
         budget = self.max_prefill_tokens

@@ -11,7 +11,7 @@ completed and they are applied: the trainer must make these calls CONCURRENTLY w
 rendezvous and the broadcast (sglang `model_runner.init_weights_update_group` / `update_weights_from_distributed`).
 
 Receiving runs in a worker thread while the engine keeps decoding; the received tensors are then copied into the
-served model between steps once no request runs (`Scheduler.update_weights_in_place`, the same drain as a disk
+served model between steps once no request runs (`WeightSwaps.update_weights_in_place`, the same drain as a disk
 update), so no request ever mixes the weights of one call with older ones. A sync of several calls (buckets) is
 atomic for requests only while the engine is paused, as in SGLang: ParamSync pauses first. Unlike SGLang while
 paused, the embedded engine applies `weight_version` on success (its disk route does the same); ParamSync sets and
@@ -113,7 +113,7 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
         logger.error(message)
         return _answer(False, message)
     try:
-        await st.scheduler.update_weights_in_place(
+        await st.scheduler.swaps.update_weights_in_place(
             lambda model: copy_some_into(model, tensors),
             None if version is None else str(version),
             abort_all_requests=False,
