@@ -64,6 +64,8 @@ CONFIG_SECTIONS: dict[str, str] = {
     "param_sync": "settings/schema.py ParamSyncConfig",
     "task": "settings/schema.py TaskConfig",
     "workflow": "settings/schema.py WorkflowConfig",
+    "env": "settings/schema.py EnvConfig (envs/base.py)",
+    "tools": "settings/schema.py ToolsConfig (workflows/tools.py)",
     "run": "settings/schema.py RunConfig",
     "algorithm.off_policy_correction": "algorithms/correction_config.py CorrectionConfig",
     "algorithm.group_filter": "algorithms/filters.py FilterConfig",

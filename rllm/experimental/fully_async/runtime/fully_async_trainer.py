@@ -70,6 +70,7 @@ class FullyAsyncTrainer:
         critic: Any | None = None,  # backends.critic.FSDPCriticBackend, for adv_estimator=gae
         version: int = 0,
         step: int = 0,
+        dump: Any | None = None,  # (step, groups, data) -> None: trainer.rollout_data_dir (observe/dumps.py)
     ) -> None:
         self.settings = settings
         self.backend = backend
@@ -81,6 +82,7 @@ class FullyAsyncTrainer:
         self.critic = critic
         self.version = version
         self.step = step
+        self.dump = dump
 
     # ------------------------------------------------------------------------------------------------------
 
@@ -147,6 +149,8 @@ class FullyAsyncTrainer:
 
         self._pending_ack = Ack.of(groups)  # delivered with the next request (or by flush_ack)
         metrics.update(_batch_metrics(groups, data))
+        if self.dump is not None:  # the trajectories with the advantages just computed
+            self.dump(self.step, groups, data)
 
         if self.step % self.settings.trigger_parameter_sync_step == 0:
             metrics.update(self.sync_weights())

@@ -271,6 +271,21 @@ def evaluate_success(model_dir: str | Path, seed: int = 0, samples: int = 16) ->
     return sampled_success(model, tokenizer, make_pairs(seed)[1], samples, seed)
 
 
+def prepare_task(task_cfg: Any) -> Any:
+    """The task registry's entry (tasks/__init__.py): data, warmed-up model; rewards come from the environment."""
+    from rllm.experimental.fully_async.tasks import TaskAssets
+
+    cache = Path(os.path.expanduser(str(task_cfg.cache_dir)))
+    assets = prepare_number_line_assets(cache, seed=int(task_cfg.seed), warmup_steps=int(task_cfg.warmup_steps))
+    return TaskAssets(
+        train_files=str(assets.train_parquet),
+        val_files=str(assets.val_parquet),
+        model_path=str(assets.model_dir),
+        reward_module=None,
+        summary=f"model {assets.model_dir}, warm-up held-out success {assets.warmup_val_success:.1%}",
+    )
+
+
 def prepare_number_line_assets(cache_dir: str | Path, seed: int = 0, warmup_steps: int = WARMUP_STEPS):
     """Build (once, cached by a key of everything that changes it) the data and the warmed-up model."""
     import torch
