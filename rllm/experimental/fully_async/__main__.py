@@ -199,6 +199,13 @@ def _report(argv: list[str]) -> int:
     return report_main(argv)
 
 
+@command("view", "print a trajectory dump (trainer.rollout_data_dir) turn by turn, coloured by mask and version", True)
+def _view(argv: list[str]) -> int:
+    from rllm.experimental.fully_async.observe.viewer import main as view_main
+
+    return view_main(argv)
+
+
 @command("simulate", "predict a fully-async run's wall time, idle and staleness before renting GPUs", True)
 def _simulate(argv: list[str]) -> int:
     from rllm.experimental.fully_async.simulate.cli import main as simulate_main
