@@ -138,7 +138,9 @@ class FullyAsyncTrainer:
         if self.critic is not None:
             # Values from the critic's weights before its own step: they anchor the value clip.
             data.batch["values"] = self.critic.compute_values(data)
-        data = self.advantages.compute(data)
+        advantages = self.advantages.compute_with_stats(data)
+        data = advantages.data
+        metrics.update(advantages.to_metrics())  # advantages/* and, for GiGPO, gigpo/* (its step groups)
         metrics.update(self._old_log_probs(data))
         metrics["timing/advantages_s"] = clock.lap()
         if self.critic is not None:

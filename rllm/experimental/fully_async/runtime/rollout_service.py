@@ -190,7 +190,10 @@ class RolloutServiceActor:
         # (workers/pool.py); they exit with this process.
         self.pool = _worker_pool(c)
         self.reward_fn = load_reward_fn(c, self.pool)
-        if isinstance(self.reward_fn, IsolatedReward):
+        uses_reward = c.workflow.path is None and (
+            c.workflow.name == "single_turn" or c.reward.custom_reward_function.path
+        )
+        if isinstance(self.reward_fn, IsolatedReward) and uses_reward:
             self.pool.preload += (self.reward_fn.reference,)
         # Under on_engine_failure=restart a request finding no live engine waits for a restarted one (the
         # supervisor gives a restart startup_timeout_s) rather than failing its sample.

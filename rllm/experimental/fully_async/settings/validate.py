@@ -266,21 +266,22 @@ def _validate_agent(cfg: DictConfig) -> None:
                     raise ConfigError(f"'{section}.{key}' is read only with workflow.name=multi_turn; remove it")
         if wf.layout != WorkflowConfig.layout:
             raise ConfigError("'workflow.layout' is read only with workflow.name=multi_turn; remove it")
-        val_kwargs = cfg.actor_rollout_ref.rollout.val_kwargs
+    val_kwargs = cfg.actor_rollout_ref.rollout.val_kwargs
+    if wf.path is None and wf.name == "single_turn":
         verl_defaults = {"n": 1, "temperature": 0, "do_sample": False, "top_p": 1.0, "top_k": -1}
         for key, value in verl_defaults.items():
             if val_kwargs[key] != value:
                 raise ConfigError(
-                    f"'actor_rollout_ref.rollout.val_kwargs.{key}' is read only with workflow.name=multi_turn "
+                    f"'actor_rollout_ref.rollout.val_kwargs.{key}' is read only by agent workflows "
                     "(single-turn validation decodes each prompt once, greedily); remove it"
                 )
-        return
-    val_kwargs = cfg.actor_rollout_ref.rollout.val_kwargs
-    if not val_kwargs.do_sample and val_kwargs.temperature != 0:
+    elif not val_kwargs.do_sample and val_kwargs.temperature != 0:
         raise ConfigError(
             "'actor_rollout_ref.rollout.val_kwargs.temperature' is used only with val_kwargs.do_sample=true "
             "(verl's rule: do_sample=false decodes greedily); set both"
         )
+    if not multi_turn:
+        return
     if cfg.env.name is None:
         raise ConfigError("'env.name' must be set with workflow.name=multi_turn (a built-in such as number_line)")
     from rllm.experimental.fully_async.envs.base import EnvSpec
