@@ -182,9 +182,8 @@ class MultiTurnWorkflow:
 
     async def _score(self, trajectory: Trajectory, datum: Any, tokenizer: Any, episode: _Episode) -> None:
         """Replace the environment's rewards by the reward function's (rules in the module docstring)."""
-        steps = [{k: v for k, v in step.items() if k != "info"} for step in episode.steps]
         extra = dict(datum.extra_info or {}) | {
-            "steps": steps,
+            "steps": [dict(step) for step in episode.steps],
             "end_reason": episode.end_reason,
             "env_rewards": list(episode.rewards),
         }
