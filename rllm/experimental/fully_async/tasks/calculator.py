@@ -1,4 +1,4 @@
-"""Calculator: a tool task a tiny Qwen2 learns on CPU in minutes (environment envs/product.py, tool tools/calculator.py).
+"""Calculator: a tool task a tiny Qwen2 learns on CPU in minutes (env: envs/product.py, tool: tools/calculator.py).
 
 The problem is a product of two 2-digit numbers. The model cannot multiply; it can call the calculator in the
 compact tool format and copy its answer. The conversation, token by token (character-level vocabulary):
@@ -34,7 +34,8 @@ if TYPE_CHECKING:
 
 DATA_SOURCE = "fully_async/calculator"
 PAD_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "<eos>", "<unk>"
-VOCAB: dict[str, int] = {PAD_TOKEN: 0, EOS_TOKEN: 1, UNK_TOKEN: 2} | {c: 3 + i for i, c in enumerate("0123456789*=c[]>:Q")}
+CHARACTERS = "0123456789*=c[]>:Q"
+VOCAB: dict[str, int] = {PAD_TOKEN: 0, EOS_TOKEN: 1, UNK_TOKEN: 2} | {c: 3 + i for i, c in enumerate(CHARACTERS)}
 # A tool message renders as ">result:", everything else verbatim (so the result is delimited for the model).
 CHAT_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'tool' %}>{{ m['content'] }}:{% else %}{{ m['content'] }}{% endif %}"
