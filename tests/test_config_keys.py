@@ -33,6 +33,14 @@ PERTURB: dict[str, str] = {
     "task.cache_dir": "/tmp/cache",
     "workflow.name": "my_agent",
     "workflow.path": "/tmp/agent.py",
+    "workflow.layout": "concat",
+    "env.name": "number_line",
+    "env.path": "/tmp/env.py",
+    "env.kwargs": "{size: 8}",
+    "tools.format": "compact",
+    "tools.functions": "{calculator: calculator}",
+    "trainer.rollout_data_dir": "/tmp/dumps",
+    "trainer.validation_data_dir": "/tmp/val_dumps",
     "run.dir": "/tmp/run",
     "run.log_level": "INFO",
     "data.train_files": "/tmp/other.parquet",
@@ -77,6 +85,17 @@ REFUSED: dict[str, str] = {
     "async_training.staleness_threshold": "only derives max_staleness when that is null",
     "engines.extra_args": "with engines.backend=embedded remove it",
     "workflow.name": "not a built-in workflow",
+    "workflow.rllm_batched": "read only with an rLLM rollout function",
+    "workflow.layout": "read only with workflow.name=multi_turn",
+    **{
+        f"{section}.{key}": "read only with workflow.name=multi_turn"
+        for section, keys in {
+            "env": ("name", "path", "kwargs", "max_turns", "max_total_tokens", "step_timeout_s"),
+            "tools": ("format", "timeout_s", "functions"),
+        }.items()
+        for key in keys
+    },
+    "actor_rollout_ref.rollout.val_kwargs.n": "single-turn validation decodes each prompt once",
     "algorithm.rollout_correction.rollout_rs": "not supported here",
     "algorithm.rollout_correction.rollout_rs_threshold": "has no counterpart here",
     "algorithm.rollout_correction.loss_type": "has no counterpart here",
@@ -174,6 +193,7 @@ def _verl_read_leaves() -> list[str]:
         "algorithm.rollout_correction.rollout_is_batch_normalize",
         "algorithm.rollout_correction.rollout_is_threshold",
         "algorithm.rollout_correction.bypass_mode",
+        "actor_rollout_ref.rollout.val_kwargs.n",
     ]
     prefixes = {k for k in VERL_KEYS_READ if k.endswith(".")} - {"critic."}
     covered = {p for p in prefixes for k in keys if k.startswith(p)}
@@ -203,6 +223,50 @@ def test_every_other_verl_key_is_refused_by_name():
         perturbed = perturbed or ("true" if value is False else "false" if value is True else "something_else")
         with pytest.raises(ConfigError, match=r"not used by the fully-async trainer|critic|must be") as info:
             load_config(None, [f"{key}={perturbed}"])
+        assert "\n" not in str(info.value)
+
+
+# A multi_turn agent config: each env/tools/layout/val_kwargs key changes the spec there (refused elsewhere, above).
+AGENT = ["workflow.name=multi_turn", "env.name=number_line", "env.max_total_tokens=64"]
+AGENT_PERTURB = {
+    "env.name": None,  # only built-in is number_line; env.path below names a class instead
+    "env.path": ["env.path=/tmp/env.py", "env.name=MyEnv"],
+    "env.kwargs": ["env.kwargs={size: 8}"],
+    "env.max_turns": ["env.max_turns=3"],
+    "env.max_total_tokens": ["env.max_total_tokens=65"],
+    "env.step_timeout_s": ["env.step_timeout_s=1.5"],
+    "tools.format": ["tools.format=compact"],
+    "tools.timeout_s": ["tools.timeout_s=1.5"],
+    "tools.functions": ["tools.functions={calculator: calculator}"],
+    "workflow.layout": ["workflow.layout=concat"],
+    "actor_rollout_ref.rollout.val_kwargs.n": ["actor_rollout_ref.rollout.val_kwargs.n=4"],
+    "actor_rollout_ref.rollout.val_kwargs.do_sample": [
+        "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+        "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
+    ],
+    "actor_rollout_ref.rollout.val_kwargs.top_p": ["actor_rollout_ref.rollout.val_kwargs.top_p=0.5"],
+    "actor_rollout_ref.rollout.val_kwargs.top_k": ["actor_rollout_ref.rollout.val_kwargs.top_k=5"],
+}
+
+
+@pytest.mark.parametrize("key", [k for k, v in AGENT_PERTURB.items() if v])
+def test_every_agent_key_changes_the_run_spec_of_a_multi_turn_run(key):
+    baseline = build_run_spec(load_config(None, AGENT))
+    assert baseline.executor.agent is not None and baseline.executor.agent.env_name == "number_line"
+    assert build_run_spec(load_config(None, [*AGENT, *AGENT_PERTURB[key]])) != baseline, key
+
+
+def test_agent_settings_that_cannot_run_are_refused_in_one_line():
+    cases = {
+        "env.name=null": "'env.name' must be set",
+        "env.name=maze": "unknown environment 'maze'",
+        "tools.functions={c: calculator}\ntools.format=xml": "'tools.format' must be one of",
+        "actor_rollout_ref.rollout.val_kwargs.temperature=1.0": "used only with val_kwargs.do_sample=true",
+        "env.max_turns=0": "'env.max_turns' must be >= 1",
+    }
+    for overrides, words in cases.items():
+        with pytest.raises(ConfigError, match=words.replace("(", r"\(")) as info:
+            load_config(None, [*AGENT, *overrides.split("\n")])
         assert "\n" not in str(info.value)
 
 

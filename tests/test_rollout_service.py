@@ -190,7 +190,7 @@ def test_over_ray_one_call_per_step_moves_batches_and_acknowledgements(ray_sessi
     actor = _ServiceOverRay.remote(str(journal))
     try:
         run_ref = actor.run.remote()
-        client = _RolloutServiceClient(actor)
+        client = _RolloutServiceClient(actor, sync_gate_timeout_s=60.0)
         version, ack, steps = 0, Ack(), 0
         while True:
             batch = client.take_batch(BatchRequest(3, version, ack, timeout_s=WAIT_S))

@@ -196,7 +196,7 @@ def test_an_unknown_task_name_lists_the_registered_ones_in_one_line():
     message = str(info.value)
     assert "\n" not in message and "'subtraction'" in message
     assert all(name in message for name in task_names())
-    with pytest.raises(KeyError, match="addition, smollm2"):
+    with pytest.raises(KeyError, match="addition, calculator, number_line, smollm2"):
         get_task("subtraction")
 
 

@@ -6,7 +6,8 @@
 verl calls `compute_score(data_source, solution_str, ground_truth, extra_info)` once per generated answer:
 `data_source`, `ground_truth` (`reward_model.ground_truth`) and `extra_info` come from the parquet row, and
 `solution_str` is the decoded response. Return a float (or a dict with a "score" key). It runs in a worker
-thread with a timeout (`workflow.reward_timeout_s`); an exception fails that one trajectory with its reason.
+process of the rollout service's pool with a timeout (`workflow.reward_timeout_s`): a call that hangs has its
+worker killed; that, a crash or an exception fails that one trajectory with its reason.
 
 This one grades numeric answers with a small format bonus: 1.0 for the right number, 0.1 for a well-formed but
 wrong number, 0.0 for no number at all. Shaping like this helps a weak model find the format early.

@@ -64,6 +64,8 @@ CONFIG_SECTIONS: dict[str, str] = {
     "param_sync": "settings/schema.py ParamSyncConfig",
     "task": "settings/schema.py TaskConfig",
     "workflow": "settings/schema.py WorkflowConfig",
+    "env": "settings/schema.py EnvConfig (envs/base.py)",
+    "tools": "settings/schema.py ToolsConfig (workflows/tools.py)",
     "run": "settings/schema.py RunConfig",
     "algorithm.off_policy_correction": "algorithms/correction_config.py CorrectionConfig",
     "algorithm.group_filter": "algorithms/filters.py FilterConfig",
@@ -176,6 +178,13 @@ def _report(argv: list[str]) -> int:
     from rllm.experimental.fully_async.observe.report import main as report_main
 
     return report_main(argv)
+
+
+@command("view", "print a trajectory dump (trainer.rollout_data_dir) turn by turn, coloured by mask and version", True)
+def _view(argv: list[str]) -> int:
+    from rllm.experimental.fully_async.observe.viewer import main as view_main
+
+    return view_main(argv)
 
 
 @command("simulate", "predict a fully-async run's wall time, idle and staleness before renting GPUs", True)

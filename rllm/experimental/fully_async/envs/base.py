@@ -32,6 +32,7 @@ from typing import Any, Protocol, runtime_checkable
 # Built-in environments by name -> "module:Class", resolved inside the worker (never imported by the service).
 ENV_REGISTRY: dict[str, str] = {
     "number_line": "rllm.experimental.fully_async.envs.number_line:NumberLineEnv",
+    "product": "rllm.experimental.fully_async.envs.product:ProductEnv",
 }
 
 

@@ -145,6 +145,7 @@ class FullyAsyncTrainerActor:
             advantages=t.advantages,
             correction=correction,
             critic=critic,
+            dump=_training_dump(spec.run.rollout_data_dir, tokenizer),
         )
 
     def train_step(self) -> dict | None:
@@ -185,6 +186,16 @@ class FullyAsyncTrainerActor:
         """Load the current weights into a restarted engine and sync to it from now on; returns its version.
         Runs beside a `train_step` that waits for a batch; ParamSync's lock orders it with syncs."""
         return self.param_sync.replace_engine(old_url, new_url)
+
+
+def _training_dump(directory: str | None, tokenizer: Any) -> Any:
+    """trainer.rollout_data_dir: each step's trained trajectories as {step}.jsonl (observe/dumps.py); None: off."""
+    if not directory:
+        return None
+
+    from rllm.experimental.fully_async.observe.dumps import write_training_batch
+
+    return lambda step, groups, data: write_training_batch(Path(directory), step, groups, data, tokenizer)
 
 
 def _files(value: Any) -> list[str]:

@@ -71,6 +71,7 @@ class FullyAsyncTrainer:
         critic: Any | None = None,  # backends.critic.FSDPCriticBackend, for adv_estimator=gae
         version: int = 0,
         step: int = 0,
+        dump: Any | None = None,  # (step, groups, data) -> None: trainer.rollout_data_dir (observe/dumps.py)
     ) -> None:
         self.settings = settings
         self.backend = backend
@@ -82,6 +83,7 @@ class FullyAsyncTrainer:
         self.critic = critic
         self.version = version
         self.step = step
+        self.dump = dump
 
     # ------------------------------------------------------------------------------------------------------
 
@@ -137,9 +139,9 @@ class FullyAsyncTrainer:
         if self.critic is not None:
             # Values from the critic's weights before its own step: they anchor the value clip.
             data.batch["values"] = self.critic.compute_values(data)
-        advantages = self.advantages.compute_with_stats(data)  # advantages/* and, for GiGPO, gigpo/* statistics
+        advantages = self.advantages.compute_with_stats(data)
         data = advantages.data
-        metrics.update(advantages.to_metrics())
+        metrics.update(advantages.to_metrics())  # advantages/* and, for GiGPO, gigpo/* (its step groups)
         metrics.update(self._old_log_probs(data))
         metrics["timing/advantages_s"] = clock.lap()
         if self.critic is not None:
@@ -150,6 +152,8 @@ class FullyAsyncTrainer:
 
         self._pending_ack = Ack.of(groups)  # delivered with the next request (or by flush_ack)
         metrics.update(_batch_metrics(groups, data))
+        if self.dump is not None:  # the trajectories with the advantages just computed
+            self.dump(self.step, groups, data)
 
         if self.step % self.settings.trigger_parameter_sync_step == 0:
             metrics.update(self.sync_weights())

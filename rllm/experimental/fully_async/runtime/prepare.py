@@ -64,6 +64,9 @@ def check_data(cfg: DictConfig) -> int:
         from rllm.experimental.fully_async.data import DataError
 
         raise DataError(f"{cfg.data.train_files}: no prompt left after filtering (data.max_prompt_length?)")
+    from rllm.experimental.fully_async.workflows import check_agent_fits_model
+
+    check_agent_fits_model(cfg)
     return len(train)
 
 

@@ -53,6 +53,7 @@ class RolloutService:
         self._last_batch_at = time.monotonic()
         self._last_tokens = 0
         self._last_busy: dict[str, float] = {}
+        self.batches_taken = 0  # batches handed to the trainer: its step count (names validation dumps)
 
     async def run(self) -> dict[str, Any]:
         """Run the executor until the data is exhausted or `stop()`; then close the queue so the trainer drains it."""
@@ -95,6 +96,7 @@ class RolloutService:
             # Woken by every change; a group that arrives stale is dropped at the top of the loop.
             await self.queue.wait_for(lambda: len(self.queue) >= n or self.queue.closed, remaining)
         wait_s = time.monotonic() - started
+        self.batches_taken += bool(groups)
         metrics = self.metrics() | self._filter_metrics() | self._generation_metrics()
         return Batch(groups, status, stale, wait_s, metrics)  # type: ignore[arg-type]
 
@@ -180,13 +182,21 @@ class RolloutServiceActor:
         from rllm.experimental.fully_async.runtime.actors import load_prompt_datasets
         from rllm.experimental.fully_async.runtime.ledger_journal import journaled_ledger
         from rllm.experimental.fully_async.runtime.rollout_executor import ExecutorSettings
-        from rllm.experimental.fully_async.workflows import build_workflow, load_reward_fn
+        from rllm.experimental.fully_async.workflows import IsolatedReward, build_workflow, load_reward_fn
 
         logging.basicConfig(level=os.environ.get("RLLM_LOG_LEVEL", "WARNING"))
         self.cfg: DictConfig = OmegaConf.create(cfg)
         c = self.cfg
         self.tokenizer = AutoTokenizer.from_pretrained(c.actor_rollout_ref.model.path)
-        self.reward_fn = load_reward_fn(c)
+        # User code (rewards, environments, tools) runs in these worker processes, where a timeout kills a hung call
+        # (workers/pool.py); they exit with this process.
+        self.pool = _worker_pool(c)
+        self.reward_fn = load_reward_fn(c, self.pool)
+        uses_reward = c.workflow.path is None and (
+            c.workflow.name == "single_turn" or c.reward.custom_reward_function.path
+        )
+        if isinstance(self.reward_fn, IsolatedReward) and uses_reward:
+            self.pool.preload += (self.reward_fn.reference,)
         # Under on_engine_failure=restart a request finding no live engine waits for a restarted one (the
         # supervisor gives a restart startup_timeout_s) rather than failing its sample.
         restarting = str(c.engines.on_engine_failure) == "restart"
@@ -225,10 +235,11 @@ class RolloutServiceActor:
         )
         queued = queued or []
         queue = MessageQueue(max_groups=max(int(at.queue_max_groups), len(queued)))
+        self.workflow = build_workflow(c, self.reward_fn, self.pool)
         executor = RolloutExecutor(
             settings,
             prompts,
-            build_workflow(c, self.reward_fn),
+            self.workflow,
             self.client,
             self.tokenizer,
             queue,
@@ -302,7 +313,7 @@ class RolloutServiceActor:
                 urls = self.client.alive_urls
                 versions = await asyncio.gather(*(self.client.get_weight_version(u) for u in urls))
                 pinned = pinned_version(dict(zip(urls, versions, strict=True)))
-                result = await self.validate()
+                result = await self.validate(step)
             off = result.get("val/min_version", pinned) != pinned or result.get("val/version", pinned) != pinned
             result |= {"val/pinned_version": float(pinned), "val/off_version_answers": float(off)}
         except asyncio.CancelledError:
@@ -318,11 +329,14 @@ class RolloutServiceActor:
         }
         self._finished_validations.append(result)
 
-    async def validate(self) -> dict:
+    async def validate(self, step: int | None = None) -> dict:
+        """Held-out accuracy; `step` names the validation dump file (default: the batches taken so far)."""
         from rllm.experimental.fully_async.runtime.validation import evaluate
 
         if not self.val:
             return {}
+        if self.cfg.workflow.path is not None or self.cfg.workflow.name != "single_turn":
+            return await self._validate_episodes(self.service.batches_taken if step is None else step)
         result = await evaluate(
             self.client,
             self.tokenizer,
@@ -339,5 +353,39 @@ class RolloutServiceActor:
             "val/min_version": float(min(result.versions, default=-1)),
         }
 
+    async def _validate_episodes(self, step: int) -> dict:
+        from rllm.experimental.fully_async.runtime.validation import evaluate_episodes
+        from rllm.experimental.fully_async.settings.spec import validation_sampling_spec
+
+        spec = validation_sampling_spec(self.cfg)
+        sampling = {"temperature": spec.temperature, "top_p": spec.top_p, "top_k": spec.top_k}
+        result, episodes = await evaluate_episodes(
+            self.workflow, self.client, self.tokenizer, self.val, n=spec.n, sampling=sampling
+        )
+        if self.cfg.trainer.validation_data_dir:
+            from rllm.experimental.fully_async.observe.dumps import write_episodes
+
+            write_episodes(Path(self.cfg.trainer.validation_data_dir), step, episodes, self.tokenizer)
+        return {
+            "val/accuracy": result.accuracy,
+            "val/num_prompts": float(result.num_prompts),
+            "val/num_failed": float(result.num_failed),
+            "val/version": float(max(result.versions, default=-1)),
+        }
+
     async def aclose(self) -> None:
         await self.client.aclose()
+        self.pool.close()
+
+
+def _worker_pool(cfg: DictConfig) -> Any:
+    """The worker pool for user code, its workers preloading the environment's and the reward's modules so that
+    no call's timeout pays for an import."""
+    from rllm.experimental.fully_async.workers.pool import DEFAULT_PRELOAD, WorkerPool
+
+    preload = list(DEFAULT_PRELOAD)
+    if cfg.workflow.path is None and cfg.workflow.name == "multi_turn":
+        from rllm.experimental.fully_async.envs.base import EnvSpec
+
+        preload.append(EnvSpec.from_config(OmegaConf.to_container(cfg.env, resolve=True)).reference)
+    return WorkerPool(max_workers=2, preload=tuple(preload))

@@ -1,12 +1,20 @@
-"""Held-out validation through the engines: greedy decoding, the task's reward, accuracy = mean reward."""
+"""Held-out validation through the engines, accuracy = mean reward.
+
+- `evaluate`: single-turn; each prompt decoded once, greedily, and scored by the task's reward.
+- `evaluate_episodes`: agents (multi_turn and other workflows); the training workflow itself plays each held-out
+  prompt `n` times with verl's `val_kwargs` sampling, and accuracy is the mean episode reward (for a 0/1 reward:
+  the held-out success rate). Failed episodes are counted apart, as failed rewards are.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
 
+from rllm.experimental.fully_async.core.protocol import Trajectory, TrajectoryStatus
 from rllm.experimental.fully_async.workflows.base import RewardFn, score_safely
 
 logger = logging.getLogger(__name__)
@@ -54,3 +62,30 @@ async def evaluate(
         num_failed=len(results) - len(scored),
         versions=tuple(versions),
     )
+
+
+async def evaluate_episodes(
+    workflow: Any, client: Any, tokenizer: Any, data: list[Any], *, n: int, sampling: dict[str, Any]
+) -> tuple[ValidationResult, list[Trajectory]]:
+    """Play every held-out datum `n` times with `workflow` under `sampling` (SGLang parameters that replace the
+    workflow's temperature/top_p/top_k). Returns the result and the episodes (for validation dumps)."""
+    if dataclasses.is_dataclass(workflow) and hasattr(workflow, "sampling_params"):
+        workflow = dataclasses.replace(workflow, sampling_params={**workflow.sampling_params, **sampling})
+    else:
+        logger.warning("workflow %s has no sampling_params: validation samples with its training settings", workflow)
+
+    async def one(datum: Any, index: int) -> Trajectory:
+        # Its own prompt ids: the engines' request ids must not collide with a training rollout of the same prompt.
+        held_out = dataclasses.replace(datum, prompt_uid=f"val/{datum.prompt_uid}")
+        return await workflow.run(client, tokenizer, held_out, index)
+
+    episodes = await asyncio.gather(*(one(d, i) for d in data for i in range(n)))
+    ok = [t for t in episodes if t.status == TrajectoryStatus.OK]
+    versions = {v for t in episodes for s in t.sequences for v in s.response_versions}
+    result = ValidationResult(
+        accuracy=sum(t.reward for t in ok) / len(ok) if ok else 0.0,
+        num_prompts=len(data),
+        num_failed=len(episodes) - len(ok),
+        versions=tuple(sorted(versions)),
+    )
+    return result, list(episodes)

@@ -260,7 +260,11 @@ def _lookup(cfg: DictConfig, dotted: str) -> Any:
 
 # verl defaults written as integers for settings that are fractions.
 _FLOAT_KEYS_WITH_INT_DEFAULTS = frozenset(
-    {"actor_rollout_ref.rollout.top_p", "actor_rollout_ref.rollout.val_kwargs.top_p"}
+    {
+        "actor_rollout_ref.rollout.top_p",
+        "actor_rollout_ref.rollout.val_kwargs.top_p",
+        "actor_rollout_ref.rollout.val_kwargs.temperature",
+    }
 )
 
 

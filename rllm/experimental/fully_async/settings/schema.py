@@ -1,7 +1,8 @@
 """The typed sections this project adds to verl's config, and its fully-async defaults for verl keys.
 
 This is the schema `settings/loader.py` composes on verl's `ppo_trainer` defaults: one dataclass per top-level section
-(`PROJECT_SECTIONS`: `async_training`, `engines`, `param_sync`, `task`, `workflow`, `run`), each field with a
+(`PROJECT_SECTIONS`: `async_training`, `engines`, `param_sync`, `task`, `workflow`, `env`, `tools`,
+`run`), each field with a
 comment on its unit and how to choose it, and `FULLY_ASYNC_VERL_DEFAULTS` for the verl keys whose verl default
 does not suit this trainer. Loading, merging, derived values and validation live in `settings/loader.py`.
 """
@@ -93,9 +94,43 @@ class TaskConfig:
 class WorkflowConfig:
     """The rollout workflow: `async def run(client, tokenizer, datum, ...) -> Trajectory` (see workflows/)."""
 
-    name: str = "single_turn"  # single_turn | a registered name
-    path: str | None = None  # a Python file defining a custom workflow class (with `name`)
-    reward_timeout_s: float = 30.0  # a reward function running longer fails the trajectory
+    name: str = "single_turn"  # single_turn | multi_turn (an agent in env.*) | with `path`, the object's name
+    # A Python file defining `name`: a workflow class, or an rLLM rollout function `async def fn(client, tokenizer,
+    # **datum)` (workflows/rllm_compat.py maps it, unchanged).
+    path: str | None = None
+    # A reward function running longer fails the trajectory; user reward code runs in the worker pool, where a hung
+    # call's worker is killed (workers/pool.py).
+    reward_timeout_s: float = 30.0
+    # multi_turn: per_step (one training row per model turn; what GiGPO needs) | concat (one row per episode,
+    # observations masked; cheaper for long episodes, GiGPO then reduces to GRPO). See workflows/multi_turn.py.
+    layout: str = "per_step"
+    # rLLM rollout functions: pass each datum field wrapped in a 1-element array, as verl's collate does (rLLM's
+    # DAPO example indexes kwargs["raw_prompt"][0]). false: plain values.
+    rllm_batched: bool = False
+
+
+@dataclass
+class EnvConfig:
+    """The environment a multi_turn workflow plays (envs/base.py): read only with workflow.name=multi_turn."""
+
+    name: str | None = None  # a built-in (number_line) or, with `path`, the class name in that file
+    path: str | None = None  # a Python file or module defining the environment class; null: a built-in
+    kwargs: dict[str, Any] = field(default_factory=dict)  # constructor keyword arguments
+    max_turns: int = 8  # model turns per episode; then it ends with reason max_turns
+    # prompt + every turn + every observation, in tokens; past it the episode ends with reason length. Must fit the
+    # engine's context (the model's max_position_embeddings): checked when the rollout service starts.
+    max_total_tokens: int = 512
+    step_timeout_s: float = 10.0  # one reset/step call; past it the worker is killed and the episode ends (timeout)
+
+
+@dataclass
+class ToolsConfig:
+    """Tools a multi_turn agent may call (workflows/tools.py); empty `functions`: no tools."""
+
+    format: str = "hermes"  # hermes (<tool_call>{json}</tool_call>) | compact (name[argument], tiny vocabularies)
+    timeout_s: float = 5.0  # one tool call; past it the worker is killed and the episode ends (timeout)
+    # tool name -> "module:function" or "/file.py:function"; "calculator" names the built-in calculator
+    functions: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -113,6 +148,8 @@ PROJECT_SECTIONS: dict[str, type] = {
     "param_sync": ParamSyncConfig,
     "task": TaskConfig,
     "workflow": WorkflowConfig,
+    "env": EnvConfig,
+    "tools": ToolsConfig,
     "run": RunConfig,
 }
 

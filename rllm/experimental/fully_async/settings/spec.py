@@ -46,6 +46,33 @@ class DataSpec:
 
 
 @dataclass(frozen=True)
+class AgentSpec:
+    """A multi_turn workflow's environment, tools and row layout (`env`, `tools`, `workflow.layout`)."""
+
+    env_name: str
+    env_path: str | None
+    env_kwargs: Mapping[str, Any]
+    max_turns: int
+    max_total_tokens: int
+    step_timeout_s: float
+    layout: str  # per_step | concat
+    tool_format: str
+    tool_timeout_s: float
+    tools: Mapping[str, str]  # name -> function reference; empty: no tools
+
+
+@dataclass(frozen=True)
+class ValidationSamplingSpec:
+    """How multi_turn validation samples (verl's actor_rollout_ref.rollout.val_kwargs): n episodes per held-out
+    prompt, success = mean episode reward. Single-turn validation decodes once, greedily (verl's defaults stay)."""
+
+    n: int
+    temperature: float  # 0 when do_sample is false
+    top_p: float
+    top_k: int
+
+
+@dataclass(frozen=True)
 class ExecutorSpec:
     """The rollout side: budget, sampling, workflow, filter."""
 
@@ -64,6 +91,9 @@ class ExecutorSpec:
     reward_fn_name: str | None
     group_filter: FilterConfig | None
     data: DataSpec
+    agent: AgentSpec | None = None  # workflow.name=multi_turn
+    rllm_batched: bool = False  # workflow.rllm_batched (an rLLM rollout function at workflow.path)
+    validation: ValidationSamplingSpec | None = None
 
     @property
     def batch_groups(self) -> int:
@@ -153,6 +183,8 @@ class RunSectionSpec:
     resume_mode: str
     resume_from_path: str | None
     task: TaskSpec
+    rollout_data_dir: str | None = None  # trainer.rollout_data_dir: each step's trajectories as {step}.jsonl
+    validation_data_dir: str | None = None  # trainer.validation_data_dir: each validation's episodes
 
 
 @dataclass(frozen=True)
@@ -205,6 +237,9 @@ def build_run_spec(cfg: DictConfig) -> RunSpec:
         reward_fn_name=(reward.name if reward.path else legacy.name or reward.name) or None,
         group_filter=dataclass_from_config(cfg, "algorithm.group_filter", FilterConfig),
         data=data,
+        agent=_agent_spec(cfg),
+        rllm_batched=bool(cfg.workflow.rllm_batched),
+        validation=validation_sampling_spec(cfg),
     )
     gae = cfg.algorithm.adv_estimator == "gae"
     trainer = TrainerSpec(
@@ -273,8 +308,38 @@ def build_run_spec(cfg: DictConfig) -> RunSpec:
             cache_dir=str(cfg.task.cache_dir),
             warmup_steps=int(cfg.task.warmup_steps),
         ),
+        rollout_data_dir=None if t.rollout_data_dir is None else str(t.rollout_data_dir),
+        validation_data_dir=None if t.validation_data_dir is None else str(t.validation_data_dir),
     )
     return RunSpec(executor=executor, trainer=trainer, engines=engines, param_sync=param_sync, run=run)
+
+
+def _agent_spec(cfg: DictConfig) -> AgentSpec | None:
+    if cfg.workflow.path is not None or cfg.workflow.name != "multi_turn":
+        return None  # validate() refuses env/tools/layout settings without a multi_turn workflow
+    env, tools = cfg.env, cfg.tools
+    return AgentSpec(
+        env_name=str(env.name),
+        env_path=env.path,
+        env_kwargs=_frozen(env.kwargs),
+        max_turns=int(env.max_turns),
+        max_total_tokens=int(env.max_total_tokens),
+        step_timeout_s=float(env.step_timeout_s),
+        layout=str(cfg.workflow.layout),
+        tool_format=str(tools.format),
+        tool_timeout_s=float(tools.timeout_s),
+        tools=_frozen(tools.functions),
+    )
+
+
+def validation_sampling_spec(cfg: DictConfig) -> ValidationSamplingSpec:
+    val = cfg.actor_rollout_ref.rollout.val_kwargs
+    return ValidationSamplingSpec(
+        n=int(val.n),
+        temperature=float(val.temperature) if bool(val.do_sample) else 0.0,
+        top_p=float(val.top_p),
+        top_k=int(val.top_k),
+    )
 
 
 def _files(value: Any) -> tuple[str, ...]:

@@ -31,6 +31,8 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "data.truncation": ("error", "left", "right"),
     "trainer.resume_mode": ("auto", "disable", "resume_path"),
     "run.log_level": ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+    "workflow.layout": ("per_step", "concat"),
+    "tools.format": ("hermes", "compact"),
 }
 
 # key -> (minimum, strict): value must be > minimum (strict) or >= minimum.
@@ -52,6 +54,12 @@ _LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "engines.max_restarts": (0, False),
     "param_sync.timeout_s": (0, True),
     "workflow.reward_timeout_s": (0, True),
+    "env.max_turns": (1, False),
+    "env.max_total_tokens": (1, False),
+    "env.step_timeout_s": (0, True),
+    "tools.timeout_s": (0, True),
+    "actor_rollout_ref.rollout.val_kwargs.n": (1, False),
+    "actor_rollout_ref.rollout.val_kwargs.temperature": (0, False),
     "task.warmup_steps": (0, False),
     "task.val_size": (1, False),
     "actor_rollout_ref.rollout.n": (1, False),
@@ -261,13 +269,66 @@ def _validate_cross_fields(cfg: DictConfig) -> None:
         for key in ("data.train_files", "actor_rollout_ref.model.path"):
             if not OmegaConf.select(cfg, key):
                 raise ConfigError(f"'{key}' must be set when task.name is null (or set task.name=addition)")
-    if cfg.workflow.path is None and cfg.workflow.name != "single_turn":
-        raise ConfigError(
-            f"'workflow.name' {cfg.workflow.name!r} is not a built-in workflow (single_turn); "
-            "set workflow.path to the file that defines it"
-        )
+    _validate_agent(cfg)
     if cfg.task.name is not None and cfg.task.name not in task_names():
         raise ConfigError(unknown_task_message(cfg.task.name))
     total = cfg.trainer.total_training_steps
     if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 1):
         raise ConfigError(f"'trainer.total_training_steps' must be a positive integer or null, got {total!r}")
+
+
+BUILTIN_WORKFLOWS = ("single_turn", "multi_turn")
+
+
+def _validate_agent(cfg: DictConfig) -> None:
+    """The workflow, and the sections only a multi_turn workflow reads (env, tools, workflow.layout, val_kwargs)."""
+    from rllm.experimental.fully_async.settings.schema import EnvConfig, ToolsConfig, WorkflowConfig
+
+    wf = cfg.workflow
+    if wf.path is None and wf.name not in BUILTIN_WORKFLOWS:
+        raise ConfigError(
+            f"'workflow.name' {wf.name!r} is not a built-in workflow ({', '.join(BUILTIN_WORKFLOWS)}); "
+            "set workflow.path to the file that defines it"
+        )
+    if wf.rllm_batched != WorkflowConfig.rllm_batched and wf.path is None:
+        raise ConfigError("'workflow.rllm_batched' is read only with an rLLM rollout function at workflow.path")
+    multi_turn = wf.path is None and wf.name == "multi_turn"
+    if not multi_turn:
+        defaults = {"env": EnvConfig(), "tools": ToolsConfig()}
+        for section, default in defaults.items():
+            for key, value in default.__dict__.items():
+                if _plain(cfg[section][key]) != value:
+                    raise ConfigError(f"'{section}.{key}' is read only with workflow.name=multi_turn; remove it")
+        if wf.layout != WorkflowConfig.layout:
+            raise ConfigError("'workflow.layout' is read only with workflow.name=multi_turn; remove it")
+    val_kwargs = cfg.actor_rollout_ref.rollout.val_kwargs
+    if wf.path is None and wf.name == "single_turn":
+        verl_defaults = {"n": 1, "temperature": 0, "do_sample": False, "top_p": 1.0, "top_k": -1}
+        for key, value in verl_defaults.items():
+            if val_kwargs[key] != value:
+                raise ConfigError(
+                    f"'actor_rollout_ref.rollout.val_kwargs.{key}' is read only by agent workflows "
+                    "(single-turn validation decodes each prompt once, greedily); remove it"
+                )
+    elif not val_kwargs.do_sample and val_kwargs.temperature != 0:
+        raise ConfigError(
+            "'actor_rollout_ref.rollout.val_kwargs.temperature' is used only with val_kwargs.do_sample=true "
+            "(verl's rule: do_sample=false decodes greedily); set both"
+        )
+    if not multi_turn:
+        return
+    if cfg.env.name is None:
+        raise ConfigError("'env.name' must be set with workflow.name=multi_turn (a built-in such as number_line)")
+    from rllm.experimental.fully_async.envs.base import EnvSpec
+    from rllm.experimental.fully_async.workflows.tools import ToolBox
+
+    try:
+        EnvSpec.from_config(_plain(cfg.env))
+        if len(cfg.tools.functions):
+            ToolBox(dict(cfg.tools.functions), str(cfg.tools.format), float(cfg.tools.timeout_s))
+    except ValueError as exc:
+        raise ConfigError(_first_line(exc)) from exc
+
+
+def _plain(node: object) -> object:
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node

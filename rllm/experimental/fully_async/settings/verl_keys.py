@@ -68,6 +68,9 @@ VERL_KEYS_READ: dict[str, str] = {
     "trainer.device": "RunSpec.trainer (cuda refused without CUDA)",
     "trainer.n_gpus_per_node": "RunSpec.trainer.world_size (trainer ranks, runtime/trainer_ranks.py)",
     "trainer.nnodes": "RunSpec.trainer.world_size",
+    "trainer.rollout_data_dir": "trajectory dumps per step (RunSpec.run.rollout_data_dir, observe/dumps.py)",
+    "trainer.validation_data_dir": "validation dumps (RunSpec.run.validation_data_dir, observe/dumps.py)",
+    "actor_rollout_ref.rollout.val_kwargs.": "multi_turn validation sampling (RunSpec.executor.validation)",
     # rewards
     "reward.custom_reward_function.path": "RunSpec.executor.reward_fn_path",
     "reward.custom_reward_function.name": "RunSpec.executor.reward_fn_name",

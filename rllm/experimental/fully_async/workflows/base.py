@@ -4,6 +4,12 @@ A workflow is one `async` method (AReaL's contract): given an engine client, the
 it runs one sample to the end and returns a `Trajectory`. It never raises for a bad sample: a reward function
 that raises, hangs or returns a non-number gives a FAILED trajectory with the reason, so the ledger counts it
 and the run goes on. Only cancellation and engine exhaustion (no engine left) propagate.
+
+Where a reward runs (DESIGN rule 11): a user's synchronous reward function (`reward.custom_reward_function`, or
+verl's `default_compute_score`) is an `IsolatedReward`, called in the worker pool (workers/pool.py), whose timeout
+KILLS a hung call's worker. A built-in task's reward (this package's code, pure and fast) and any in-process
+callable run in a daemon thread of their own; an `async def` reward is awaited on the loop. Each with
+`reward_timeout_s`.
 """
 
 from __future__ import annotations
@@ -28,6 +34,23 @@ from rllm.experimental.fully_async.core.protocol import Trajectory
 logger = logging.getLogger(__name__)
 
 RewardFn = Callable[..., Any]  # verl's signature: (data_source, solution_str, ground_truth, extra_info) -> float
+
+
+@dataclass(frozen=True)
+class IsolatedReward:
+    """A reward function by reference ("module:name" or "/file.py:name"), run in `pool` by `score_safely`.
+
+    Calling the object directly runs the function in this process (a custom workflow that calls its reward_fn
+    itself gets the plain function's behaviour, without isolation).
+    """
+
+    reference: str
+    pool: Any  # workers.pool.WorkerPool
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from rllm.experimental.fully_async.workers.pool import resolve_reference
+
+        return resolve_reference(self.reference)(*args, **kwargs)
 
 
 class GenerationClient(Protocol):
@@ -64,10 +87,24 @@ async def score_safely(
 ) -> RewardOutcome:
     """Call a reward function with a timeout; turn exceptions, hangs and non-numbers into a failure reason.
 
-    Synchronous reward functions run in a worker thread so a slow one does not stall the event loop that drives
-    every other rollout. A hung thread cannot be killed in Python; it is abandoned and the sample fails.
+    An `IsolatedReward` runs in the worker pool: past the timeout its worker is killed. Other synchronous reward
+    functions run in a thread of their own so a slow one does not stall the event loop that drives every other
+    rollout; a hung thread cannot be killed in Python, it is abandoned and the sample fails.
     verl reward functions may return a float or a dict with a "score" key (the rest is kept as extra metrics).
     """
+    if isinstance(reward_fn, IsolatedReward):
+        from rllm.experimental.fully_async.workers.pool import IsolatedCallError
+
+        try:
+            raw = await reward_fn.pool.call(
+                reward_fn.reference, data_source, solution_str, ground_truth, extra_info, timeout_s=timeout_s
+            )
+        except IsolatedCallError as exc:
+            if exc.kind == "timeout":
+                return RewardOutcome(None, f"reward_timeout: no result within {timeout_s:g}s (worker killed)")
+            detail = exc.reason.split(" raised ", 1)[-1] if exc.kind == "exception" else exc.reason
+            return RewardOutcome(None, f"reward_error: {detail}")
+        return _outcome(raw)
     try:
         if inspect.iscoroutinefunction(reward_fn):
             call: Awaitable[Any] = reward_fn(data_source, solution_str, ground_truth, extra_info)
@@ -80,6 +117,11 @@ async def score_safely(
         raise
     except Exception as exc:  # a user function: any exception is a failed sample, not a failed run
         return RewardOutcome(None, f"reward_error: {type(exc).__name__}: {exc}")
+    return _outcome(raw)
+
+
+def _outcome(raw: Any) -> RewardOutcome:
+    """A verl reward's return value (a number, or a dict with "score") as an outcome, or why it is not one."""
     extra = None
     if isinstance(raw, dict):
         extra = {k: v for k, v in raw.items() if k != "score"}
@@ -123,12 +165,32 @@ def _in_own_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:
     return future
 
 
-def load_reward_fn(cfg: Any) -> RewardFn:
+BUILTIN_REWARD_PREFIX = "rllm.experimental.fully_async.tasks."  # built-in tasks' rewards: trusted, in-process
+
+
+def load_reward_fn(cfg: Any, pool: Any = None) -> RewardFn:
     """The configured reward: verl's custom_reward_function (path + name), else verl's default_compute_score.
 
     Both of verl's locations are honoured: `reward.custom_reward_function` (0.7.1) and the legacy top-level
-    `custom_reward_function`. `path` is a Python file (as in verl) or an importable module name.
+    `custom_reward_function`. `path` is a Python file (as in verl) or an importable module name. The function is
+    loaded here too, so that a bad path fails at start-up in one line; with a `pool`, a synchronous function that
+    is not a built-in task's comes back as an `IsolatedReward` (run in the pool, see the module docstring).
     """
+    fn = _load_reward_fn(cfg)
+    if pool is None or inspect.iscoroutinefunction(fn):
+        return fn
+    path = cfg.reward.custom_reward_function.get("path")
+    name = cfg.reward.custom_reward_function.get("name") or "compute_score"
+    if not path:
+        return IsolatedReward("verl.utils.reward_score:default_compute_score", pool)
+    if path.startswith(BUILTIN_REWARD_PREFIX):
+        return fn
+    if path.endswith(".py") or os.path.exists(path):
+        return IsolatedReward(f"{os.path.abspath(path)}:{name}", pool)
+    return IsolatedReward(f"{path}:{name}", pool)
+
+
+def _load_reward_fn(cfg: Any) -> RewardFn:
     from verl.trainer.ppo.reward import get_custom_reward_fn
     from verl.utils.reward_score import default_compute_score
 

@@ -31,7 +31,15 @@ one-line `failure_reason` ("env_timeout: ..."), so the ledger records it and the
 `obs_end`, where the observation or tool result appended after it ends; plus the turn's reward, whether it was a
 tool call, and the env's info.
 
-Rewards: `step_rewards` are the environment's rewards per turn (0 for tool turns); `reward` is their sum.
+Rewards: without a reward function, `step_rewards` are the environment's rewards per turn (0 for tool turns) and
+`reward` is their sum. With one (`reward_fn`, verl's signature, run through `score_safely`: in the worker pool for
+user code), it is called once per finished episode with `solution_str` = the transcript after the datum's prompt
+and `extra_info` = the datum's plus "steps" (each turn's action, observation, env reward), "end_reason" and
+"env_rewards". It returns a number or `{"score": s, "step_rewards": [{"step_index": i, "reward": r}, ...]}`:
+- a score only: `reward` = s, placed on the last turn (earlier turns 0; GiGPO's discounted returns carry it back);
+- with step_rewards: turn i gets r (turns not listed get None, which GiGPO counts as 0), and `reward` = s is the
+  reported episode reward. Indices outside the episode fail the trajectory (reason reward_bad_step_rewards).
+With layout "concat" (one row) the step rewards collapse to [reward].
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ from rllm.experimental.fully_async.engines.client import EngineHTTPError
 from rllm.experimental.fully_async.envs.base import EnvSpec, state_hash
 from rllm.experimental.fully_async.envs.session import EnvError, IsolatedEnv
 from rllm.experimental.fully_async.workers.pool import WorkerPool
-from rllm.experimental.fully_async.workflows.base import GenerationClient
+from rllm.experimental.fully_async.workflows.base import GenerationClient, RewardFn, score_safely
 from rllm.experimental.fully_async.workflows.chat_turns import ChatTurns
 from rllm.experimental.fully_async.workflows.tools import ToolBox, ToolError
 
@@ -89,6 +97,8 @@ class MultiTurnWorkflow:
     tools: ToolBox | None = None
     layout: Layout = "per_step"
     observation_role: str = "user"
+    reward_fn: RewardFn | None = None  # None: the environment's rewards (module docstring)
+    reward_timeout_s: float = 30.0
     name: str = field(default="multi_turn", init=False)
 
     def __post_init__(self) -> None:
@@ -153,7 +163,7 @@ class MultiTurnWorkflow:
                 episode.failure = f"{prefix}_{episode.end_reason.removeprefix('env_')}: {exc.reason}"
                 break
             episode.rewards.append(reward)
-            step |= {"reward": reward, "info": info}
+            step |= {"reward": reward, "info": info, "action": text, "observation": reply}
             if done:
                 step["obs_end"] = len(episode.context)
                 episode.steps.append(step)
@@ -165,7 +175,51 @@ class MultiTurnWorkflow:
             episode.steps.append(step)
         if episode.end_reason == "max_turns" and len(episode.context) >= self.env.max_total_tokens:
             episode.end_reason = "length"
-        return self._trajectory(uid, datum, episode)
+        trajectory = self._trajectory(uid, datum, episode)
+        if self.reward_fn is not None and trajectory.status == TrajectoryStatus.OK:
+            await self._score(trajectory, datum, tokenizer, episode)
+        return trajectory
+
+    async def _score(self, trajectory: Trajectory, datum: Any, tokenizer: Any, episode: _Episode) -> None:
+        """Replace the environment's rewards by the reward function's (rules in the module docstring)."""
+        extra = dict(datum.extra_info or {}) | {
+            "steps": [dict(step) for step in episode.steps],
+            "end_reason": episode.end_reason,
+            "env_rewards": list(episode.rewards),
+        }
+        transcript = tokenizer.decode(episode.context[len(datum.prompt_ids) :], skip_special_tokens=True)
+        outcome = await score_safely(
+            self.reward_fn,  # type: ignore[arg-type]
+            self.reward_timeout_s,
+            data_source=datum.data_source,
+            solution_str=transcript,
+            ground_truth=datum.ground_truth,
+            extra_info=extra,
+        )
+        failure = outcome.failure
+        n = len(trajectory.sequences) if self.layout == "per_step" else 1
+        rewards: list[float | None] = [0.0] * n
+        listed = (outcome.extra or {}).pop("step_rewards", None)
+        if failure is None and listed is not None:
+            rewards = [None] * n
+            try:
+                for item in listed:
+                    index, value = int(item["step_index"]), float(item["reward"])
+                    if not 0 <= index < len(episode.turns):
+                        raise ValueError(f"step_index {index} outside the episode's {len(episode.turns)} turns")
+                    rewards[index if self.layout == "per_step" else 0] = value
+            except (KeyError, TypeError, ValueError) as exc:
+                failure = f"reward_bad_step_rewards: {type(exc).__name__}: {exc}"
+        elif failure is None:
+            rewards[-1] = outcome.reward
+        if failure is not None:
+            trajectory.status, trajectory.failure_reason = TrajectoryStatus.FAILED, failure
+            logger.warning("sample %s failed: %s", trajectory.uid, failure)
+            return
+        trajectory.reward = float(outcome.reward)  # type: ignore[arg-type]
+        trajectory.step_rewards = rewards if listed is None or self.layout == "per_step" else [trajectory.reward]
+        if outcome.extra:
+            trajectory.metadata["reward_extra"] = outcome.extra
 
     def _failed(self, uid: str, datum: Any, exc: EnvError) -> Trajectory:
         reason = "timeout" if exc.kind == "timeout" else "env_error"

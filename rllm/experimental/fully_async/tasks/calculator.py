@@ -1,0 +1,205 @@
+"""Calculator: a tool task a tiny Qwen2 learns on CPU in minutes (env: envs/product.py, tool: tools/calculator.py).
+
+The problem is a product of two 2-digit numbers. The model cannot multiply; it can call the calculator in the
+compact tool format and copy its answer. The conversation, token by token (character-level vocabulary):
+
+    Q 23*47=  c[23*47]<eos>  >1081:  1081<eos>        (prompt, problem, tool call, tool result, answer)
+
+The tool result is a tool message, which the chat template renders as ">result:"; both the problem and the
+result are appended with loss mask 0. The supervised warm-up imitates a demonstrator that calls the tool only
+with probability `DEMO_TOOL_P` and otherwise guesses a number, so it starts near that success rate; RL learns to
+call the tool every time (the best policy always succeeds).
+
+Data: random (a, b) pairs, 10..99, split into disjoint train and held-out sets by a fixed seed, written as
+verl-format parquet (prompt "Q", `extra_info` {a, b}, ground truth the product).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rllm.experimental.fully_async.tasks.addition import single_torch_thread
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
+DATA_SOURCE = "fully_async/calculator"
+PAD_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "<eos>", "<unk>"
+CHARACTERS = "0123456789*=c[]>:Q"
+VOCAB: dict[str, int] = {PAD_TOKEN: 0, EOS_TOKEN: 1, UNK_TOKEN: 2} | {c: 3 + i for i, c in enumerate(CHARACTERS)}
+# A tool message renders as ">result:", everything else verbatim (so the result is delimited for the model).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'tool' %}>{{ m['content'] }}:{% else %}{{ m['content'] }}{% endif %}"
+    "{% endfor %}"
+)
+PROMPT = "Q"
+DEMO_TOOL_P = 0.4
+NUM_TRAIN, NUM_VAL = 3000, 100
+ASSETS_VERSION = 1
+WARMUP_BATCH_SIZE = 128
+WARMUP_LR = 2e-3
+MODEL_CONFIG: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,  # an episode is at most ~30 tokens
+    "tie_word_embeddings": True,
+    "rope_theta": 10_000.0,
+}
+
+
+@dataclass(frozen=True)
+class CalculatorAssets:
+    model_dir: Path
+    train_parquet: Path
+    val_parquet: Path
+    warmup_seconds: float
+    cache_key: str
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    from rllm.experimental.fully_async.tasks.number_line import build_tokenizer as character_tokenizer
+
+    return character_tokenizer(VOCAB, CHAT_TEMPLATE)
+
+
+def build_model(seed: int = 0) -> PreTrainedModel:
+    from rllm.experimental.fully_async.tasks.number_line import build_model as tiny_qwen2
+
+    return tiny_qwen2(seed, VOCAB, MODEL_CONFIG)
+
+
+def make_pairs(seed: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
+    random.Random(seed).shuffle(pairs)
+    return pairs[NUM_VAL : NUM_VAL + NUM_TRAIN], pairs[:NUM_VAL]
+
+
+def write_parquets(out_dir: Path, seed: int = 0) -> tuple[Path, Path]:
+    import pandas as pd
+
+    train, val = make_pairs(seed)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, pairs in (("train", train), ("val", val)):
+        rows = [
+            {
+                "prompt": [{"role": "user", "content": PROMPT}],
+                "data_source": DATA_SOURCE,
+                "ability": "tool",
+                "reward_model": {"style": "env", "ground_truth": str(a * b)},
+                "extra_info": {"a": a, "b": b, "index": i, "split": name},
+            }
+            for i, (a, b) in enumerate(pairs)
+        ]
+        path = out_dir / f"{name}.parquet"
+        pd.DataFrame(rows).to_parquet(path, index=False)
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def demo_segments(a: int, b: int, rng: random.Random) -> list[tuple[str, bool]]:
+    """One demonstration as (text, trained) segments: the tool route, or a guessed answer."""
+    problem = [(PROMPT + f"{a}*{b}=", False)]
+    if rng.random() < DEMO_TOOL_P:
+        return [*problem, (f"c[{a}*{b}]" + EOS_TOKEN, True), (f">{a * b}:", False), (f"{a * b}" + EOS_TOKEN, True)]
+    return [*problem, (f"{rng.randint(100, 9801)}" + EOS_TOKEN, True)]
+
+
+def _encode_demos(tokenizer: Any, pairs: list[tuple[int, int]], count: int, seed: int):
+    import torch
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        ids, labels = [], []
+        for text, trained in demo_segments(*pairs[rng.randrange(len(pairs))], rng):
+            piece = tokenizer.encode(text, add_special_tokens=False)
+            ids += piece
+            labels += piece if trained else [-100] * len(piece)
+        rows.append((ids, labels))
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.full((count, width), VOCAB[PAD_TOKEN], dtype=torch.long)
+    labels = torch.full((count, width), -100, dtype=torch.long)
+    for row, (x, y) in enumerate(rows):
+        ids[row, : len(x)] = torch.tensor(x)
+        labels[row, : len(y)] = torch.tensor(y)
+    return ids, labels
+
+
+def supervised_warmup(model: PreTrainedModel, tokenizer: Any, seed: int, steps: int) -> float:
+    """Imitate the demonstrator on train pairs for a fixed number of AdamW steps; returns the seconds taken."""
+    import torch
+
+    train, _ = make_pairs(seed)
+    ids, labels = _encode_demos(tokenizer, train, WARMUP_BATCH_SIZE * steps, seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=WARMUP_LR)
+    model.train()
+    start = time.perf_counter()
+    with single_torch_thread():
+        for step in range(steps):
+            batch = slice(step * WARMUP_BATCH_SIZE, (step + 1) * WARMUP_BATCH_SIZE)
+            attention = (ids[batch] != VOCAB[PAD_TOKEN]).long()
+            loss = model(input_ids=ids[batch], attention_mask=attention, labels=labels[batch], use_cache=False).loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+    model.eval()
+    return time.perf_counter() - start
+
+
+def prepare_calculator_assets(cache_dir: str | Path, seed: int = 0, warmup_steps: int = 600) -> CalculatorAssets:
+    """Build (once, cached by a key of everything that changes it) the data and the warmed-up model."""
+    spec = {"v": ASSETS_VERSION, "seed": seed, "steps": warmup_steps, "model": MODEL_CONFIG, "vocab": VOCAB}
+    spec |= {"batch": WARMUP_BATCH_SIZE, "lr": WARMUP_LR, "tool_p": DEMO_TOOL_P, "template": CHAT_TEMPLATE}
+    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+    cache_dir = Path(cache_dir)
+    entry = cache_dir / f"calculator-{key}"
+    if not (entry / "assets.json").is_file():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = cache_dir / f".tmp-calculator-{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            write_parquets(tmp, seed)
+            tokenizer, model = build_tokenizer(), build_model(seed)
+            seconds = supervised_warmup(model, tokenizer, seed, warmup_steps)
+            model.save_pretrained(tmp / "model", safe_serialization=True)
+            tokenizer.save_pretrained(tmp / "model")
+            (tmp / "assets.json").write_text(json.dumps({"cache_key": key, "warmup_seconds": seconds}))
+            try:
+                os.rename(tmp, entry)
+            except OSError:
+                if not (entry / "assets.json").is_file():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    meta = json.loads((entry / "assets.json").read_text())
+    return CalculatorAssets(
+        entry / "model", entry / "train.parquet", entry / "val.parquet", float(meta["warmup_seconds"]), key
+    )
+
+
+def prepare_task(task_cfg: Any) -> Any:
+    """The task registry's entry (tasks/__init__.py): data, warmed-up model; rewards come from the environment."""
+    from rllm.experimental.fully_async.tasks import TaskAssets
+
+    cache = Path(os.path.expanduser(str(task_cfg.cache_dir)))
+    assets = prepare_calculator_assets(cache, seed=int(task_cfg.seed), warmup_steps=int(task_cfg.warmup_steps))
+    return TaskAssets(
+        train_files=str(assets.train_parquet),
+        val_files=str(assets.val_parquet),
+        model_path=str(assets.model_dir),
+        reward_module=None,
+        summary=f"model {assets.model_dir}, warm-up {assets.warmup_seconds:.0f}s",
+    )
