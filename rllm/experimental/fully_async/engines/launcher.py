@@ -261,7 +261,7 @@ class EngineLauncher:
         env = {**os.environ, **self.command.env(index)}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PROJECT_ROOT, env.get("PYTHONPATH", "")) if p)
         log_path = self.log_dir / f"engine-{index}-{port}.log"
-        with open(log_path, "wb") as log, _interrupts_deferred():
+        with open(log_path, "wb") as log, interrupts_deferred():
             # start_new_session: the engine leads its own process group, so stop() can kill all it spawned.
             process = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
@@ -311,7 +311,7 @@ class EngineLauncher:
 
 
 @contextlib.contextmanager
-def _interrupts_deferred() -> Iterator[None]:
+def interrupts_deferred() -> Iterator[None]:
     """Hold SIGINT and SIGTERM until the block ends, then deliver them to the handlers in place before it.
 
     Between Popen's fork and its return the child exists but nobody holds its handle: an interrupt raised there

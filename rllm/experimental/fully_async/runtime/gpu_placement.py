@@ -62,3 +62,20 @@ def trainer_actor_gpus(spec: Any) -> int:
     """GPUs the trainer actor itself asks for: one when it is the only rank on CUDA; none when it coordinates
     rank actors (they ask for theirs) or runs on CPU."""
     return 1 if spec.trainer.device == "cuda" and spec.trainer.world_size == 1 else 0
+
+
+def host_plan(spec: Any) -> PlacementPlan | None:
+    """This host's GPU placement plan, or None when the run uses no GPU or the host has none (SGLang then fails
+    on its own; the test stand-in needs none). Too few GPUs is a one-line configuration error."""
+    import torch
+
+    from rllm.experimental.fully_async.core.placement import PlacementError
+    from rllm.experimental.fully_async.errors import ConfigError
+
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        return None
+    try:
+        return host_gpu_plan(spec, gpus)
+    except PlacementError as exc:
+        raise ConfigError(f"GPU placement on this host: {exc}") from exc

@@ -22,6 +22,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from rllm.experimental.fully_async.engines.from_config import engine_launcher
+from rllm.experimental.fully_async.engines.launcher import interrupts_deferred
 from rllm.experimental.fully_async.errors import FullyAsyncError
 from rllm.experimental.fully_async.observe.progress import Progress
 from rllm.experimental.fully_async.observe.reporting import (
@@ -31,7 +32,7 @@ from rllm.experimental.fully_async.observe.reporting import (
     print_summary,
 )
 from rllm.experimental.fully_async.runtime.gpu_placement import (
-    host_gpu_plan,
+    host_plan,
     ray_gpu_environment,
     ray_num_gpus,
     trainer_actor_gpus,
@@ -99,7 +100,7 @@ class Run:
         self.container = OmegaConf.to_container(cfg, resolve=True)
         # Built once, here, after the task filled in its paths; the trainer reads every setting from it.
         self.spec = build_run_spec(cfg)
-        self.gpu_plan = _host_plan(self.spec)
+        self.gpu_plan = host_plan(self.spec)
         os.environ.setdefault("RLLM_LOG_LEVEL", str(cfg.run.log_level))
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", keep_last=2)
         resume_path = find_resume_checkpoint(
@@ -126,14 +127,17 @@ class Run:
             self._stack.enter_context(ray_lifetime(start_ray))  # also stops a half-started Ray (processes.py)
         # One rollout service (executor, queue, budget, ledger) and the trainer, which takes a batch from it with
         # one call per step; a resume hands each its own part of the checkpoint.
-        self.rollouts = RolloutServiceActor.remote(
-            self.container, engines.urls, resumed.rollout if resumed else None, resumed.queue if resumed else None
-        )
-        self.trainer = FullyAsyncTrainerActor.options(num_gpus=trainer_actor_gpus(self.spec)).remote(
-            self.spec, engines.urls, self.rollouts
-        )
-        self._stack.callback(_stop_actors, self.rollouts, self.trainer)
-        self._stack.callback(_shutdown_trainer, self.trainer)  # first (LIFO): a multi-rank trainer's ranks
+        # An interrupt inside Ray's actor creation could leave a half-registered actor that crashes Ray's shutdown
+        # (seen once: the driver exited with SIGSEGV): it is held until the handles are registered for cleanup.
+        with interrupts_deferred():
+            self.rollouts = RolloutServiceActor.remote(
+                self.container, engines.urls, resumed.rollout if resumed else None, resumed.queue if resumed else None
+            )
+            self.trainer = FullyAsyncTrainerActor.options(num_gpus=trainer_actor_gpus(self.spec)).remote(
+                self.spec, engines.urls, self.rollouts
+            )
+            self._stack.callback(_stop_actors, self.rollouts, self.trainer)
+            self._stack.callback(_shutdown_trainer, self.trainer)  # first (LIFO): a multi-rank trainer's ranks
         self.sync_timeout_s = float(cfg.param_sync.timeout_s) * 4
         self.validate_timeout_s = float(cfg.engines.request_timeout_s)
         if resumed is not None:
@@ -353,23 +357,6 @@ def _stop_actors(*handles: Any) -> None:
             ray.kill(handle)
         except Exception:  # already gone
             logger.debug("actor already gone", exc_info=True)
-
-
-def _host_plan(spec: Any) -> Any:
-    """This host's GPU placement plan, or None when the run uses no GPU or the host has none (SGLang then fails
-    on its own; the test stand-in needs none). Too few GPUs is a one-line configuration error."""
-    import torch
-
-    from rllm.experimental.fully_async.core.placement import PlacementError
-    from rllm.experimental.fully_async.errors import ConfigError
-
-    gpus = torch.cuda.device_count()
-    if gpus == 0:
-        return None
-    try:
-        return host_gpu_plan(spec, gpus)
-    except PlacementError as exc:
-        raise ConfigError(f"GPU placement on this host: {exc}") from exc
 
 
 def _shutdown_trainer(trainer: Any) -> None:
