@@ -55,6 +55,9 @@ class Batch:
     stale_groups: int  # groups dropped as too stale while serving this request (ledger: dropped_stale)
     wait_s: float  # time the service spent waiting for groups
     metrics: dict[str, float] = field(default_factory=dict)  # queue/*, ledger/*, rollout/*: for the step's report
+    # A validation is running (or about to) and pins the engines' weights: this step's sync must wait for it.
+    # None can start before the step ends: the driver starts them between steps (runtime/pinned_validation.py).
+    validating: bool = False
 
 
 class RolloutSource(Protocol):

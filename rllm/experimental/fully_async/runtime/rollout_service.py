@@ -20,6 +20,7 @@ from the config and adds validation and the checkpoint part it writes itself.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -260,7 +261,10 @@ class RolloutServiceActor:
         return await self.service.run()
 
     async def take_batch(self, request: BatchRequest) -> Batch:
-        return await self.service.take_batch(request)
+        batch = await self.service.take_batch(request)
+        if self._validation is not None and not self._validation.done():
+            batch = dataclasses.replace(batch, validating=True)
+        return batch
 
     def acknowledge(self, ack: Ack) -> None:
         self.service.acknowledge(ack)
