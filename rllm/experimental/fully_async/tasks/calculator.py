@@ -21,13 +21,12 @@ import json
 import os
 import random
 import shutil
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rllm.experimental.fully_async.tasks.addition import single_torch_thread
+from rllm.experimental.fully_async.tasks.imitation import imitation_warmup, pad_rows
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerFast
@@ -118,7 +117,6 @@ def demo_segments(a: int, b: int, rng: random.Random) -> list[tuple[str, bool]]:
 
 
 def _encode_demos(tokenizer: Any, pairs: list[tuple[int, int]], count: int, seed: int):
-    import torch
 
     rng = random.Random(seed)
     rows = []
@@ -129,34 +127,17 @@ def _encode_demos(tokenizer: Any, pairs: list[tuple[int, int]], count: int, seed
             ids += piece
             labels += piece if trained else [-100] * len(piece)
         rows.append((ids, labels))
-    width = max(len(ids) for ids, _ in rows)
-    ids = torch.full((count, width), VOCAB[PAD_TOKEN], dtype=torch.long)
-    labels = torch.full((count, width), -100, dtype=torch.long)
-    for row, (x, y) in enumerate(rows):
-        ids[row, : len(x)] = torch.tensor(x)
-        labels[row, : len(y)] = torch.tensor(y)
-    return ids, labels
+    return pad_rows(rows, VOCAB[PAD_TOKEN])
 
 
 def supervised_warmup(model: PreTrainedModel, tokenizer: Any, seed: int, steps: int) -> float:
     """Imitate the demonstrator on train pairs for a fixed number of AdamW steps; returns the seconds taken."""
-    import torch
 
     train, _ = make_pairs(seed)
     ids, labels = _encode_demos(tokenizer, train, WARMUP_BATCH_SIZE * steps, seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=WARMUP_LR)
-    model.train()
-    start = time.perf_counter()
-    with single_torch_thread():
-        for step in range(steps):
-            batch = slice(step * WARMUP_BATCH_SIZE, (step + 1) * WARMUP_BATCH_SIZE)
-            attention = (ids[batch] != VOCAB[PAD_TOKEN]).long()
-            loss = model(input_ids=ids[batch], attention_mask=attention, labels=labels[batch], use_cache=False).loss
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-    model.eval()
-    return time.perf_counter() - start
+    return imitation_warmup(
+        model, ids, labels, pad_id=VOCAB[PAD_TOKEN], batch_size=WARMUP_BATCH_SIZE, lr=WARMUP_LR, steps=steps
+    )
 
 
 def prepare_calculator_assets(cache_dir: str | Path, seed: int = 0, warmup_steps: int = 600) -> CalculatorAssets:

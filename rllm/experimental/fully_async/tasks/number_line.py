@@ -25,7 +25,6 @@ import logging
 import os
 import random
 import shutil
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from rllm.experimental.fully_async.envs.number_line import NumberLineEnv
 from rllm.experimental.fully_async.tasks.addition import single_torch_thread
+from rllm.experimental.fully_async.tasks.imitation import imitation_warmup, pad_rows
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -172,7 +172,6 @@ def demo_episode(start: int, target: int, rng: random.Random) -> str:
 
 def _encode_demos(tokenizer: PreTrainedTokenizerBase, pairs: list[tuple[int, int]], count: int, seed: int):
     """[count, L] ids and labels (loss on action tokens only, -100 on prompt, observations and padding)."""
-    import torch
 
     rng = random.Random(seed)
     ids_list, labels_list = [], []
@@ -189,34 +188,17 @@ def _encode_demos(tokenizer: PreTrainedTokenizerBase, pairs: list[tuple[int, int
                 labels[i] = tok
         ids_list.append(ids)
         labels_list.append(labels)
-    width = max(len(x) for x in ids_list)
-    ids = torch.full((count, width), VOCAB[PAD_TOKEN], dtype=torch.long)
-    labels = torch.full((count, width), -100, dtype=torch.long)
-    for row, (x, y) in enumerate(zip(ids_list, labels_list, strict=True)):
-        ids[row, : len(x)] = torch.tensor(x)
-        labels[row, : len(y)] = torch.tensor(y)
-    return ids, labels
+    return pad_rows(list(zip(ids_list, labels_list, strict=True)), VOCAB[PAD_TOKEN])
 
 
 def supervised_warmup(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, seed: int, steps: int) -> float:
     """Imitate the demonstrator on train pairs for a fixed number of AdamW steps; returns the seconds taken."""
-    import torch
 
     train, _ = make_pairs(seed)
     ids, labels = _encode_demos(tokenizer, train, WARMUP_BATCH_SIZE * steps, seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=WARMUP_LR)
-    model.train()
-    start = time.perf_counter()
-    with single_torch_thread():
-        for step in range(steps):
-            batch = slice(step * WARMUP_BATCH_SIZE, (step + 1) * WARMUP_BATCH_SIZE)
-            attention = (ids[batch] != VOCAB[PAD_TOKEN]).long()
-            loss = model(input_ids=ids[batch], attention_mask=attention, labels=labels[batch], use_cache=False).loss
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-    model.eval()
-    return time.perf_counter() - start
+    return imitation_warmup(
+        model, ids, labels, pad_id=VOCAB[PAD_TOKEN], batch_size=WARMUP_BATCH_SIZE, lr=WARMUP_LR, steps=steps
+    )
 
 
 def sampled_success(
