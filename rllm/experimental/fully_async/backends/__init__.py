@@ -75,3 +75,26 @@ def build_lr_scheduler(optimizer: Any, optim: Any, key: str) -> Any:
             num_cycles=float(optim.get("num_cycles", 0.5)),
         )
     raise ValueError(f"{key}.lr_scheduler_type must be constant or cosine, got {kind!r}")
+
+
+def require_batch_keys(data: Any, keys: tuple[str, ...], caller: str) -> None:
+    """KeyError naming what `caller` needs when the DataProto lacks a batch key or the sampling temperature."""
+    present = set(data.batch.keys())
+    missing = [k for k in keys if k not in present]
+    if missing:
+        raise KeyError(f"{caller} needs batch keys {missing} (has {sorted(present)})")
+    if "temperature" not in data.meta_info:
+        raise KeyError(f"{caller} needs meta_info['temperature'] (the sampling temperature of the rollouts)")
+
+
+def to_cpu(value: Any) -> Any:
+    """Tensors (also inside dicts and lists) detached onto the CPU, for a checkpoint's state dicts."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [to_cpu(v) for v in value]
+    return value

@@ -64,7 +64,7 @@ from verl.workers.config import FSDPCriticConfig
 from verl.workers.config.optimizer import build_optimizer
 from verl.workers.critic.dp_critic import DataParallelPPOCritic
 
-from rllm.experimental.fully_async.backends import build_lr_scheduler
+from rllm.experimental.fully_async.backends import build_lr_scheduler, to_cpu
 from rllm.experimental.fully_async.backends.fsdp import ensure_process_group
 
 logger = logging.getLogger(__name__)
@@ -343,7 +343,7 @@ class FSDPCriticBackend:
         """Model, optimizer and LR-schedule state for a checkpoint (tensors on CPU, copies)."""
         return {
             "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
-            "optimizer": copy.deepcopy(_to_cpu(self.optimizer.state_dict())),
+            "optimizer": copy.deepcopy(to_cpu(self.optimizer.state_dict())),
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "optimizer_steps": self.optimizer_steps,
         }
@@ -366,13 +366,3 @@ def _explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch
     if var_r <= 0:
         return 0.0
     return float(1.0 - torch.var(r - v) / var_r)
-
-
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_to_cpu(v) for v in value]
-    return value

@@ -46,7 +46,13 @@ from verl.workers.actor.dp_actor import DataParallelPPOActor
 from verl.workers.config import FSDPActorConfig
 from verl.workers.config.optimizer import build_optimizer
 
-from rllm.experimental.fully_async.backends import FULLY_ASYNC_FLAG, build_lr_scheduler, build_verl_actor_config
+from rllm.experimental.fully_async.backends import (
+    FULLY_ASYNC_FLAG,
+    build_lr_scheduler,
+    build_verl_actor_config,
+    require_batch_keys,
+    to_cpu,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -136,15 +142,6 @@ def _shard_fsdp2(model: nn.Module, config: FSDPActorConfig, device_type: str) ->
     return model
 
 
-def _require_keys(data: DataProto, keys: tuple[str, ...], caller: str) -> None:
-    present = set(data.batch.keys())
-    missing = [k for k in keys if k not in present]
-    if missing:
-        raise KeyError(f"{caller} needs batch keys {missing} (has {sorted(present)})")
-    if "temperature" not in data.meta_info:
-        raise KeyError(f"{caller} needs meta_info['temperature'] (the sampling temperature of the rollouts)")
-
-
 class FSDPPolicyBackend:
     """The policy model, its AdamW optimizer and LR schedule, and verl's patched PPO actor around them."""
 
@@ -213,7 +210,7 @@ class FSDPPolicyBackend:
         right-padded) and responses ([B, R]). Micro-batching follows the actor config (ppo_infer_* keys, falling
         back to the training ones).
         """
-        _require_keys(data, LOG_PROB_KEYS, "compute_log_prob")
+        require_batch_keys(data, LOG_PROB_KEYS, "compute_log_prob")
         cfg = self.config
         micro = cfg.ppo_infer_micro_batch_size_per_gpu or cfg.ppo_micro_batch_size_per_gpu or len(data)
         meta = {
@@ -236,7 +233,7 @@ class FSDPPolicyBackend:
         `actor/grad_norm`, ...; per-micro-batch values averaged) plus `actor/lr` (the rate this step used) and
         `actor/optimizer_step` (1.0 if a step was taken). The LR schedule advances only when a step was taken.
         """
-        _require_keys(data, UPDATE_KEYS, "update_policy")
+        require_batch_keys(data, UPDATE_KEYS, "update_policy")
         present = set(data.batch.keys())
         keys = [*UPDATE_KEYS, *(k for k in OPTIONAL_UPDATE_KEYS if k in present)]
         view = DataProto(batch=data.batch.select(*keys), meta_info=dict(data.meta_info))
@@ -291,7 +288,7 @@ class FSDPPolicyBackend:
 
         if self.world_size == 1:
             model_state = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
-            optim_state = copy.deepcopy(_to_cpu(self.optimizer.state_dict()))
+            optim_state = copy.deepcopy(to_cpu(self.optimizer.state_dict()))
         else:
             options = StateDictOptions(full_state_dict=True, cpu_offload=True)
             model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
@@ -360,13 +357,3 @@ class FSDPPolicyBackend:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_CPU_AUTOCAST_WARNING)
             yield
-
-
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_to_cpu(v) for v in value]
-    return value

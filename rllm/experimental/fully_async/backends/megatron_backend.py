@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from rllm.experimental.fully_async.backends import require_batch_keys, to_cpu
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["MegatronPolicyBackend", "build_megatron_backend"]
@@ -100,7 +102,7 @@ class MegatronPolicyBackend:
         broadcast by verl to every stage)."""
         from verl import DataProto
 
-        _require_keys(data, LOG_PROB_KEYS, "compute_log_prob")
+        require_batch_keys(data, LOG_PROB_KEYS, "compute_log_prob")
         rollout = self.config.rollout
         actor = self.config.actor
         meta = {
@@ -122,7 +124,7 @@ class MegatronPolicyBackend:
         from verl.utils.megatron.optimizer import get_megatron_last_lr
         from verl.utils.metric import reduce_metrics
 
-        _require_keys(data, UPDATE_KEYS, "update_policy")
+        require_batch_keys(data, UPDATE_KEYS, "update_policy")
         present = set(data.batch.keys())
         keys = [*UPDATE_KEYS, *(k for k in OPTIONAL_UPDATE_KEYS if k in present)]
         meta = {"micro_batch_size": self.config.actor.ppo_micro_batch_size_per_gpu, **data.meta_info}
@@ -183,8 +185,8 @@ class MegatronPolicyBackend:
     def state_dict(self) -> dict[str, Any]:
         """This rank's model chunks, DistributedOptimizer state and LR schedule (tensors on CPU)."""
         return {
-            "model": [_to_cpu(chunk.state_dict()) for chunk in self.actor.actor_module],
-            "optimizer": _to_cpu(self.worker.actor_optimizer.state_dict()),
+            "model": [to_cpu(chunk.state_dict()) for chunk in self.actor.actor_module],
+            "optimizer": to_cpu(self.worker.actor_optimizer.state_dict()),
             "lr_scheduler": self.worker.actor_optimizer_scheduler.state_dict(),
             "optimizer_steps": self.optimizer_steps,
             "layout": {"rank": self.rank, "world_size": self.world_size},
@@ -200,22 +202,3 @@ class MegatronPolicyBackend:
         self.worker.actor_optimizer.load_state_dict(state["optimizer"])
         self.worker.actor_optimizer_scheduler.load_state_dict(state["lr_scheduler"])
         self.optimizer_steps = int(state["optimizer_steps"])
-
-
-def _require_keys(data: Any, keys: tuple[str, ...], caller: str) -> None:
-    present = set(data.batch.keys())
-    missing = [k for k in keys if k not in present]
-    if missing:
-        raise KeyError(f"{caller} needs batch keys {missing} (has {sorted(present)})")
-    if "temperature" not in data.meta_info:
-        raise KeyError(f"{caller} needs meta_info['temperature'] (the sampling temperature of the rollouts)")
-
-
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_to_cpu(v) for v in value]
-    return value
