@@ -105,3 +105,31 @@ def test_sigterm_during_startup_leaves_no_process_behind(moment, addition_cache,
         for pid in marked_processes(marker):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_run_starts_its_own_ray_even_when_another_ray_runs_on_the_machine(tmp_path):
+    """ray.init() with no address joins any Ray already running on the machine (it reads the last cluster's
+    address from /tmp/ray), and then refuses our num_cpus: a second run, another user's `ray start`, or a test's
+    cluster made the driver fail with "When connecting to an existing cluster, num_cpus and num_gpus must not be
+    provided". init_ray starts a private instance unless RAY_ADDRESS names a cluster to join."""
+    import sys
+
+    from ray.cluster_utils import Cluster
+
+    other = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    try:
+        code = (
+            "import ray\n"
+            "from rllm.experimental.fully_async.runtime.prepare import init_ray\n"
+            "init_ray(num_cpus=3)\n"
+            "print('GCS', ray.get_runtime_context().gcs_address, int(ray.cluster_resources()['CPU']))\n"
+        )
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        done = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path
+        )
+    finally:
+        other.shutdown()
+    assert done.returncode == 0, done.stderr[-2000:]
+    gcs, cpus = done.stdout.split("GCS ", 1)[1].split()
+    assert gcs != other.address and int(cpus) == 3

@@ -9,6 +9,7 @@ import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from omegaconf import DictConfig
 
@@ -90,13 +91,23 @@ def init_ray(num_cpus: int | None = None, num_gpus: int | None = None) -> None:
     os.environ.setdefault("RAY_task_events_max_num_task_in_gcs", "2000")
     os.environ.setdefault("RAY_task_events_max_dropped_task_attempts_tracked_per_job_in_gcs", "2000")
     if not ray.is_initialized():
+        # RAY_ADDRESS names a cluster to join (multi-node: `ray start` on each node); it owns its resources, so
+        # nothing is declared. Otherwise a private instance, always: with address=None Ray would join any Ray
+        # already running on this machine (another user's `ray start`, another run's cluster) and fail there.
+        cluster = os.environ.get("RAY_ADDRESS") or None
+        resources: dict[str, Any] = {}
+        if cluster is None:
+            resources = {
+                "num_cpus": num_cpus or max(4, os.cpu_count() or 1),
+                "num_gpus": num_gpus,  # None: Ray detects them; a GPU run declares the plan's trainer GPUs
+                "object_store_memory": 1_000_000_000,
+            }
         ray.init(
-            num_cpus=num_cpus or max(4, os.cpu_count() or 1),
-            num_gpus=num_gpus,  # None: Ray detects them; a GPU run declares the plan's trainer GPUs (gpu_placement.py)
+            address=cluster or "local",
             include_dashboard=False,
-            object_store_memory=1_000_000_000,
             configure_logging=False,
             log_to_driver=True,
             # Library progress bars and notices in the actors would interleave with the progress line.
             runtime_env={"env_vars": QUIET_LIBRARIES_ENV},
+            **resources,
         )
