@@ -297,6 +297,38 @@ def test_hung_reward_threads_do_not_make_later_rewards_time_out(engine_urls, dat
     assert ledger.counts()["failed/reward_timeout"] == hang_rows * samples
 
 
+def test_reward_threads_are_reused_and_a_hung_one_is_never_handed_another_call():
+    """Synchronous rewards run on daemon threads that are reused (a thread start per sample was ~10% of the rollout
+    service's CPU) but never shared: while one call hangs, later calls still answer, on other threads."""
+    release = threading.Event()
+    threads: list[str] = []
+
+    def reward(data_source, solution_str, ground_truth, extra_info=None):
+        threads.append(threading.current_thread().name + str(threading.get_ident()))
+        if solution_str == "hang":
+            release.wait(30)
+        return 1.0
+
+    async def scenario() -> tuple[list, list]:
+        kwargs = {"data_source": "d", "ground_truth": "1", "extra_info": None}
+        sequential = [await score_safely(reward, 5.0, solution_str="ok", **kwargs) for _ in range(20)]
+        hung = asyncio.ensure_future(score_safely(reward, 5.0, solution_str="hang", **kwargs))
+        await asyncio.sleep(0.05)
+        during = await asyncio.wait_for(
+            asyncio.gather(*(score_safely(reward, 5.0, solution_str="ok", **kwargs) for _ in range(3))), 5.0
+        )
+        release.set()
+        return sequential + [await hung], during
+
+    before = threading.active_count()
+    done, during = asyncio.run(scenario())
+    assert all(o.reward == 1.0 for o in done + during)
+    assert len(set(threads[:20])) == 1, "twenty calls one after another run on one reused thread"
+    hung_thread = threads[20]
+    assert hung_thread not in threads[21:], "no call is handed to the thread of a call that has not returned"
+    assert threading.active_count() - before <= 4
+
+
 @pytest.mark.parametrize("score", [np.float32(1.0), np.float64(0.0), np.int64(1)], ids=lambda s: type(s).__name__)
 def test_numpy_scalar_rewards_are_numbers_not_failures(score):
     """verl reward functions often return numpy scalars (verl's reward manager accepts them); np.float32 and
