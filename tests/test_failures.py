@@ -318,7 +318,7 @@ def test_reward_threads_are_reused_and_a_hung_one_is_never_handed_another_call()
             asyncio.gather(*(score_safely(reward, 5.0, solution_str="ok", **kwargs) for _ in range(3))), 5.0
         )
         release.set()
-        return sequential + [await hung], during
+        return [*sequential, await hung], during
 
     before = threading.active_count()
     done, during = asyncio.run(scenario())
