@@ -136,6 +136,71 @@ def test_without_partial_rollout_an_interrupted_generation_restarts_on_the_new_w
     assert max_abs_diff(result.logprobs, ref_b) < LOGPROB_TOL
 
 
+def test_a_batch_is_aborted_by_a_weight_update_and_each_prompt_is_resumed_on_its_own_tokens(engines, models):
+    """generate_batch sends a group as SGLang's batched /generate; a weight update mid-batch aborts every prompt,
+    and the next round re-sends each with its own tokens so far: every sequence is stitched across two versions,
+    each conditioned on its own prompt (the logprobs say which), in the order of the prompts."""
+    url = engines[0]
+    (path_a, model_a), (path_b, model_b) = models["a"], models["b"]
+    prompts = [[5, 6, 7], [8], [9, 10]]
+
+    async def counts(client: EngineClient) -> tuple[int, int]:
+        state = (await client.get_server_info(url))["internal_states"][0]
+        return state["requests_finished"], state["requests_aborted"]
+
+    async def run() -> tuple[list[GenerationResult], tuple[int, int]]:
+        async with EngineClient([url]) as client:
+            before = await counts(client)
+            task = asyncio.ensure_future(client.generate_batch(prompts, LONG, rids=["g/0", "g/1", "g/2"]))
+            await wait_for_running(client, url, 3)
+            assert client.in_flight() == {url: 3}, "a batch counts each of its prompts toward the engine's load"
+            await client.pause_generation(url, "abort")
+            await client.update_weights_from_disk(url, str(path_b), weight_version="1")
+            await client.update_weight_version(url, "1")
+            await client.continue_generation(url)
+            results = await asyncio.wait_for(task, 60)
+            after = await counts(client)
+            assert client.in_flight() == {url: 0}
+            await client.update_weights_from_disk(url, str(path_a), weight_version="0")  # restore for other tests
+            await client.update_weight_version(url, "0")
+            return results, (after[0] - before[0], after[1] - before[1])
+
+    results, (finished, aborted) = asyncio.run(run())
+    assert (finished, aborted) == (3, 3), "round 1: three prompts aborted by the pause; round 2: all three finish"
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.num_resumes == 1 and result.finish_reason == "length" and result.prompt_tokens == len(prompt)
+        split = result.versions.index(1)
+        assert 0 < split < 200 and result.versions == [0] * split + [1] * (200 - split)
+        ref_a = reference_logprobs(model_a, prompt, result.output_ids)
+        ref_b = reference_logprobs(model_b, prompt, result.output_ids)
+        assert max_abs_diff(result.logprobs[:split], ref_a[:split]) < LOGPROB_TOL
+        assert max_abs_diff(result.logprobs[split:], ref_b[split:]) < LOGPROB_TOL
+
+
+def test_a_batch_without_partial_rollout_restarts_every_interrupted_prompt(engines, models):
+    url = engines[0]
+    (path_a, _), (path_b, model_b) = models["a"], models["b"]
+    prompts = [[6, 7], [11]]
+
+    async def run() -> list[GenerationResult]:
+        async with EngineClient([url], partial_rollout=False) as client:
+            task = asyncio.ensure_future(client.generate_batch(prompts, LONG, rids=["h/0", "h/1"]))
+            await wait_for_running(client, url, 2)
+            await asyncio.sleep(0.05)  # let them produce some tokens of version 0
+            await client.pause_generation(url, "abort")
+            await client.update_weights_from_disk(url, str(path_b), weight_version="1")
+            await client.update_weight_version(url, "1")
+            await client.continue_generation(url)
+            results = await asyncio.wait_for(task, 60)
+            await client.update_weights_from_disk(url, str(path_a), weight_version="0")
+            await client.update_weight_version(url, "0")
+            return results
+
+    for prompt, result in zip(prompts, asyncio.run(run()), strict=True):
+        assert result.num_resumes == 1 and result.discarded_tokens > 0 and result.versions == [1] * 200
+        assert max_abs_diff(result.logprobs, reference_logprobs(model_b, prompt, result.output_ids)) < LOGPROB_TOL
+
+
 def test_a_paused_engine_that_outlasts_the_request_timeout_raises_a_clear_error(engines):
     url = engines[1]
 

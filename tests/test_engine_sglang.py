@@ -17,7 +17,7 @@ from engine_helpers import engine_command
 from omegaconf import OmegaConf
 
 from rllm.experimental.fully_async.engines import EngineLauncher, SGLangEngineCommand
-from rllm.experimental.fully_async.engines.client import EngineClient, EngineHTTPError
+from rllm.experimental.fully_async.engines.client import EngineClient, EngineHTTPError, GenerationResult
 from rllm.experimental.fully_async.engines.from_config import api_key_for, engine_launcher, sglang_extra_args
 from rllm.experimental.fully_async.engines.http import EngineHTTP
 
@@ -144,6 +144,39 @@ def test_waiting_queue_aborts_are_resumed_as_unstarted_pieces(standin, models):
             return results
 
     started, queued = asyncio.run(run())
+    assert len(started.output_ids) == len(queued.output_ids) == 150
+    assert started.versions[0] == 0 and started.versions[-1] == 1 and started.num_resumes == 1
+    assert queued.versions == [1] * 150 and queued.num_resumes == 1
+
+
+def test_a_batch_answers_a_list_and_its_waiting_prompts_are_resumed_as_unstarted_pieces(standin, models):
+    """SGLang's batched /generate (input_ids a list of lists, one rid per prompt) answers the list of outputs when
+    the last prompt ends. With one running slot, the second prompt of the batch waits; a pause aborts both, the
+    waiting one without weight_version, and the next round re-sends each from where it stood."""
+
+    async def run() -> tuple[list, list[GenerationResult]]:
+        async with httpx.AsyncClient(headers=auth(), timeout=60) as http:
+            raw = await http.post(
+                f"{standin}/generate",
+                json={"input_ids": [[3], [4, 5]], "rid": ["b0", "b1"], "sampling_params": {"max_new_tokens": 4}},
+            )
+        async with EngineClient([standin], api_key=KEY) as client:
+            task = asyncio.ensure_future(client.generate_batch([[3], [4]], LONG, rids=["w/0", "w/1"]))
+            deadline = time.monotonic() + 30
+            while (await client.get_server_info(standin))["internal_states"][0]["num_waiting"] < 1:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.02)
+            await client.pause_generation(standin, "abort")
+            await client.update_weights_from_disk(standin, str(models["a"][0]), weight_version="1")
+            await client.update_weight_version(standin, "1")
+            await client.continue_generation(standin)
+            results = await asyncio.wait_for(task, 60)
+            await client.update_weight_version(standin, "0")
+            return raw.json(), results
+
+    raw, (started, queued) = asyncio.run(run())
+    assert [r["meta_info"]["id"] for r in raw] == ["b0", "b1"]
+    assert [r["meta_info"]["prompt_tokens"] for r in raw] == [1, 2] and all(len(r["output_ids"]) == 4 for r in raw)
     assert len(started.output_ids) == len(queued.output_ids) == 150
     assert started.versions[0] == 0 and started.versions[-1] == 1 and started.num_resumes == 1
     assert queued.versions == [1] * 150 and queued.num_resumes == 1

@@ -119,39 +119,67 @@ async def api_key_middleware(request: web.Request, handler: Any) -> web.StreamRe
     return await handler(request)
 
 
+def _per_item(value: Any, n: int, is_single: Any) -> list[Any]:
+    """GenerateReqInput.normalize_batch_and_arguments: one value is broadcast over the batch, a list must match it."""
+    if is_single(value):
+        return [value] * n
+    if not isinstance(value, list) or len(value) != n:
+        raise ValueError(f"The length of the list must match the batch size ({n})")
+    return value
+
+
 async def generate(request: web.Request) -> web.Response:
+    """POST /generate: one prompt, or a batch (input_ids a list of lists, GenerateReqInput's batch form).
+
+    A batch passes the pause gate and takes the reader lock once, its prompts run together, and the answer is the
+    list of their outputs when the last one finishes (tokenizer_manager._handle_batch_request, not streamed).
+    """
     st: StandinState = request.app[STATE]
     body = await _body(request)
     if body is None:
         return _detail("", "Input should be a valid dictionary")
     input_ids = body.get("input_ids")
-    if not isinstance(input_ids, list) or not input_ids or isinstance(input_ids[0], list):
-        # SGLang tokenizes text; a CPU stand-in without a tokenizer serves single token-id prompts only.
-        return web.json_response({"error": {"message": "the stand-in serves one input_ids prompt"}}, status=400)
+    if not isinstance(input_ids, list) or not input_ids:
+        # SGLang tokenizes text; a CPU stand-in without a tokenizer serves token-id prompts only.
+        return web.json_response({"error": {"message": "the stand-in serves input_ids prompts"}}, status=400)
+    single = not isinstance(input_ids[0], list)
+    prompts = [input_ids] if single else input_ids
+    n = len(prompts)
     try:
-        params = SamplingParams.from_json(body.get("sampling_params"))
+        raw_params = _per_item(body.get("sampling_params"), n, lambda v: v is None or isinstance(v, dict))
+        params = [SamplingParams.from_json(p) for p in raw_params]
+        rids = _per_item(body.get("rid"), n, lambda v: v is None or isinstance(v, str))
+        logprob = _per_item(body.get("return_logprob", False), n, lambda v: isinstance(v, bool))
     except (ValueError, TypeError) as exc:
         return web.json_response({"error": {"message": str(exc)}}, status=400)
-    rid = str(body.get("rid") or uuid.uuid4().hex)
+    rids = [str(r or uuid.uuid4().hex) for r in rids]
     async with st.is_pause_cond:  # held while paused (generate_request)
         await st.is_pause_cond.wait_for(lambda: not st.is_pause)
     await st.reader_enter()
     try:
-        out = await st.scheduler.generate(list(input_ids), params, rid)
+        outs = await asyncio.gather(
+            *(st.scheduler.generate(list(p), sp, rid) for p, sp, rid in zip(prompts, params, rids, strict=True))
+        )
     except ValueError as exc:
         return web.json_response({"error": {"message": str(exc)}}, status=400)
     finally:
         await st.reader_exit()
+    answers = [_output(st, out, rid, lp) for out, rid, lp in zip(outs, rids, logprob, strict=True)]
+    return web.json_response(answers[0] if single else answers)
+
+
+def _output(st: StandinState, out: Any, rid: str, return_logprob: bool) -> dict[str, Any]:
+    """One prompt's answer; a prompt aborted in the waiting queue has no weight_version nor prompt_tokens."""
     finish = out.finish_reason
     meta: dict[str, Any] = {"id": rid, "finish_reason": finish}
-    if body.get("return_logprob"):
+    if return_logprob:
         pairs = zip(out.output_logprobs, out.output_ids, strict=True)
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in pairs]
     meta["completion_tokens"] = len(out.output_ids)
     if not (finish.get("type") == "abort" and rid in st.waiting_aborted):
         meta.update(prompt_tokens=out.prompt_tokens, weight_version=st.weight_version, total_retractions=0)
     st.waiting_aborted.discard(rid)
-    return web.json_response({"text": "", "output_ids": out.output_ids, "meta_info": meta})
+    return {"text": "", "output_ids": out.output_ids, "meta_info": meta}
 
 
 async def pause_generation(request: web.Request) -> web.Response:

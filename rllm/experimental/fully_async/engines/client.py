@@ -24,6 +24,7 @@ from rllm.experimental.fully_async.engines.resumable import (
     SGLANG_DEFAULT_MAX_NEW_TOKENS,
     GenerationResult,
     generate_resumable,
+    generate_resumable_batch,
 )
 
 __all__ = [
@@ -123,6 +124,21 @@ class EngineClient:
             input_ids,
             sampling_params,
             rid=rid,
+            request_timeout_s=self.request_timeout_s,
+            max_resumes=self.max_resumes,
+            partial_rollout=self.partial_rollout,
+        )
+
+    async def generate_batch(
+        self, prompts: list[list[int]], sampling_params: dict[str, Any] | None = None, *, rids: list[str]
+    ) -> list[GenerationResult]:
+        """Generate from several prompts as SGLang batched requests (`resumable.generate_resumable_batch`): for
+        samples consumed together, such as one prompt's GRPO group."""
+        return await generate_resumable_batch(
+            self.pool,
+            prompts,
+            sampling_params,
+            rids=rids,
             request_timeout_s=self.request_timeout_s,
             max_resumes=self.max_resumes,
             partial_rollout=self.partial_rollout,

@@ -54,13 +54,13 @@ class EngineState:
     busy_s: float = 0.0  # wall time with at least one of this pool's requests in flight, finished spans only
     busy_since: float | None = None  # start of the current busy span (in_flight > 0), time.monotonic()
 
-    def begin_request(self) -> None:
+    def begin_request(self, n: int = 1) -> None:
         if self.in_flight == 0:
             self.busy_since = time.monotonic()
-        self.in_flight += 1
+        self.in_flight += n  # a batched /generate counts each of its prompts
 
-    def end_request(self) -> None:
-        self.in_flight -= 1
+    def end_request(self, n: int = 1) -> None:
+        self.in_flight -= n
         if self.in_flight == 0 and self.busy_since is not None:
             self.busy_s += time.monotonic() - self.busy_since
             self.busy_since = None
@@ -256,18 +256,24 @@ class EnginePool:
         tied = [e for e in candidates if e.in_flight == low]
         return tied[next(self._tie_breaker) % len(tied)]
 
-    async def post_generate(self, payload: dict[str, Any], rid: str, timeout_s: float) -> tuple[str, Any, int]:
+    async def post_generate(
+        self, payload: dict[str, Any], rid: str | list[str], timeout_s: float
+    ) -> tuple[str, Any, int]:
         """POST one /generate to the least-loaded engine, retrying connection failures elsewhere.
 
+        `rid` is one request id, or one per prompt for a batch (`payload["input_ids"]` a list of prompts, as
+        SGLang's batched GenerateReqInput); each attempt suffixes them, so a retry never reuses a live rid.
         Returns (engine URL, response body, connection failures survived).
         """
+        n = len(rid) if isinstance(rid, list) else 1
         failed_on: set[str] = set()
         max_attempts = self.connect_retries * len(self._engines) + 1
         for attempt in range(max_attempts):
             engine = await self.pick(failed_on)
-            engine.begin_request()
+            engine.begin_request(n)
+            rids = [f"{r}-{attempt}" for r in rid] if isinstance(rid, list) else f"{rid}-{attempt}"
             try:
-                data = await engine.http.generate({**payload, "rid": f"{rid}-{attempt}"}, timeout_s)
+                data = await engine.http.generate({**payload, "rid": rids}, timeout_s)
             except CONNECTION_ERRORS as exc:
                 self.record_failure(engine, exc)
                 failed_on.add(engine.url)
@@ -276,7 +282,7 @@ class EnginePool:
                 await asyncio.sleep(self.backoff(min(attempt, 10)))
                 continue
             finally:
-                engine.end_request()
+                engine.end_request(n)
             self.record_success(engine)
             return engine.url, data, attempt
         raise EngineConnectionError(

@@ -12,6 +12,10 @@ Two SGLang 0.5.6 facts shape the parsing (`tokenizer_manager._handle_abort_req`)
 the engine's waiting queue comes back with no `weight_version` and no `prompt_tokens`; it produced no token, so it
 is an unstarted piece and is simply re-sent.
 
+`generate_resumable_batch` does the same for several prompts at once, as SGLang's batched /generate (input_ids a
+list of prompts, one rid each; the answer is the list of outputs when the last prompt ends): each round re-sends,
+together, the prompts a sync interrupted, each from its own tokens so far.
+
 `partial_rollout=False` (verl/rLLM's `async_training.partial_rollout: false`): a generation interrupted by a weight
 sync is not continued with the new weights. Its tokens are discarded and it is regenerated from the prompt (held
 by the paused engine, so it starts on the new weights); every finished sequence therefore carries exactly one
@@ -104,6 +108,74 @@ def parse_piece(url: str, data: Any) -> Piece:
     return Piece(output_ids, logprobs, version, finish_type, int(meta.get("prompt_tokens", 0)))
 
 
+class _Resumption:
+    """One sequence's state across its pieces: what to send next, and what each returned piece means."""
+
+    def __init__(
+        self, input_ids: list[int], params: dict[str, Any], rid: str, max_resumes: int, partial_rollout: bool
+    ) -> None:
+        self.prompt = list(input_ids)
+        self.params = params
+        self.max_new = int(params.get("max_new_tokens", SGLANG_DEFAULT_MAX_NEW_TOKENS))
+        self.rid = rid
+        self.max_resumes = max_resumes
+        self.partial_rollout = partial_rollout
+        self.out_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.num_resumes = self.retries = self.discarded = 0
+        self.finish: str | None = None  # set when done
+
+    def next_input(self) -> tuple[list[int], dict[str, Any]]:
+        """input_ids and sampling_params of the next piece: prompt + tokens so far, the budget that is left."""
+        return self.prompt + self.out_ids, {**self.params, "max_new_tokens": self.max_new - len(self.out_ids)}
+
+    def absorb(self, piece: Piece) -> bool:
+        """Take one returned piece; True when the sequence is finished, False when it must be re-sent."""
+        if piece.finish_type == "abort" and not self.partial_rollout and (self.out_ids or piece.output_ids):
+            # Not continued on new weights: start over from the prompt (one version per sequence).
+            self.discarded += len(self.out_ids) + len(piece.output_ids)
+            self.out_ids, self.logprobs, self.versions = [], [], []
+            self._count_resume("was interrupted {n} times without finishing")
+            logger.debug("request %s aborted; regenerating from the prompt (partial_rollout=False)", self.rid)
+            return False
+        self.out_ids += piece.output_ids
+        self.logprobs += piece.logprobs
+        if piece.output_ids:
+            assert piece.version is not None  # parse_piece guarantees a version for any token
+            self.versions += [piece.version] * len(piece.output_ids)
+        if piece.finish_type != "abort":
+            self.finish = piece.finish_type
+            return True
+        if len(self.out_ids) >= self.max_new:
+            self.finish = "length"  # the budget ran out exactly as the pause came
+            return True
+        self._count_resume(
+            "was aborted {n} times without finishing; an engine is aborting it repeatedly "
+            "(is someone calling /abort_request?)"
+        )
+        logger.debug("request %s aborted after %d tokens; resuming", self.rid, len(self.out_ids))
+        return False
+
+    def _count_resume(self, why: str) -> None:
+        self.num_resumes += 1
+        if self.num_resumes > self.max_resumes:
+            raise EngineError(f"request {self.rid} " + why.format(n=self.num_resumes))
+
+    def result(self) -> GenerationResult:
+        assert self.finish is not None
+        return GenerationResult(
+            output_ids=self.out_ids,
+            logprobs=self.logprobs,
+            versions=self.versions,
+            finish_reason=self.finish,
+            num_resumes=self.num_resumes,
+            prompt_tokens=len(self.prompt),
+            num_retries=self.retries,
+            discarded_tokens=self.discarded,
+        )
+
+
 async def generate_resumable(
     pool: EnginePool,
     input_ids: list[int],
@@ -119,56 +191,60 @@ async def generate_resumable(
     `partial_rollout=False`: an interrupted generation restarts from the prompt instead of being continued.
     """
     params = dict(sampling_params or {})
-    max_new = int(params.get("max_new_tokens", SGLANG_DEFAULT_MAX_NEW_TOKENS))
-    rid = rid or uuid.uuid4().hex
-    prompt = list(input_ids)
-    out_ids: list[int] = []
-    logprobs: list[float] = []
-    versions: list[int] = []
-    num_resumes = retries = discarded = 0
+    state = _Resumption(input_ids, params, rid or uuid.uuid4().hex, max_resumes, partial_rollout)
     for piece_index in itertools.count():
+        prompt, piece_params = state.next_input()
+        payload = {"input_ids": prompt, "sampling_params": piece_params, "return_logprob": True}
+        url, data, failures = await pool.post_generate(payload, f"{state.rid}-{piece_index}", request_timeout_s)
+        state.retries += failures
+        if state.absorb(parse_piece(url, data)):
+            return state.result()
+    raise AssertionError("unreachable")
+
+
+async def generate_resumable_batch(
+    pool: EnginePool,
+    prompts: list[list[int]],
+    sampling_params: dict[str, Any] | None = None,
+    *,
+    rids: list[str],
+    request_timeout_s: float = 600.0,
+    max_resumes: int = 64,
+    partial_rollout: bool = True,
+) -> list[GenerationResult]:
+    """`generate_resumable` for several prompts sent as SGLang batched requests (one /generate per round).
+
+    Round 1 sends every prompt in one request; each later round re-sends, together, the sequences a weight sync
+    interrupted (they were all paused by the same sync), each with its own tokens so far and remaining budget. A
+    group of samples of one prompt costs one HTTP call instead of n: the per-request work of the client and the
+    engine (JSON, connection, task and timer bookkeeping) was most of both processes' CPU on the embedded default.
+    SGLang answers a batch when its last prompt finishes, so batch only what is consumed together (a group).
+    """
+    if len(rids) != len(prompts):
+        raise ValueError(f"generate_resumable_batch: {len(prompts)} prompts but {len(rids)} rids")
+    params = dict(sampling_params or {})
+    states = [_Resumption(p, params, r, max_resumes, partial_rollout) for p, r in zip(prompts, rids, strict=True)]
+    pending = list(states)
+    for piece_index in itertools.count():
+        if not pending:
+            return [s.result() for s in states]
+        inputs = [s.next_input() for s in pending]
         payload = {
-            "input_ids": prompt + out_ids,
-            "sampling_params": {**params, "max_new_tokens": max_new - len(out_ids)},
+            "input_ids": [ids for ids, _ in inputs],
+            "sampling_params": [p for _, p in inputs],
             "return_logprob": True,
         }
-        url, data, failures = await pool.post_generate(payload, f"{rid}-{piece_index}", request_timeout_s)
-        piece = parse_piece(url, data)
-        retries += failures
-        if piece.finish_type == "abort" and not partial_rollout and (out_ids or piece.output_ids):
-            # Not continued on new weights: start over from the prompt (one version per sequence).
-            discarded += len(out_ids) + len(piece.output_ids)
-            out_ids, logprobs, versions = [], [], []
-            num_resumes += 1
-            if num_resumes > max_resumes:
-                raise EngineError(f"request {rid} was interrupted {num_resumes} times without finishing")
-            logger.debug("request %s aborted; regenerating from the prompt (partial_rollout=False)", rid)
-            continue
-        out_ids += piece.output_ids
-        logprobs += piece.logprobs
-        if piece.output_ids:
-            assert piece.version is not None  # parse_piece guarantees a version for any token
-            versions += [piece.version] * len(piece.output_ids)
-        if piece.finish_type != "abort":
-            finish = piece.finish_type
-            break
-        if len(out_ids) >= max_new:
-            finish = "length"  # the budget ran out exactly as the pause came
-            break
-        num_resumes += 1
-        if num_resumes > max_resumes:
+        round_rids = [f"{s.rid}-{piece_index}" for s in pending]
+        url, data, failures = await pool.post_generate(payload, round_rids, request_timeout_s)
+        if not isinstance(data, list) or len(data) != len(pending):
             raise EngineError(
-                f"request {rid} was aborted {num_resumes} times without finishing; an engine is aborting it "
-                "repeatedly (is someone calling /abort_request?)"
+                f"{url}/generate answered a batch of {len(pending)} with {str(data)[:200]}; expected a list of "
+                f"{len(pending)} outputs"
             )
-        logger.debug("request %s aborted after %d tokens; resuming", rid, len(out_ids))
-    return GenerationResult(
-        output_ids=out_ids,
-        logprobs=logprobs,
-        versions=versions,
-        finish_reason=finish,
-        num_resumes=num_resumes,
-        prompt_tokens=len(prompt),
-        num_retries=retries,
-        discarded_tokens=discarded,
-    )
+        still = []
+        for state, item in zip(pending, data, strict=True):
+            state.retries += failures
+            if not state.absorb(parse_piece(url, item)):
+                still.append(state)
+        pending = still
+    raise AssertionError("unreachable")

@@ -186,10 +186,7 @@ class RolloutExecutor:
         n = len(indexes)
         accepted = False
         try:
-            results = await asyncio.gather(
-                *(self.workflow.run(self.client, self.tokenizer, datum, i) for i in indexes),
-                return_exceptions=True,
-            )
+            results = await self._run_samples(datum, indexes)
             trajectories = [self._as_trajectory(datum, i, result) for i, result in zip(indexes, results, strict=True)]
             group = TrajectoryGroup(
                 prompt_uid=datum.prompt_uid,
@@ -206,6 +203,21 @@ class RolloutExecutor:
             self._running_samples -= n
             self.staleness.on_finish(accepted=accepted)
             self._state_changed.set()
+
+    async def _run_samples(self, datum: Any, indexes: list[int]) -> list[Any]:
+        """One result per sample: a Trajectory, or the exception its workflow raised. A workflow with `run_group`
+        runs the group at once (one batched engine request); an exception there is every sample's result."""
+        run_group = getattr(self.workflow, "run_group", None)
+        if run_group is None:
+            return await asyncio.gather(
+                *(self.workflow.run(self.client, self.tokenizer, datum, i) for i in indexes), return_exceptions=True
+            )
+        try:
+            return list(await run_group(self.client, self.tokenizer, datum, indexes))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            return [exc] * len(indexes)
 
     def _as_trajectory(self, datum: Any, index: int, result: Any) -> Trajectory:
         uid = str(SampleId(datum.epoch, datum.record.index, index))

@@ -64,7 +64,12 @@ class GenerationClient(Protocol):
 
 
 class Workflow(Protocol):
-    """One rollout sample. Returning a FAILED trajectory (never raising) rejects the sample with a reason."""
+    """One rollout sample. Returning a FAILED trajectory (never raising) rejects the sample with a reason.
+
+    A workflow may also define `run_group(client, tokenizer, datum, sample_indexes) -> list[Trajectory]` to run
+    one prompt's samples together (SingleTurnWorkflow sends them as one batched engine request); the executor
+    calls it when present, else `run` once per sample.
+    """
 
     async def run(self, client: GenerationClient, tokenizer: Any, datum: Any, sample_index: int) -> Trajectory: ...
 

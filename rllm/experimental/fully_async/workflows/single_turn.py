@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,24 @@ class SingleTurnWorkflow:
     async def run(self, client: GenerationClient, tokenizer: Any, datum: Any, sample_index: int) -> Trajectory:
         uid = f"{datum.prompt_uid}/{sample_index}"
         result = await client.generate(list(datum.prompt_ids), dict(self.sampling_params), rid=uid)
+        return await self._scored(tokenizer, datum, uid, result)
+
+    async def run_group(
+        self, client: GenerationClient, tokenizer: Any, datum: Any, sample_indexes: list[int]
+    ) -> list[Trajectory]:
+        """All samples of one prompt in one batched request when the client offers it (`generate_batch`), else
+        one `run` each. The group is consumed together, so waiting for its slowest sample costs nothing."""
+        generate_batch = getattr(client, "generate_batch", None)
+        if generate_batch is None:
+            return list(await asyncio.gather(*(self.run(client, tokenizer, datum, i) for i in sample_indexes)))
+        uids = [f"{datum.prompt_uid}/{i}" for i in sample_indexes]
+        prompt = list(datum.prompt_ids)
+        results = await generate_batch([prompt] * len(uids), dict(self.sampling_params), rids=uids)
+        scored = (self._scored(tokenizer, datum, u, r) for u, r in zip(uids, results, strict=True))
+        return list(await asyncio.gather(*scored))
+
+    async def _scored(self, tokenizer: Any, datum: Any, uid: str, result: Any) -> Trajectory:
+        """The trajectory of one generation, with its reward or the reason it has none."""
         sequence = Sequence(
             prompt_ids=list(datum.prompt_ids),
             response_ids=list(result.output_ids),
