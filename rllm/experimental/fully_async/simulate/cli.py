@@ -23,9 +23,9 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from rllm.experimental.fully_async.simulate.calibrate import CalibrationError, calibrate
-from rllm.experimental.fully_async.simulate.engine import SimResult
 from rllm.experimental.fully_async.simulate.model import SimConfig
 from rllm.experimental.fully_async.simulate.published import predict_published
+from rllm.experimental.fully_async.simulate.result import SimResult
 from rllm.experimental.fully_async.simulate.scenarios import (
     SCENARIO_KEYS,
     ScenarioError,

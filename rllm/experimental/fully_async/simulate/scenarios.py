@@ -23,8 +23,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from rllm.experimental.fully_async.core.staleness import check_sync_interval
 from rllm.experimental.fully_async.errors import EXIT_BAD_INPUT, FullyAsyncError
-from rllm.experimental.fully_async.simulate.engine import SimResult, simulate
+from rllm.experimental.fully_async.simulate.engine import simulate
 from rllm.experimental.fully_async.simulate.model import SimConfig, check
+from rllm.experimental.fully_async.simulate.result import SimResult
 
 SCENARIO_KEYS = frozenset({"description", "simulate", "published"})
 
