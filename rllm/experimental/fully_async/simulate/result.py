@@ -23,8 +23,12 @@ class SimResult:
     staleness: dict[int, int]  # trained groups by staleness (trainer version - oldest token version)
     dropped_stale_groups: int
     mixed_version_samples: int  # trained samples whose tokens span more than one version
+    trainer_busy_s: float = 0.0  # training (not waiting or syncing), slowed by host sharing
+    trainer_work_s: float = 0.0  # the same steps' uncontended time (TrainerModel.step_s); = busy_s without sharing
     step_end_s: list[float] = field(default_factory=list)
     step_wait_s: list[float] = field(default_factory=list)
+    step_tokens: list[int] = field(default_factory=list)
+    step_busy_s: list[float] = field(default_factory=list)  # each step's training time (trainer_busy_s per step)
     trace: list[tuple[Any, ...]] = field(default_factory=list)  # policy inputs and outputs, when asked for
 
     @property

@@ -90,6 +90,17 @@ def pipeline_from_project(cfg: Any) -> dict[str, Any]:
     }
 
 
+def host_from_project(cfg: Any, cores: float | None) -> dict[str, Any]:
+    """A CPU run (trainer.device=cpu, embedded engines) shares `cores` between engines and trainer: the simulate
+    `host` block for it (engine_demand = engines.torch_threads; 0, torch's default, uses every core); else {}."""
+    device = OmegaConf.select(cfg, "trainer.device", default=None)
+    backend = OmegaConf.select(cfg, "engines.backend", default=None)
+    if device != "cpu" or backend != "embedded" or cores is None:
+        return {}
+    threads = int(OmegaConf.select(cfg, "engines.torch_threads", default=1) or 0)
+    return {"host": {"cores": float(cores), "engine_demand": float(threads if threads > 0 else cores)}}
+
+
 def synchronous(cfg: SimConfig) -> SimConfig:
     """The same run made synchronous: η = 0, K = 1 (the trainer waits for each batch, engines for each update)."""
     out = copy.deepcopy(cfg)
