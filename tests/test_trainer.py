@@ -179,7 +179,7 @@ def test_one_request_per_step_carries_the_version_and_the_previous_acknowledgeme
     assert metrics["advantages/num_groups"] == GROUPS and metrics["advantages/num_zero_spread_groups"] == 0
     # the trainer's CPU seconds over its compute and the host's cores (simulate --from divides contention out)
     compute_wall = sum(metrics[f"timing/{k}_s"] for k in ("assemble", "advantages", "update", "bookkeeping"))
-    assert 0 < metrics["timing/compute_cpu_s"] and metrics["host/cpus"] >= 1
+    assert metrics["timing/compute_cpu_s"] > 0 and metrics["host/cpus"] >= 1
     assert metrics["timing/compute_cpu_s"] <= compute_wall * metrics["host/cpus"] + 0.05
     trainer.train_step()
     assert len(rollouts.requests) == 2  # one call per step
