@@ -15,7 +15,7 @@ from rllm.experimental.fully_async.simulate.calibrate import calibrate
 from rllm.experimental.fully_async.simulate.engine import simulate
 from rllm.experimental.fully_async.simulate.model import HostModel, SimConfig
 from rllm.experimental.fully_async.simulate.result import SimResult
-from rllm.experimental.fully_async.simulate.scenarios import ScenarioError, build_config, synchronous
+from rllm.experimental.fully_async.simulate.scenarios import ScenarioError, build_config, synchronous, with_gpus
 
 
 def shared(eta: int = 1, background: float | None = None, steps: int = 16) -> SimConfig:
@@ -47,6 +47,7 @@ def test_sharing_slows_only_what_overlaps() -> None:
     one_core.host.cores = 1.0
     assert simulate(one_core).wall_s > both.wall_s
     assert simulate(shared()) == both  # still deterministic
+    assert with_gpus(shared(), 2, 2, separated=True).host.cores is None  # GPUs: hardware of their own
 
 
 def write_run(tmp_path: Path, name: str, truth: SimConfig, result: SimResult) -> Path:

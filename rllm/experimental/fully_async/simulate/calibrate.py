@@ -26,7 +26,9 @@ Pure: takes the parsed step rows (the CLI reads the file). What each model is fi
   `timing/compute_cpu_s` (the trainer's CPU seconds over its compute) and `host.background` is null, the share
   of a core the trainer got, s = Σ compute_cpu_s / Σ compute wall, also fits the other jobs' load: the background
   moves by cores/s − cores/s_sim each round (s_sim: the simulated trainer's mean speed, work / busy), so the
-  simulated trainer is slowed as much as the measured one was. κ starts at s (or 1).
+  simulated trainer is slowed as much as the measured one was. κ starts at s (or 1). A synchronous run's trainer
+  trains alone, so its share only shows a background above cores − trainer_demand (below that it reads 100% and
+  the background fits as 0); an async run's trainer overlaps the engines and shows it all.
 """
 
 from __future__ import annotations
@@ -124,9 +126,10 @@ def cpu_share(rows: Sequence[Mapping[str, Any]]) -> float | None:
     """Σ timing/compute_cpu_s / Σ compute wall over steps 2..N (capped at 1: one torch thread), or None."""
     later = [r for r in rows[1:] if "timing/compute_cpu_s" in r]
     wall = sum(float(r.get(k, 0.0)) for r in later for k in COMPUTE_COLUMNS)
-    if not later or wall <= 0:
+    cpu = sum(float(r["timing/compute_cpu_s"]) for r in later)
+    if not later or wall <= 0 or cpu <= 0:
         return None
-    return min(1.0, sum(float(r["timing/compute_cpu_s"]) for r in later) / wall)
+    return min(1.0, cpu / wall)
 
 
 def _linear_fit(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:

@@ -116,10 +116,11 @@ def run_checked(cfg: SimConfig) -> SimResult:
 
 
 def with_gpus(cfg: SimConfig, rollout_gpus: int, trainer_gpus: int, *, separated: bool) -> SimConfig:
-    """Engines = rollout_gpus / gpus_per_engine; trainer step times scaled to trainer_gpus."""
+    """Engines = rollout_gpus / gpus_per_engine; trainer step times scaled to trainer_gpus; no host sharing."""
     out = copy.deepcopy(cfg)
     out.pipeline.num_engines = max(1, rollout_gpus // cfg.engine.gpus_per_engine)
     out.trainer_gpus, out.separated = trainer_gpus, separated
+    out.host.cores = None  # on GPUs engines and trainer do not share cores (host sharing models a CPU run)
     if out.pipeline.max_concurrent_rollouts is not None:
         # The concurrency cap is per deployment: keep it per engine.
         per_engine = cfg.pipeline.max_concurrent_rollouts / cfg.pipeline.num_engines
