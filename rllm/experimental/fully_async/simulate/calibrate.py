@@ -187,12 +187,12 @@ def fit_shared(raw: SimConfig, rows: Sequence[Mapping[str, Any]], wait_s: float)
         trial.host.background = background
         cfg = fit_generation(trial, wait_s)
         result = simulate(cfg)
-        busy = result.trainer_busy_s / result.steps
+        busy = statistics.fmean(result.step_busy_s[1:])  # steps 2..N, as the target
         moved = abs(target / busy - 1) if busy > 0 else 0.0
         kappa *= target / busy if busy > 0 else 1.0
-        if fit_background and result.trainer_busy_s > 0:
+        if fit_background and share and result.trainer_busy_s > 0:
             simulated = result.trainer_work_s / result.trainer_busy_s
-            step = cores / share - cores / simulated  # type: ignore[operator]
+            step = cores / share - cores / simulated
             background = max(0.0, background + step)
             moved = max(moved, abs(step) / cores)
         if moved < 1e-3:
