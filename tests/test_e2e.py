@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 
 import pytest
@@ -100,3 +101,18 @@ def test_partial_rollouts_were_resumed_and_stitched(short_run):
 def test_no_engine_or_ray_process_is_left(short_run, addition_cache):
     proc, _, _, _ = short_run
     assert not leftover_processes(proc.pid, str(addition_cache))
+
+
+def test_simulate_from_the_run_shares_its_cores_and_predicts_both_modes(short_run, capsys):
+    """`simulate --from` on this real CPU run: host sharing from the cores and CPU share the run logged, its own
+    wall time predicted within 15%, and the synchronous mode's predicted too (simulate/calibrate.py)."""
+    from rllm.experimental.fully_async.__main__ import main
+
+    _, _, _, run_dir = short_run
+    assert main(["simulate", "--from", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "cores recorded by the run" in out and "host sharing:" in out, out
+    assert re.search(r"trainer CPU share: measured \d+%", out), out
+    assert "cross-mode: this fully-async run predicts" in out, out
+    error = re.search(r"predicted for it [\d.]+s \(([-+][\d.]+)%\)", out)
+    assert error is not None and abs(float(error.group(1))) < 15, out

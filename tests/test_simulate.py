@@ -233,6 +233,7 @@ def test_cli_default_config_prints_both_modes_and_the_best_split(capsys: pytest.
     assert main(["simulate", "--gpus", "4", "simulate.steps=6", "trainer.total_training_steps=6"]) == 0
     out = capsys.readouterr().out
     assert "synchronous" in out and "configured" in out and "best split:" in out
+    assert "host sharing:" in out  # the default config is a CPU run: engines and trainer share this machine's cores
 
 
 def test_cli_runs_a_scenario_file_and_refuses_project_keys_for_it(

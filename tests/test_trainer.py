@@ -177,6 +177,10 @@ def test_one_request_per_step_carries_the_version_and_the_previous_acknowledgeme
     assert metrics["advantages/adv_mean"] == pytest.approx(0.0, abs=1e-5) and metrics["advantages/adv_abs_max"] > 0
     assert metrics["advantages/zero_adv_token_fraction"] == 0.0
     assert metrics["advantages/num_groups"] == GROUPS and metrics["advantages/num_zero_spread_groups"] == 0
+    # the trainer's CPU seconds over its compute and the host's cores (simulate --from divides contention out)
+    compute_wall = sum(metrics[f"timing/{k}_s"] for k in ("assemble", "advantages", "update", "bookkeeping"))
+    assert metrics["timing/compute_cpu_s"] > 0 and metrics["host/cpus"] >= 1
+    assert metrics["timing/compute_cpu_s"] <= compute_wall * metrics["host/cpus"] + 0.05
     trainer.train_step()
     assert len(rollouts.requests) == 2  # one call per step
     assert rollouts.requests[0].ack == Ack() and rollouts.versions == [3, 4]

@@ -19,6 +19,7 @@ With max_staleness 0 and trigger 1 this is exactly synchronous on-policy trainin
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ from rllm.experimental.fully_async.core.protocol import TrajectoryGroup, Traject
 from rllm.experimental.fully_async.errors import FullyAsyncError
 
 logger = logging.getLogger(__name__)
+
+_HOST_CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 class QueueTimeoutError(FullyAsyncError, TimeoutError):
@@ -131,6 +134,7 @@ class FullyAsyncTrainer:
         if not groups:
             return None
         clock = _Stopwatch()
+        cpu_started = time.process_time()
         data = groups_to_dataproto(
             groups,
             pad_token_id=self.settings.pad_token_id,
@@ -157,6 +161,11 @@ class FullyAsyncTrainer:
         if self.dump is not None:  # the trajectories with the advantages just computed
             self.dump(self.step, groups, data)
         metrics["timing/bookkeeping_s"] = clock.lap()
+        # This process's CPU seconds over assemble..bookkeeping, and the cores it shares: on a CPU run (trainer and
+        # engines on one host) compute_cpu_s / (assemble + advantages + update + bookkeeping) is the share of a
+        # core the trainer got, which `simulate --from` uses to divide the contention out (simulate/calibrate.py).
+        metrics["timing/compute_cpu_s"] = time.process_time() - cpu_started
+        metrics["host/cpus"] = float(_HOST_CPUS)
 
         if self.step % self.settings.trigger_parameter_sync_step == 0:
             # The validation gate costs two calls to the busy rollout actor (~0.13 s a step measured): only when a

@@ -17,6 +17,18 @@ Pure: takes the parsed step rows (the CLI reads the file). What each model is fi
   because it also holds one-off start-up costs (first forward passes, caches); its excess over the simulated
   step-1 wait is added to predictions as `startup_s`. A run where the trainer hardly ever waited (trainer-bound)
   only bounds the throughput from below; the fit then returns the smallest peak that reproduces the small wait.
+- host sharing (`host.cores` set: a CPU run, engines and trainer on the same cores): the measured trainer work and
+  waits are contended, the models must be uncontended (so that a prediction for the other mode, with another
+  overlap, slows them by its own sharing). Fixed point, up to `SHARED_ITERATIONS` rounds: the trainer's times are
+  the measured ones times a factor κ; the peak is fitted as above with the simulator's sharing on; then
+  κ ← κ · (measured mean trainer work per step) / (simulated busy time per step), steps 2..N, so the simulated
+  trainer, slowed where it overlaps the engines, takes as long as the measured one did. When the run logged
+  `timing/compute_cpu_s` (the trainer's CPU seconds over its compute) and `host.background` is null, the share
+  of a core the trainer got, s = Σ compute_cpu_s / Σ compute wall, also fits the other jobs' load: the background
+  moves by cores/s − cores/s_sim each round (s_sim: the simulated trainer's mean speed, work / busy), so the
+  simulated trainer is slowed as much as the measured one was. κ starts at s (or 1). A synchronous run's trainer
+  trains alone, so its share only shows a background above cores − trainer_demand (below that it reads 100% and
+  the background fits as 0); an async run's trainer overlaps the engines and shows it all.
 """
 
 from __future__ import annotations
@@ -32,6 +44,9 @@ from typing import Any
 from rllm.experimental.fully_async.errors import EXIT_BAD_INPUT, FullyAsyncError
 from rllm.experimental.fully_async.simulate.engine import simulate
 from rllm.experimental.fully_async.simulate.model import SimConfig
+
+SHARED_ITERATIONS = 8
+COMPUTE_COLUMNS = ("timing/assemble_s", "timing/advantages_s", "timing/update_s", "timing/bookkeeping_s")
 
 
 class CalibrationError(FullyAsyncError, ValueError):
@@ -56,6 +71,8 @@ class Fit:
     cfg: SimConfig
     measured: RunFigures
     startup_s: float  # measured step-1 wait beyond the simulated one
+    cpu_share: float | None = None  # the trainer's measured CPU share over its compute (host sharing), if logged
+    simulated_share: float | None = None  # the fitted simulation's trainer mean speed (work / busy)
 
 
 def step_rows(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
@@ -80,17 +97,8 @@ def fit_trainer_sync_lengths(base: SimConfig, rows: Sequence[Mapping[str, Any]])
     if synced:
         cfg.sync.total_s = statistics.fmean(float(r["sync/total_s"]) for r in synced)
         cfg.sync.pause_s = min(cfg.sync.total_s, statistics.fmean(float(r.get("sync/pause_s", 0.0)) for r in synced))
-    missing = [k for k in ("batch/tokens", "timing/wait_batch_s") if k not in rows[-1]]
-    if missing:
-        raise CalibrationError(f"metrics.jsonl lacks the column {missing[0]!r} needed to fit the trainer")
     tokens = [float(r["batch/tokens"]) for r in rows]
-    intervals = [float(r["timing/step_s"]) for r in rows]
-    if all("time" in r for r in rows):
-        intervals[1:] = [float(b["time"]) - float(a["time"]) for a, b in itertools.pairwise(rows)]
-    work = [
-        max(interval - float(r["timing/wait_batch_s"]) - float(r.get("sync/total_s", 0.0)), 0.0)
-        for interval, r in zip(intervals, rows, strict=True)
-    ]
+    work = trainer_work(rows)
     cfg.trainer.fixed_s, cfg.trainer.per_token_s = _linear_fit(tokens[1:], work[1:])
     cfg.trainer.reference_gpus, cfg.trainer_gpus = 1, None
     lengths = [float(r["response_length/mean"]) for r in rows if "response_length/mean" in r]
@@ -98,6 +106,30 @@ def fit_trainer_sync_lengths(base: SimConfig, rows: Sequence[Mapping[str, Any]])
         cfg.lengths.mean_tokens = max(1.0, statistics.fmean(lengths))
     cfg.steps = len(rows)
     return cfg
+
+
+def trainer_work(rows: Sequence[Mapping[str, Any]]) -> list[float]:
+    """Per step: the interval between log lines minus the wait and the sync (see the module docstring)."""
+    missing = [k for k in ("batch/tokens", "timing/wait_batch_s") if k not in rows[-1]]
+    if missing:
+        raise CalibrationError(f"metrics.jsonl lacks the column {missing[0]!r} needed to fit the trainer")
+    intervals = [float(r["timing/step_s"]) for r in rows]
+    if all("time" in r for r in rows):
+        intervals[1:] = [float(b["time"]) - float(a["time"]) for a, b in itertools.pairwise(rows)]
+    return [
+        max(interval - float(r["timing/wait_batch_s"]) - float(r.get("sync/total_s", 0.0)), 0.0)
+        for interval, r in zip(intervals, rows, strict=True)
+    ]
+
+
+def cpu_share(rows: Sequence[Mapping[str, Any]]) -> float | None:
+    """Σ timing/compute_cpu_s / Σ compute wall over steps 2..N (capped at 1: one torch thread), or None."""
+    later = [r for r in rows[1:] if "timing/compute_cpu_s" in r]
+    wall = sum(float(r.get(k, 0.0)) for r in later for k in COMPUTE_COLUMNS)
+    cpu = sum(float(r["timing/compute_cpu_s"]) for r in later)
+    if not later or wall <= 0 or cpu <= 0:
+        return None
+    return min(1.0, cpu / wall)
 
 
 def _linear_fit(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
@@ -138,10 +170,47 @@ def fit_generation(
     return out
 
 
+def fit_shared(raw: SimConfig, rows: Sequence[Mapping[str, Any]], wait_s: float) -> tuple[SimConfig, float | None]:
+    """Host sharing: the uncontended trainer and engines (and the background, when fitted); see the docstring."""
+    cores = raw.host.cores
+    assert cores is not None
+    target = statistics.fmean(trainer_work(rows)[1:])
+    share = cpu_share(rows)
+    fit_background = share is not None and raw.host.background is None
+    background = raw.host.background or 0.0
+    kappa = share or 1.0
+    cfg = raw
+    for _ in range(SHARED_ITERATIONS):
+        trial = copy.deepcopy(raw)
+        trial.trainer.fixed_s *= kappa
+        trial.trainer.per_token_s *= kappa
+        trial.host.background = background
+        cfg = fit_generation(trial, wait_s)
+        result = simulate(cfg)
+        busy = statistics.fmean(result.step_busy_s[1:])  # steps 2..N, as the target
+        moved = abs(target / busy - 1) if busy > 0 else 0.0
+        kappa *= target / busy if busy > 0 else 1.0
+        if fit_background and share and result.trainer_busy_s > 0:
+            simulated = result.trainer_work_s / result.trainer_busy_s
+            step = cores / share - cores / simulated
+            background = max(0.0, background + step)
+            moved = max(moved, abs(step) / cores)
+        if moved < 1e-3:
+            break
+    return cfg, share
+
+
 def calibrate(base: SimConfig, records: Sequence[Mapping[str, Any]]) -> Fit:
     """Fit every model to the run (base carries the run's pipeline) and return the fitted config."""
     rows = step_rows(records)
     measured = measure(rows)
-    cfg = fit_generation(fit_trainer_sync_lengths(base, rows), measured.wait_s)
-    first_sim = simulate(cfg).step_wait_s[0]
-    return Fit(cfg, measured, max(0.0, measured.first_wait_s - first_sim))
+    raw = fit_trainer_sync_lengths(base, rows)
+    share = None
+    if raw.host.cores is None:
+        cfg = fit_generation(raw, measured.wait_s)
+    else:
+        cfg, share = fit_shared(raw, rows, measured.wait_s)
+    result = simulate(cfg)
+    simulated_share = result.trainer_work_s / result.trainer_busy_s if result.trainer_busy_s > 0 else None
+    startup = max(0.0, measured.first_wait_s - result.step_wait_s[0])
+    return Fit(cfg, measured, startup, share, simulated_share if cfg.host.cores is not None else None)

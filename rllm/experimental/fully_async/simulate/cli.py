@@ -7,15 +7,20 @@ Inputs (one of):
   (calibrate.py); prints the measured wall time beside the prediction;
 - neither: the project's default config with the default timing models.
 `simulate.KEY=VALUE` overrides set the SimConfig (model.py), e.g. `simulate.engine.peak_tokens_per_s=5000`,
-`simulate.steps=100`. Prints synchronous (η = 0, K = 1) and the configured (fully-async) mode side by side; with
-`--gpus N` the rollout:trainer split that minimises wall time; with a `published:` block, predicted vs published.
+`simulate.steps=100`. Prints synchronous (η = 0, K = 1) and the configured (fully-async) mode side by side (a
+synchronous config: against fully async at η = `simulate.async_staleness`), so `--from` one mode's run predicts the
+other mode's wall time too; with `--gpus N` the rollout:trainer split that minimises wall time; with a
+`published:` block, predicted vs published. A CPU run or config (trainer.device=cpu, embedded engines) shares the
+host's cores (`simulate.host.*`, model.py): the run's recorded `host/cpus`, else this machine's core count.
 Exit 0, or 2 with one line on a bad key, file or value.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,14 +28,15 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from rllm.experimental.fully_async.simulate.calibrate import CalibrationError, calibrate
-from rllm.experimental.fully_async.simulate.engine import SimResult
 from rllm.experimental.fully_async.simulate.model import SimConfig
 from rllm.experimental.fully_async.simulate.published import predict_published
+from rllm.experimental.fully_async.simulate.result import SimResult
 from rllm.experimental.fully_async.simulate.scenarios import (
     SCENARIO_KEYS,
     ScenarioError,
     best_split,
     build_config,
+    host_from_project,
     parse_overrides,
     pipeline_from_project,
     read_scenario,
@@ -87,8 +93,14 @@ def _run(args: argparse.Namespace) -> int:
         _print_published(cfg, published)
         return 0
     startup = fit.startup_s if fit is not None else 0.0
-    results = {"synchronous": run_checked(synchronous(cfg)), "configured": run_checked(cfg)}
+    results = _modes(cfg)
     _print_modes(results, startup)
+    if cfg.host.cores is not None:
+        h = cfg.host
+        print(
+            f"  host sharing: {h.cores:g} cores for engines (demand {h.engine_demand:g} each) and trainer (demand "
+            f"{h.trainer_demand:g}), background {h.background or 0.0:.2f} cores; the timing models are uncontended"
+        )
     if fit is not None:
         m = fit.measured
         predicted = run_checked(fit.cfg).wall_s + startup
@@ -98,9 +110,27 @@ def _run(args: argparse.Namespace) -> int:
             f"trainer {cfg.trainer.fixed_s:.3f}s + {cfg.trainer.per_token_s * 1e3:.4f}ms/token, "
             f"sync {cfg.sync.total_s:.3f}s (pause {cfg.sync.pause_s:.3f}s), start-up {startup:.2f}s"
         )
+        if fit.simulated_share is not None:
+            measured_share = "not logged" if fit.cpu_share is None else f"{fit.cpu_share:.0%}"
+            print(f"  trainer CPU share: measured {measured_share}, simulated {fit.simulated_share:.0%}")
+        own = "synchronous" if fit.cfg.pipeline.max_staleness == 0 else "configured"
+        other = next(name for name in results if name != own)
+        print(
+            f"  cross-mode: this {'synchronous' if own == 'synchronous' else 'fully-async'} run predicts "
+            f"{results[other].wall_s + startup:.1f}s for the {other} mode (compare with a run of that mode)"
+        )
     if args.gpus is not None:
         _print_sweep(cfg, args.gpus)
     return 0
+
+
+def _modes(cfg: SimConfig) -> dict[str, SimResult]:
+    """Synchronous, and the configured mode; a synchronous config against fully async at η = async_staleness."""
+    if cfg.pipeline.max_staleness > 0:
+        return {"synchronous": run_checked(synchronous(cfg)), "configured": run_checked(cfg)}
+    other = copy.deepcopy(cfg)
+    other.pipeline.max_staleness = cfg.async_staleness
+    return {"synchronous": run_checked(synchronous(cfg)), f"async eta={cfg.async_staleness}": run_checked(other)}
 
 
 def _inputs(args: argparse.Namespace, project_overrides: list[str]) -> tuple[list[Any], dict, str, Any]:
@@ -114,7 +144,14 @@ def _inputs(args: argparse.Namespace, project_overrides: list[str]) -> tuple[lis
         if project_overrides:
             raise ScenarioError(f"--from takes only simulate.* overrides, got {project_overrides[0]!r}")
         records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-        return [pipeline_from_project(OmegaConf.load(config))], {}, f"fitted to {run}", records
+        project = OmegaConf.load(config)
+        recorded = [r["host/cpus"] for r in records if "host/cpus" in r]
+        cores = float(recorded[-1]) if recorded else os.cpu_count()
+        host = host_from_project(project, cores)
+        note = ""
+        if host:
+            note = f" (CPU run: {cores:g} cores {'recorded by the run' if recorded else 'of this machine'})"
+        return [pipeline_from_project(project), host], {}, f"fitted to {run}{note}", records
     raw = OmegaConf.load(args.config) if args.config else None
     if raw is not None and set(raw) <= SCENARIO_KEYS and "simulate" in raw:
         if project_overrides:
@@ -128,7 +165,8 @@ def _inputs(args: argparse.Namespace, project_overrides: list[str]) -> tuple[lis
     except ConfigError as exc:
         raise ScenarioError(str(exc)) from exc
     note = " (default timing models: fit them with --from RUN_DIR or set simulate.*)"
-    return [pipeline_from_project(project)], {}, f"{args.config or 'default config'}{note}", None
+    layers = [pipeline_from_project(project), host_from_project(project, os.cpu_count())]
+    return layers, {}, f"{args.config or 'default config'}{note}", None
 
 
 def _print_modes(results: dict[str, SimResult], startup: float) -> None:
@@ -142,11 +180,11 @@ def _print_modes(results: dict[str, SimResult], startup: float) -> None:
             f"{r.engine_idle_frac:>13.1%}{r.mean_staleness:>12.2f}{r.dropped_stale_groups:>9}"
             f"{r.generated_tokens_per_s:>12.0f}{r.trained_tokens_per_s:>13.0f}"
         )
-    sync, conf = results["synchronous"], results["configured"]
-    print(f"  speedup (synchronous / configured wall): {sync.wall_s / conf.wall_s:.2f}x")
+    (_, sync), (name, conf) = results.items()
+    print(f"  speedup (synchronous / {name} wall): {sync.wall_s / conf.wall_s:.2f}x")
     total = sum(conf.staleness.values())
     dist = ", ".join(f"{k}: {v / total:.0%}" for k, v in sorted(conf.staleness.items()))
-    print(f"  staleness of trained groups (configured): {dist}; mixed-version samples {conf.mixed_version_samples}")
+    print(f"  staleness of trained groups ({name}): {dist}; mixed-version samples {conf.mixed_version_samples}")
 
 
 def _print_sweep(cfg: SimConfig, gpus: int) -> None:

@@ -12,7 +12,9 @@ The scheduling decisions are the runtime's own pure functions, called exactly wh
 Partial rollouts: with `partial_rollout` a sync pauses the engines, and running requests continue with the new
 weights, so their later tokens carry the new version (a sample's oldest token keeps its start version); without
 it the sync waits until the running requests have finished and no new group starts meanwhile (verl's mode without
-partial rollout). Generation itself is modelled in `model.py`.
+partial rollout). Generation itself is modelled in `model.py`. Host sharing (`host.cores`): one speed factor
+(HostModel.speed) multiplies every engine's decoding rate and the trainer's progress through its step's work; it
+is re-evaluated after every event that starts or stops a component (`_reshare`).
 """
 
 from __future__ import annotations
@@ -20,58 +22,13 @@ from __future__ import annotations
 import heapq
 import random
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 from rllm.experimental.fully_async.core.staleness import StalenessManager, split_by_staleness
 from rllm.experimental.fully_async.simulate.model import SimConfig, check
+from rllm.experimental.fully_async.simulate.result import SimResult
 
 _EPS = 1e-9
-
-
-@dataclass
-class SimResult:
-    """What one simulation measured. Times in simulated seconds."""
-
-    wall_s: float
-    steps: int
-    syncs: int
-    trainer_wait_s: float  # blocked waiting for a batch
-    trainer_sync_s: float  # in weight syncs
-    engine_busy_s: float  # sum over engines of time with >= 1 request decoding
-    engine_paused_s: float  # sum over engines of time paused for a sync
-    num_engines: int
-    tokens_generated: int  # tokens of finished samples (kept, rejected or dropped)
-    tokens_trained: int
-    staleness: dict[int, int]  # trained groups by staleness (trainer version - oldest token version)
-    dropped_stale_groups: int
-    mixed_version_samples: int  # trained samples whose tokens span more than one version
-    step_end_s: list[float] = field(default_factory=list)
-    step_wait_s: list[float] = field(default_factory=list)
-    trace: list[tuple[Any, ...]] = field(default_factory=list)  # policy inputs and outputs, when asked for
-
-    @property
-    def trainer_idle_frac(self) -> float:
-        return self.trainer_wait_s / self.wall_s if self.wall_s > 0 else 0.0
-
-    @property
-    def engine_idle_frac(self) -> float:
-        """Share of engine time with nothing decoding (sync pauses count as idle)."""
-        total = self.wall_s * self.num_engines
-        return 1.0 - self.engine_busy_s / total if total > 0 else 0.0
-
-    @property
-    def generated_tokens_per_s(self) -> float:
-        return self.tokens_generated / self.wall_s if self.wall_s > 0 else 0.0
-
-    @property
-    def trained_tokens_per_s(self) -> float:
-        return self.tokens_trained / self.wall_s if self.wall_s > 0 else 0.0
-
-    @property
-    def mean_staleness(self) -> float:
-        n = sum(self.staleness.values())
-        return sum(k * v for k, v in self.staleness.items()) / n if n else 0.0
 
 
 class _Group:
@@ -142,6 +99,12 @@ class Simulation:
         self.wait_started = 0.0
         self.step_wait = 0.0
         self.sync_started = 0.0
+        self.speed = 1.0  # host sharing factor now (HostModel.speed)
+        self.train_left = 0.0  # uncontended seconds left of the step being trained
+        self.train_at = 0.0  # when train_left was last brought up to date
+        self.train_started = 0.0
+        self.train_tokens = 0
+        self.train_epoch = 0
         self.trace: list[tuple[Any, ...]] | None = [] if trace else None
         self.result = SimResult(0.0, 0, 0, 0.0, 0.0, 0.0, 0.0, p.num_engines, 0, 0, {}, 0, 0)
 
@@ -154,12 +117,14 @@ class Simulation:
     def run(self) -> SimResult:
         self._try_start()
         self._trainer_poll()
+        self._reshare()
         while self.trainer_state != "done":
             if not self.events:
                 raise RuntimeError(f"simulation stalled at t={self.t:.3f}s, step {self.step}: no event pending")
             at, _, kind, data = heapq.heappop(self.events)
             self.t = at
             getattr(self, f"_on_{kind}")(data)
+            self._reshare()
         for engine in self.engines:
             self._advance(engine)
             self.result.engine_busy_s += engine.busy_s
@@ -180,7 +145,7 @@ class Simulation:
         if engine.paused:
             engine.paused_s += dt
         elif engine.running:
-            engine.progress += dt * self.cfg.engine.per_request_rate(len(engine.running))
+            engine.progress += dt * self.cfg.engine.per_request_rate(len(engine.running)) * self.speed
             engine.busy_s += dt
         engine.last_t = self.t
 
@@ -189,7 +154,7 @@ class Simulation:
         engine.epoch += 1
         if engine.paused or not engine.running:
             return
-        rate = self.cfg.engine.per_request_rate(len(engine.running))
+        rate = self.cfg.engine.per_request_rate(len(engine.running)) * self.speed
         self._push(self.t + max(engine.heap[0][0] - engine.progress, 0.0) / rate, "engine", (index, engine.epoch))
 
     def _admit(self, engine: _Engine, rid: int, request: _Request) -> None:
@@ -309,11 +274,25 @@ class Simulation:
         self.result.trainer_wait_s += waited
         self.step_wait = waited
         self.trainer_state = "train"
-        tokens = sum(g.tokens for g in self.fresh)
+        self.train_tokens = sum(g.tokens for g in self.fresh)
         c = self.cfg
-        self._push(self.t + c.trainer.step_s(tokens, c.trainer_gpus, c.separated), "trained", tokens)
+        self.train_left = c.trainer.step_s(self.train_tokens, c.trainer_gpus, c.separated)
+        self.result.trainer_work_s += self.train_left
+        self.train_at = self.train_started = self.t
+        self._reshare()
+        self._schedule_trainer()
 
-    def _on_trained(self, tokens: int) -> None:
+    def _schedule_trainer(self) -> None:
+        self.train_epoch += 1
+        self._push(self.t + max(self.train_left, 0.0) / self.speed, "trained", self.train_epoch)
+
+    def _on_trained(self, epoch: int) -> None:
+        if epoch != self.train_epoch:
+            return  # superseded: the host's sharing changed after this event was scheduled
+        tokens, self.train_left = self.train_tokens, 0.0
+        self.result.trainer_busy_s += self.t - self.train_started
+        self.result.step_busy_s.append(self.t - self.train_started)
+        self.result.step_tokens.append(tokens)
         batch, self.fresh = self.fresh, []
         self.step += 1
         self.manager.on_consumed(len(batch))
@@ -345,6 +324,26 @@ class Simulation:
         self.trainer_state = "wait"
         self.wait_started = self.t
         self._trainer_poll()
+
+    # ---- host sharing ------------------------------------------------------------------------------------------
+
+    def _reshare(self) -> None:
+        """Re-evaluate the sharing factor; when it changed, bring every clock up to now at the old one and
+        reschedule the completions at the new one."""
+        busy = sum(1 for e in self.engines if e.running and not e.paused)
+        speed = self.cfg.host.speed(self.trainer_state == "train", busy)
+        if speed == self.speed:
+            return
+        for engine in self.engines:
+            self._advance(engine)
+        if self.trainer_state == "train":
+            self.train_left -= (self.t - self.train_at) * self.speed
+            self.train_at = self.t
+        self.speed = speed
+        for index in range(len(self.engines)):
+            self._schedule(index)
+        if self.trainer_state == "train":
+            self._schedule_trainer()
 
     # ---- weight sync -------------------------------------------------------------------------------------
 

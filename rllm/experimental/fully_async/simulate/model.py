@@ -14,6 +14,15 @@ Models, each written once here:
   (response length distributions of reasoning models are heavy-tailed; sigma sets how heavy).
 - trainer step: fixed_s + per_token_s · tokens (a forward+backward over the batch is linear in its tokens).
 - weight sync: the trainer is busy `total_s`; engines are paused `pause_s` of it (pause_s ≤ total_s).
+- host sharing (`host.cores` set: engines and trainer on the same cores, as in a CPU run): processor sharing.
+  With the trainer training (demand d_t), b engines decoding (demand d_e each) and other jobs keeping
+  `background` cores busy (null: 0), every busy component runs at
+
+      speed = min(1, cores / (background + d_t · [trainer training] + d_e · b))
+
+  of its uncontended rate (engine tokens/s, trainer step work), re-evaluated whenever one of them starts or
+  stops; `host.cores` null (the default, as on GPUs): speed = 1, each component has hardware of its own.
+  Weight syncs are not slowed (their times are measured as a whole, engines paused).
 GPU scaling (for `--gpus`): engine throughput scales with rollout GPUs (engines = rollout GPUs / gpus_per_engine);
 trainer time scales as (reference_gpus / T) ** scaling_exponent, divided by `separated_speedup` when the trainer
 has GPUs of its own (see the verl scenario for why that factor exists).
@@ -78,6 +87,23 @@ class SyncModel:
 
 
 @dataclass
+class HostModel:
+    """Cores shared by engines and trainer (see the module docstring); the demands are in cores."""
+
+    cores: float | None = None  # null: engines and trainer on separate hardware (no sharing)
+    trainer_demand: float = 1.0  # cores the trainer keeps busy while it trains (1 torch thread: 1)
+    engine_demand: float = 1.0  # cores one decoding engine keeps busy (engines.torch_threads)
+    background: float | None = None  # cores other jobs keep busy throughout; null: 0, or fitted by `--from`
+
+    def speed(self, trainer_busy: bool, busy_engines: int) -> float:
+        """The processor-sharing factor every busy component runs at."""
+        if self.cores is None:
+            return 1.0
+        demand = (self.background or 0.0) + self.trainer_demand * trainer_busy + self.engine_demand * busy_engines
+        return min(1.0, self.cores / demand) if demand > 0 else 1.0
+
+
+@dataclass
 class Pipeline:
     """The scheduling settings, in the runtime's units (what a project config's `async_training` resolves to)."""
 
@@ -101,8 +127,10 @@ class SimConfig:
     lengths: LengthModel = field(default_factory=LengthModel)
     trainer: TrainerModel = field(default_factory=TrainerModel)
     sync: SyncModel = field(default_factory=SyncModel)
+    host: HostModel = field(default_factory=HostModel)
     steps: int = 20  # optimizer steps to simulate
     seed: int = 0
+    async_staleness: int = 2  # η of the fully-async row the CLI prints when the config itself is synchronous (η=0)
     trainer_gpus: int | None = None  # null: trainer step times as given (no GPU scaling)
     separated: bool = False  # trainer on GPUs of its own (applies trainer.separated_speedup)
 
@@ -131,7 +159,13 @@ def check(cfg: SimConfig) -> None:
         (cfg.lengths.mean_tokens >= 1 and cfg.lengths.sigma >= 0, "lengths.mean_tokens >= 1 and sigma >= 0"),
         (cfg.trainer.fixed_s >= 0 and cfg.trainer.per_token_s >= 0, "trainer times must be >= 0"),
         (0 <= cfg.sync.pause_s <= cfg.sync.total_s, "sync.pause_s must be in [0, sync.total_s]"),
+        (cfg.host.cores is None or cfg.host.cores > 0, "host.cores must be > 0 (or null: no sharing)"),
+        (
+            min(cfg.host.trainer_demand, cfg.host.engine_demand) > 0 and (cfg.host.background or 0.0) >= 0,
+            "host.trainer_demand and host.engine_demand must be > 0, host.background >= 0",
+        ),
         (cfg.steps >= 1, "steps must be >= 1"),
+        (cfg.async_staleness >= 1, "async_staleness must be >= 1"),
     ]
     for ok, message in rules:
         if not ok:

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from rllm.experimental.fully_async.simulate.calibrate import fit_generation
-from rllm.experimental.fully_async.simulate.engine import SimResult
 from rllm.experimental.fully_async.simulate.model import SimConfig
+from rllm.experimental.fully_async.simulate.result import SimResult
 from rllm.experimental.fully_async.simulate.scenarios import ScenarioError, run_checked, synchronous, with_gpus
 
 ROW_KEYS = frozenset(

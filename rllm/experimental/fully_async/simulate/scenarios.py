@@ -23,8 +23,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from rllm.experimental.fully_async.core.staleness import check_sync_interval
 from rllm.experimental.fully_async.errors import EXIT_BAD_INPUT, FullyAsyncError
-from rllm.experimental.fully_async.simulate.engine import SimResult, simulate
+from rllm.experimental.fully_async.simulate.engine import simulate
 from rllm.experimental.fully_async.simulate.model import SimConfig, check
+from rllm.experimental.fully_async.simulate.result import SimResult
 
 SCENARIO_KEYS = frozenset({"description", "simulate", "published"})
 
@@ -89,6 +90,17 @@ def pipeline_from_project(cfg: Any) -> dict[str, Any]:
     }
 
 
+def host_from_project(cfg: Any, cores: float | None) -> dict[str, Any]:
+    """A CPU run (trainer.device=cpu, embedded engines) shares `cores` between engines and trainer: the simulate
+    `host` block for it (engine_demand = engines.torch_threads; 0, torch's default, uses every core); else {}."""
+    device = OmegaConf.select(cfg, "trainer.device", default=None)
+    backend = OmegaConf.select(cfg, "engines.backend", default=None)
+    if device != "cpu" or backend != "embedded" or cores is None:
+        return {}
+    threads = int(OmegaConf.select(cfg, "engines.torch_threads", default=1) or 0)
+    return {"host": {"cores": float(cores), "engine_demand": float(threads if threads > 0 else cores)}}
+
+
 def synchronous(cfg: SimConfig) -> SimConfig:
     """The same run made synchronous: η = 0, K = 1 (the trainer waits for each batch, engines for each update)."""
     out = copy.deepcopy(cfg)
@@ -104,10 +116,11 @@ def run_checked(cfg: SimConfig) -> SimResult:
 
 
 def with_gpus(cfg: SimConfig, rollout_gpus: int, trainer_gpus: int, *, separated: bool) -> SimConfig:
-    """Engines = rollout_gpus / gpus_per_engine; trainer step times scaled to trainer_gpus."""
+    """Engines = rollout_gpus / gpus_per_engine; trainer step times scaled to trainer_gpus; no host sharing."""
     out = copy.deepcopy(cfg)
     out.pipeline.num_engines = max(1, rollout_gpus // cfg.engine.gpus_per_engine)
     out.trainer_gpus, out.separated = trainer_gpus, separated
+    out.host.cores = None  # on GPUs engines and trainer do not share cores (host sharing models a CPU run)
     if out.pipeline.max_concurrent_rollouts is not None:
         # The concurrency cap is per deployment: keep it per engine.
         per_engine = cfg.pipeline.max_concurrent_rollouts / cfg.pipeline.num_engines
