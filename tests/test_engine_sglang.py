@@ -160,6 +160,8 @@ def test_a_batch_answers_a_list_and_its_waiting_prompts_are_resumed_as_unstarted
                 f"{standin}/generate",
                 json={"input_ids": [[3], [4, 5]], "rid": ["b0", "b1"], "sampling_params": {"max_new_tokens": 4}},
             )
+            one_rid = await http.post(f"{standin}/generate", json={"input_ids": [[3], [4]], "rid": "c"})
+            assert [r["meta_info"]["id"] for r in one_rid.json()] == ["c_0", "c_1"], "SGLang's _normalize_rid"
         async with EngineClient([standin], api_key=KEY) as client:
             task = asyncio.ensure_future(client.generate_batch([[3], [4]], LONG, rids=["w/0", "w/1"]))
             deadline = time.monotonic() + 30

@@ -119,6 +119,10 @@ async def api_key_middleware(request: web.Request, handler: Any) -> web.StreamRe
     return await handler(request)
 
 
+def _none(value: Any) -> bool:
+    return value is None
+
+
 def _per_item(value: Any, n: int, is_single: Any) -> list[Any]:
     """GenerateReqInput.normalize_batch_and_arguments: one value is broadcast over the batch, a list must match it."""
     if is_single(value):
@@ -148,7 +152,9 @@ async def generate(request: web.Request) -> web.Response:
     try:
         raw_params = _per_item(body.get("sampling_params"), n, lambda v: v is None or isinstance(v, dict))
         params = [SamplingParams.from_json(p) for p in raw_params]
-        rids = _per_item(body.get("rid"), n, lambda v: v is None or isinstance(v, str))
+        rid = body.get("rid")
+        # _normalize_rid: one string rid over a batch becomes rid_0, rid_1, ...; a list must match the batch.
+        rids = [f"{rid}_{i}" for i in range(n)] if isinstance(rid, str) and not single else _per_item(rid, n, _none)
         logprob = _per_item(body.get("return_logprob", False), n, lambda v: isinstance(v, bool))
     except (ValueError, TypeError) as exc:
         return web.json_response({"error": {"message": str(exc)}}, status=400)
