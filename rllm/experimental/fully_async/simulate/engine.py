@@ -215,20 +215,18 @@ class Simulation:
             self._start_group()
 
     def _start_group(self) -> None:
-        """Start one group: each sample goes to the engine with the fewest requests (running + waiting)."""
+        """Start one group: its samples go together, as one batched request, to the engine with the fewest
+        requests (running + waiting), as the runtime's single-turn groups do (EnginePool.pick, generate_batch)."""
         group = _Group(self.n, accept=self.rng.random() >= self.cfg.pipeline.reject_fraction)
         self.running_samples += self.n
         limit = self.cfg.engine.max_running_requests
         loads = [len(e.running) + len(e.waiting) for e in self.engines]
-        touched = set()
+        index = loads.index(min(loads))
+        engine = self.engines[index]
+        self._advance(engine)
+        touched = {index}
         for _ in range(self.n):
             request = _Request(group, self.cfg.lengths.sample(self.rng))
-            index = loads.index(min(loads))
-            loads[index] += 1
-            engine = self.engines[index]
-            if index not in touched:
-                self._advance(engine)
-                touched.add(index)
             rid, self.next_rid = self.next_rid, self.next_rid + 1
             if len(engine.running) < limit and not engine.waiting:
                 self._admit(engine, rid, request)
