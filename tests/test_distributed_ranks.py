@@ -102,7 +102,8 @@ def test_two_ranks_broadcast_what_a_disk_sync_of_the_same_weights_gives(two_rank
 def test_an_engine_killed_mid_broadcast_leaves_no_rank_waiting(two_ranks, models, tmp_path, monkeypatch):
     """Rank 0 broadcasts in its own actor, so the kill happens from the engine's side: SIGKILL once its second
     bucket's call is in flight. The sync fails in time naming it; the next sync (the survivor alone) and a training
-    call on both ranks then go through: no rank waits in a collective for the dead engine."""
+    call on both ranks then go through: no rank waits in a collective for the dead engine. Its restart catches up
+    and the next sync rebuilds the group over both."""
     cmd = EmbeddedEngineCommand(str(models["a"][0]), num_threads=1)
     with EngineLauncher(cmd, 2, log_dir=tmp_path / "logs") as launcher:
         victim, survivor = launcher.urls
@@ -130,6 +131,18 @@ def test_an_engine_killed_mid_broadcast_leaves_no_rank_waiting(two_ranks, models
             sync.sync(no_disk, 2)
             assert asyncio.run(versions([survivor])) == ["2"]
             two_ranks.compute_log_prob(odd_batch(5, two_ranks))  # both ranks still answer collectives
+            # The restarted engine catches up from rank 0's kept buckets through a group of its own.
+            launcher.restart(0)
+            deadline = time.monotonic() + 60
+            while not launcher.probe(0):
+                assert time.monotonic() < deadline, "the restarted engine did not come up"
+                time.sleep(0.2)
+            restarted = launcher.urls[0]
+            assert sync.replace_engine(victim, restarted) == 2
+            assert transport.members == [restarted]
+            sync.sync(no_disk, 3)
+            assert sorted(transport.members) == sorted([restarted, survivor])
+            assert asyncio.run(versions([restarted, survivor])) == ["3", "3"]
 
 
 def test_bucket_packing_streams_and_a_rank_other_than_zero_keeps_nothing(models):

@@ -14,6 +14,9 @@ agrees the count (all-reduce MAX), which only works if no rank has fewer rows th
 count does not divide by N is padded (verl's `pad_dataproto_to_divisor`) with copies of its first rows whose
 `response_mask` is zeroed: they add nothing to the loss, and their log-probs are dropped.
 
+For the distributed weight transport, rank 0 is also rank 0 of the engines' weight-update group: every rank gathers
+the full parameters, rank 0 keeps and broadcasts them (`stage_weights`, `weights_call`; runtime/rank_weights.py).
+
 Rendezvous: one machine uses a FileStore in a private temporary folder and keeps gloo/NCCL sockets on the loopback
 interface; several machines rendezvous over TCP at rank 0's node address. Every wait has a timeout naming the rank
 and the call; a rank that died fails the call with one line, and the group refuses further calls (its process group
