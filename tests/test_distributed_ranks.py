@@ -167,6 +167,41 @@ def test_bucket_packing_streams_and_a_rank_other_than_zero_keeps_nothing(models)
     )
 
 
+def test_the_transport_takes_each_backends_own_source_of_full_tensors(models):
+    """One FSDP process: its module, tensor by tensor; Megatron (CUDA only, so a stand-in with its method): the
+    HF-named `hf_weight_stream`, streamed into buckets without a whole-model dict. Several ranks: the first test."""
+
+    class MegatronStandIn:
+        def __init__(self) -> None:
+            self.drained = 0
+
+        def hf_weight_stream(self):
+            for name, tensor in models["b"][1].state_dict().items():
+                self.drained += 1
+                yield name, tensor
+
+    class OneProcess:
+        model = models["a"][1]
+
+    megatron = MegatronStandIn()
+    state_b = models["b"][1].state_dict()  # tied lm_head included: the stream sends what it yields
+    as_streamed = (list(state_b), sum(t.numel() * 2 for t in state_b.values()))
+    # one process: tied weights once (module_tensors), every tensor cast to bf16
+    as_module = (
+        [n for n, _ in weight_sender.module_tensors(models["a"][1])],
+        sum(p.numel() * 2 for p in models["a"][1].parameters()),
+    )
+    for backend, (expected_names, expected_bytes) in ((megatron, as_streamed), (OneProcess(), as_module)):
+        transport = transport_from_config(distributed_config(bucket_mb=SMALL_BUCKET_MB), backend, "bfloat16")
+        assert isinstance(transport.sender, weight_sender.LocalSender)
+        staged = transport.stage(no_disk, 4)
+        headers = transport._staged[1]
+        names = [n for h in headers for n in h.names]
+        assert names == expected_names and staged.nbytes == expected_bytes
+        transport.close()
+    assert megatron.drained == len(state_b)
+
+
 def test_a_short_cli_run_with_two_trainer_ranks_syncs_by_broadcast(tmp_path, addition_cache):
     run_dir = tmp_path / "run"
     command = addition_run_command(

@@ -110,7 +110,7 @@ def module_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]
 
     seen: set[tuple[int, int]] = set()
     for name, tensor in module.state_dict().items():
-        local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
         # Keyed on the local storage: two names of one tied parameter share it, sharded or not.
         key = (local.untyped_storage().data_ptr(), local.storage_offset())
         if key in seen:
