@@ -72,13 +72,30 @@ def test_bad_settings_give_one_line_naming_the_key(override, named):
     assert "\n" not in message
 
 
-def test_the_distributed_transport_is_honoured_for_one_rank_and_refused_for_several():
+def test_the_distributed_transport_is_honoured_for_one_and_several_ranks_and_a_bad_master_address_refused():
+    from rllm.experimental.fully_async.settings.addresses import resolve_master_address
     from rllm.experimental.fully_async.settings.spec import build_run_spec
 
     for name in ("distributed", "nccl"):  # nccl: verl's and rLLM's name; gloo on CPU
-        assert build_run_spec(load_config(None, [f"param_sync.transport={name}"])).param_sync.transport == name
-    with pytest.raises(ConfigError, match=r"with several trainer ranks or Megatron use param_sync\.transport=disk"):
-        load_config(None, ["param_sync.transport=nccl", "trainer.n_gpus_per_node=2"])
+        for ranks in ("1", "2"):
+            spec = build_run_spec(
+                load_config(None, [f"param_sync.transport={name}", f"trainer.n_gpus_per_node={ranks}"])
+            )
+            assert (spec.param_sync.transport, spec.trainer.world_size) == (name, int(ranks))
+    assert load_config(None, []).param_sync.master_address == "auto"
+    for good in ("10.1.2.3", "fe80::1", "node-7.cluster.local"):
+        assert (
+            build_run_spec(load_config(None, [f"param_sync.master_address={good}"])).param_sync.master_address == good
+        )
+    for bad in ("10.1.2.300", "http://node", "two words", "-x"):
+        with pytest.raises(ConfigError, match=r"^'param_sync\.master_address' must be auto, an IP address or a host"):
+            load_config(None, [f"param_sync.master_address='{bad}'"])
+    # auto: loopback while every engine is on rank 0's node (an engine URL on loopback is on this process's node)
+    urls = ["http://127.0.0.1:30000", "http://127.0.0.1:30001"]
+    assert resolve_master_address("auto", "10.0.0.1", urls, "10.0.0.1") == "127.0.0.1"
+    assert resolve_master_address("auto", "10.0.0.2", urls, "10.0.0.1") == "10.0.0.2"
+    assert resolve_master_address("auto", "10.0.0.1", [*urls, "http://10.0.0.3:30000"], "10.0.0.1") == "10.0.0.1"
+    assert resolve_master_address("10.9.9.9", "10.0.0.1", urls, "10.0.0.1") == "10.9.9.9"
 
 
 def test_loglinear_proximal_runs_as_its_own_loss_and_refuses_another_loss_mode():

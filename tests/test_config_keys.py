@@ -29,6 +29,7 @@ PERTURB: dict[str, str] = {
     "param_sync.transport": "distributed",
     "param_sync.weights_dir": "/tmp/elsewhere",
     "param_sync.dtype": "bfloat16",
+    "param_sync.master_address": "10.0.0.5",
     "task.name": "smollm2",
     "task.cache_dir": "/tmp/cache",
     "workflow.name": "my_agent",

@@ -17,7 +17,7 @@ from engine_helpers import ENGINE_KINDS, LOGPROB_TOL, engine_command, max_abs_di
 
 from rllm.experimental.fully_async.engines import EmbeddedEngineCommand, EngineLauncher
 from rllm.experimental.fully_async.engines.client import EngineClient, GenerationResult
-from rllm.experimental.fully_async.runtime import distributed_transport
+from rllm.experimental.fully_async.runtime import weight_sender
 from rllm.experimental.fully_async.runtime.distributed_transport import plan_buckets
 from rllm.experimental.fully_async.runtime.param_sync import (
     DiskTransport,
@@ -198,7 +198,7 @@ def test_an_engine_killed_mid_broadcast_fails_the_sync_in_time_and_its_restart_r
     with EngineLauncher(cmd, 2, log_dir=tmp_path / "logs") as launcher:
         victim, survivor = launcher.urls
         victim_pid = launcher.processes[0].pid
-        real_broadcast = distributed_transport.dist.broadcast
+        real_broadcast = weight_sender.dist.broadcast
         calls = {"n": 0}
 
         def broadcast_killing_at_the_third_bucket(*args, **kwargs):
@@ -207,7 +207,7 @@ def test_an_engine_killed_mid_broadcast_fails_the_sync_in_time_and_its_restart_r
                 os.kill(victim_pid, signal.SIGKILL)
             return real_broadcast(*args, **kwargs)
 
-        monkeypatch.setattr(distributed_transport.dist, "broadcast", broadcast_killing_at_the_third_bucket)
+        monkeypatch.setattr(weight_sender.dist, "broadcast", broadcast_killing_at_the_third_bucket)
         timeout_s = 15.0
         transport = DistributedTransport(module_state(models["b"][1]), bucket_mb=SMALL_BUCKET_MB)
         with ParamSync(launcher.urls, transport, update_timeout_s=timeout_s, pause_timeout_s=5) as sync:

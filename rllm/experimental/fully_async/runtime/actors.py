@@ -110,11 +110,11 @@ class FullyAsyncTrainerActor:
             param_dtype = str(next(backend.model.parameters()).dtype)
         self.backend = backend
         dtype = resolve_sync_dtype(sync.dtype, t.device, param_dtype)
-        # disk: an HF folder per version; distributed (or nccl): buckets broadcast from this process's module
-        # (one trainer rank; several ranks and Megatron are refused when the config loads).
+        # disk: an HF folder per version; distributed (or nccl): buckets broadcast by the process that holds full
+        # parameters (this one, or trainer rank 0 with several ranks), reached by the engines at master_address.
         self.param_sync = ParamSync(
             engine_urls,
-            transport_from_config(sync, getattr(backend, "model", None), dtype),
+            transport_from_config(sync, backend, dtype, master_address=_master_address(sync, backend, engine_urls)),
             pause_timeout_s=sync.timeout_s,
             update_timeout_s=sync.timeout_s,
             continue_timeout_s=sync.timeout_s,
@@ -186,6 +186,20 @@ class FullyAsyncTrainerActor:
         """Load the current weights into a restarted engine and sync to it from now on; returns its version.
         Runs beside a `train_step` that waits for a batch; ParamSync's lock orders it with syncs."""
         return self.param_sync.replace_engine(old_url, new_url)
+
+
+def _master_address(sync: Any, backend: Any, engine_urls: list[str]) -> str:
+    """param_sync.master_address resolved (settings/addresses.py): rank 0 is this process, or the worker group's
+    rank 0 actor, which may run on another node."""
+    from rllm.experimental.fully_async.settings.addresses import resolve_master_address
+
+    if sync.transport == "disk":
+        return "127.0.0.1"  # unused
+    here = ray.util.get_node_ip_address()
+    rank0 = backend.rank_zero_address() if hasattr(backend, "rank_zero_address") else here
+    address = resolve_master_address(sync.master_address, rank0, engine_urls, here)
+    logger.info("weight-update group: engines reach trainer rank 0 (node %s) at %s", rank0, address)
+    return address
 
 
 def _training_dump(directory: str | None, tokenizer: Any) -> Any:

@@ -1,25 +1,26 @@
-"""The distributed weight transport: the trainer (rank 0 of SGLang's weight-update group) broadcasts the weights
-in buckets to every engine, which receive them through `/update_weights_from_distributed` (SGLang 0.5.6's route,
-also served by the embedded engine: `engines/weight_routes.py`). See `DistributedTransport`.
+"""The distributed weight transport: trainer rank 0 (rank 0 of SGLang's weight-update group) broadcasts the
+weights in buckets to every engine, which receive them through `/update_weights_from_distributed` (SGLang 0.5.6's
+route, also served by the embedded engine: `engines/weight_routes.py`). See `DistributedTransport`.
+
+This module is the engines' side of the exchange (HTTP calls, group membership, retries); the collective side
+(gather, buckets, store, join, broadcast) is a `GroupSender` (`weight_sender.py`): in this process with one
+trainer process, in trainer rank 0's actor with several FSDP ranks (`rank_weights.py`).
 
 Why buckets and not one broadcast per tensor (SGLang's default load format): one collective and one HTTP call per
 bucket instead of per tensor (a Qwen2 layer has ~12 tensors) keeps the per-call overhead out of the pause window.
+
+`master_address` is the address the engines reach rank 0's store and group at: `settings/addresses.py` turns
+`param_sync.master_address` (auto or an address) into it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import uuid
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from datetime import timedelta
+from collections.abc import Callable
 from typing import Any
-
-import torch
-import torch.distributed as dist
 
 from rllm.experimental.fully_async.engines.client import (
     EngineClient,
@@ -29,132 +30,96 @@ from rllm.experimental.fully_async.engines.client import (
     EngineTimeoutError,
 )
 from rllm.experimental.fully_async.engines.http import CONNECTION_ERRORS
-from rllm.experimental.fully_async.engines.weight_group import (
-    FLATTENED_BUCKET,
-    destroy_group,
-    flatten_bucket,
-    init_custom_process_group,
-    parse_dtype,
+from rllm.experimental.fully_async.engines.weight_group import FLATTENED_BUCKET
+from rllm.experimental.fully_async.runtime.weight_sender import (
+    BucketHeader,
+    GroupSender,
+    LocalSender,
+    Tensors,
+    module_tensors,
+    plan_buckets,
 )
 from rllm.experimental.fully_async.runtime.weight_transport import StagedWeights
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["DistributedTransport", "plan_buckets"]
 
-@dataclass(frozen=True)
-class _Bucket:
-    """One `/update_weights_from_distributed` call: its tensors' metadata and their bytes as one flat tensor."""
-
-    names: list[str]
-    dtypes: list[str]  # "float32", not "torch.float32": SGLang resolves them with getattr(torch, dtype)
-    shapes: list[list[int]]
-    flat: torch.Tensor  # uint8, SGLang's FlattenedTensorBucket layout
-
-
-def plan_buckets(state: Mapping[str, torch.Tensor], bucket_bytes: int, dtype: str | None) -> list[_Bucket]:
-    """Cast floating tensors to `dtype` and pack them in order into buckets of at most `bucket_bytes`; a tensor
-    larger than a bucket travels alone in an oversized one (a call carries whole tensors only)."""
-    target = parse_dtype(dtype) if dtype is not None else None
-    groups: list[list[tuple[str, torch.Tensor]]] = [[]]
-    size = 0
-    for name, tensor in state.items():
-        t = tensor.detach()
-        if target is not None and t.is_floating_point():
-            t = t.to(target)
-        nbytes = t.numel() * t.element_size()
-        if groups[-1] and size + nbytes > bucket_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append((name, t))
-        size += nbytes
-    return [
-        _Bucket(
-            names=[n for n, _ in group],
-            dtypes=[str(t.dtype).removeprefix("torch.") for _, t in group],
-            shapes=[list(t.shape) for _, t in group],
-            flat=flatten_bucket([t for _, t in group]),
-        )
-        for group in groups
-        if group
-    ]
-
-
-def module_state(module: torch.nn.Module) -> Callable[[], dict[str, torch.Tensor]]:
-    """A `state_fn` for `DistributedTransport`: the module's full tensors by name. FSDP2-sharded tensors (DTensor)
-    are gathered with `full_tensor()`, a collective: at world size > 1 every trainer rank must call it, and rank 0
-    (the one in the weight-update group) sends. Tied weights are sent once, under their first name."""
-
-    def gather() -> dict[str, torch.Tensor]:
-        from torch.distributed.tensor import DTensor
-
-        out: dict[str, torch.Tensor] = {}
-        seen: set[tuple[int, int]] = set()
-        for name, tensor in module.state_dict().items():
-            if isinstance(tensor, DTensor):
-                tensor = tensor.full_tensor()
-            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
-            if key in seen:
-                continue
-            seen.add(key)
-            out[name] = tensor
-        return out
-
-    return gather
+LOOPBACK = "127.0.0.1"
 
 
 class DistributedTransport:
-    """Weights broadcast from the trainer (rank 0) to every engine through SGLang's weight-update group.
+    """Weights broadcast from trainer rank 0 to every engine through SGLang's weight-update group.
 
-    stage:    `state_fn()` gives the full tensors (collective across trainer ranks); they are cast to `dtype` (the
-              engines' dtype) and packed into buckets of `bucket_mb` BEFORE the pause, so the pause holds only
-              the transfer. The newest staged buckets are kept (host or GPU memory: one model copy in `dtype`).
+    stage:    the sender gathers the full tensors (a collective across trainer ranks), casts them to `dtype` (the
+              engines' dtype) and packs them into buckets of `bucket_mb` BEFORE the pause, so the pause holds only
+              the transfer. Rank 0 keeps the newest buckets (host or GPU memory: one model copy in `dtype`).
     load_all: while the engines are paused, per bucket: one `/update_weights_from_distributed` call to every
               engine (load_format=flattened_bucket) CONCURRENT with one broadcast from rank 0 (the calls block
               until the broadcast completes). `weight_version` rides on the last bucket only.
     The group (`/init_weights_update_group` on every engine, concurrent with rank 0 joining; a TCP store that
-    rank 0 hosts on `master_address`, port picked by the OS) is built at the first load and rebuilt, under a
-    new name, whenever the set of engines changes. An engine that restarts therefore rejoins by a rebuild:
+    rank 0 hosts, reached at `master_address`, port picked by the OS) is built at the first load and rebuilt,
+    under a new name, whenever the set of engines changes. An engine that restarts therefore rejoins by a rebuild:
     `ParamSync.replace_engine` loads the kept buckets into it through a group of its own, and the next sync
     rebuilds the group over all engines. An engine that fails mid-sync (e.g. killed) is reported failed; the
     others, which may hold part of the version, get all buckets again through a group without it.
-    Backend: nccl when CUDA is available (buckets live on the GPU), else gloo: the same code on CPU.
+    Backend: nccl when the sender's device is CUDA (buckets live on the GPU), else gloo: the same code on CPU.
     Every rendezvous and broadcast has `timeout_s` (the load's timeout), and errors name the engine and version.
+
+    Give `state_fn` (the full tensors: a dict or a stream of pairs; a `LocalSender` in this process is built from
+    it with `bucket_mb`, `dtype`, `backend`) or `sender` (rank 0 elsewhere, already configured).
     """
 
     def __init__(
         self,
-        state_fn: Callable[[], Mapping[str, torch.Tensor]],
+        state_fn: Callable[[], Tensors] | None = None,
         *,
         bucket_mb: float = 256.0,
         dtype: str | None = None,
         backend: str = "auto",
-        master_address: str = "127.0.0.1",
+        master_address: str = LOOPBACK,
+        sender: GroupSender | None = None,
     ) -> None:
-        if bucket_mb <= 0:
-            raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
-        if backend not in ("auto", "gloo", "nccl"):
-            raise ValueError(f"backend must be auto, gloo or nccl, got {backend!r}")
-        self.state_fn = state_fn
-        self.bucket_bytes = int(bucket_mb * 2**20)
-        self.dtype = dtype
-        self.backend = ("nccl" if torch.cuda.is_available() else "gloo") if backend == "auto" else backend
+        if (state_fn is None) == (sender is None):
+            raise ValueError("give exactly one of state_fn (weights in this process) and sender (rank 0 elsewhere)")
+        if sender is None:
+            sender = LocalSender(
+                state_fn, bucket_mb=bucket_mb, dtype=dtype, backend=backend, master_address=master_address
+            )
+        self.sender = sender
         self.master_address = master_address
         self.group_name: str | None = None
         self.members: list[str] = []
-        self._pg: dist.ProcessGroup | None = None
-        self._store: dist.TCPStore | None = None
         self._builds = 0
-        self._staged: tuple[int, list[_Bucket]] | None = None
-        self._in_flight: asyncio.Future[Any] | None = None  # a broadcast left running when its group failed
+        self._staged: tuple[int, list[BucketHeader]] | None = None
+
+    @classmethod
+    def for_backend(
+        cls, backend: Any, bucket_mb: float, dtype: str | None, master_address: str = LOOPBACK
+    ) -> DistributedTransport:
+        """The transport for a policy backend: several FSDP ranks (`weight_sender`): rank 0 of them sends, every
+        rank gathers (rank_weights.py); Megatron (`hf_weight_stream`): its HF-named export stream, in this
+        process; otherwise this process's `backend.model`, gathered tensor by tensor."""
+        if hasattr(backend, "weight_sender"):
+            sender = backend.weight_sender(bucket_mb=bucket_mb, dtype=dtype, master_address=master_address)
+            return cls(sender=sender, master_address=master_address)
+        if hasattr(backend, "hf_weight_stream"):
+            state_fn: Callable[[], Tensors] = backend.hf_weight_stream
+        else:
+            model = backend.model
+            state_fn = lambda: module_tensors(model)  # noqa: E731
+        return cls(state_fn, bucket_mb=bucket_mb, dtype=dtype, master_address=master_address)
+
+    @property
+    def backend(self) -> str:
+        return self.sender.backend
 
     def stage(self, write_weights: Callable[[str], None], version: int) -> StagedWeights:
         """Gather, cast and pack the weights (`write_weights` is not used: nothing goes to disk)."""
-        buckets = plan_buckets(self.state_fn(), self.bucket_bytes, self.dtype)
-        if self.backend == "nccl":
-            buckets = [dataclasses.replace(b, flat=b.flat.to("cuda", non_blocking=True)) for b in buckets]
-        self._staged = (version, buckets)
-        nbytes = sum(b.flat.numel() for b in buckets)
-        return StagedWeights(version=version, location=f"broadcast: {len(buckets)} bucket(s)", nbytes=nbytes)
+        headers = self.sender.stage(version)
+        self._staged = (version, headers)
+        nbytes = sum(h.nbytes for h in headers)
+        return StagedWeights(version=version, location=f"broadcast: {len(headers)} bucket(s)", nbytes=nbytes)
 
     async def load(self, client: EngineClient, url: str, staged: StagedWeights, *, timeout_s: float) -> None:
         failures = await self.load_all(client, [url], staged, timeout_s=timeout_s)
@@ -170,13 +135,13 @@ class DistributedTransport:
         """Send `staged` to every engine in `urls`; returns the engines that failed and why (the others hold it)."""
         if self._staged is None or self._staged[0] != staged.version:
             raise ValueError(f"version {staged.version} is not the one staged last; stage it again")
-        buckets = self._staged[1]
+        headers = self._staged[1]
         failures: dict[str, BaseException] = {}
         targets = list(urls)
         for attempt in range(2):  # a retry only over the engines that did not fail
             try:
                 await self._ensure_group(client, targets, timeout_s)
-                bad = await self._send(client, targets, buckets, staged.version, timeout_s)
+                bad = await self._send(client, targets, headers, staged.version, timeout_s)
             except _GroupError as exc:
                 bad = exc.failures
             if not bad:
@@ -193,9 +158,9 @@ class DistributedTransport:
         return failures
 
     async def _ensure_group(self, client: EngineClient, urls: list[str], timeout_s: float) -> None:
-        if self._pg is not None and self.members == urls:
+        if self.group_name is not None and self.members == urls:
             return
-        if self._pg is not None:
+        if self.group_name is not None:
             self._drop_group(client, urls, timeout_s)
         self._builds += 1
         # Unique per build: an engine may still hold an earlier group (other transports, failed rebuilds).
@@ -209,9 +174,7 @@ class DistributedTransport:
             raise _GroupError(failed)
         tp = [int(info.get("tp_size") or 1) for info in infos]  # type: ignore[union-attr]
         world_size = 1 + sum(tp)
-        store = dist.TCPStore(
-            self.master_address, 0, world_size, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
-        )
+        port = await asyncio.to_thread(self.sender.open_store, name, world_size, timeout_s)
         offsets = [1 + sum(tp[:i]) for i in range(len(urls))]
         calls = [
             self._post(
@@ -220,7 +183,7 @@ class DistributedTransport:
                 "/init_weights_update_group",
                 {
                     "master_address": self.master_address,
-                    "master_port": store.port,
+                    "master_port": port,
                     "rank_offset": offset,
                     "world_size": world_size,
                     "group_name": name,
@@ -231,61 +194,54 @@ class DistributedTransport:
             )
             for url, offset in zip(urls, offsets, strict=True)
         ]
-        join = asyncio.ensure_future(
-            asyncio.to_thread(
-                init_custom_process_group,
-                backend=self.backend,
-                store=store,
-                world_size=world_size,
-                rank=0,
-                group_name=name,
-                timeout_s=timeout_s,
-            )
-        )
+        join = asyncio.ensure_future(asyncio.to_thread(self.sender.join, name, world_size, timeout_s))
         answers = await asyncio.gather(*calls, return_exceptions=True)
         failures = {u: a for u, a in zip(urls, answers, strict=True) if isinstance(a, BaseException)}
         if failures:
-            # Rank 0's join would wait for the missing ranks until the timeout: leave it to fail on its own.
-            join.add_done_callback(lambda f: f.cancelled() or (f.exception() is None and destroy_group(f.result())))
+            # Rank 0's join would wait for the missing ranks until the timeout: leave it to end on its own.
+            join.add_done_callback(lambda f: f.cancelled() or f.exception())
+            self.sender.leave(name)
             raise _GroupError(failures)
         try:
-            pg = await asyncio.wait_for(join, timeout=timeout_s)
+            await asyncio.wait_for(join, timeout=timeout_s)
         except Exception as exc:
+            self.sender.leave(name)
             raise _GroupError({u: EngineError(f"{u}: group {name} did not form: {exc!r}") for u in urls}) from exc
-        self._pg, self._store, self.group_name, self.members = pg, store, name, list(urls)
+        self.group_name, self.members = name, list(urls)
         logger.info(
-            "weight-update group %s built over %d engine(s) (%s, world size %d)",
+            "weight-update group %s built over %d engine(s) (%s, world size %d, rank 0 at %s)",
             name,
             len(urls),
             self.backend,
             world_size,
+            self.master_address,
         )
 
     async def _send(
-        self, client: EngineClient, urls: list[str], buckets: list[_Bucket], version: int, timeout_s: float
+        self, client: EngineClient, urls: list[str], headers: list[BucketHeader], version: int, timeout_s: float
     ) -> dict[str, BaseException]:
-        pg = self._pg
-        assert pg is not None
-        for i, bucket in enumerate(buckets):
-            last = i == len(buckets) - 1
+        name = self.group_name
+        assert name is not None
+        for i, header in enumerate(headers):
+            last = i == len(headers) - 1
             payload = {
-                "names": bucket.names,
-                "dtypes": bucket.dtypes,
-                "shapes": bucket.shapes,
-                "group_name": self.group_name,
+                "names": header.names,
+                "dtypes": header.dtypes,
+                "shapes": header.shapes,
+                "group_name": name,
                 "flush_cache": last,
                 "abort_all_requests": False,
                 "weight_version": str(version) if last else None,
                 "load_format": FLATTENED_BUCKET,
             }
-            what = f"weights v{version} bucket {i + 1}/{len(buckets)}"
+            what = f"weights v{version} bucket {i + 1}/{len(headers)}"
             calls = [self._post(client, u, "/update_weights_from_distributed", payload, timeout_s, what) for u in urls]
-            broadcast = asyncio.ensure_future(asyncio.to_thread(dist.broadcast, bucket.flat, 0, pg))
+            broadcast = asyncio.ensure_future(asyncio.to_thread(self.sender.broadcast, name, version, i))
             answers = await asyncio.gather(*calls, return_exceptions=True)
             bad = {u: a for u, a in zip(urls, answers, strict=True) if isinstance(a, BaseException)}
             if bad:
-                # The broadcast may wait for a dead rank until the group's timeout: leave it, the group is dropped.
-                self._in_flight = broadcast
+                # The broadcast may wait for a dead rank until the group's timeout: leave it; the sender destroys
+                # the group once it ends (the group is dropped).
                 broadcast.add_done_callback(lambda f: f.cancelled() or f.exception())
                 return bad
             try:
@@ -309,27 +265,21 @@ class DistributedTransport:
 
     def _drop_group(self, client: EngineClient, survivors: list[str], timeout_s: float) -> None:
         """Forget the current group. Engines keep their end until told (best effort, in the background)."""
-        pg, name = self._pg, self.group_name
-        self._pg, self.group_name, self.members = None, None, []
-        if pg is not None:
-            in_flight = self._in_flight
-            if in_flight is not None and not in_flight.done():
-                in_flight.add_done_callback(lambda _f: destroy_group(pg))  # never destroy under a running broadcast
-            else:
-                destroy_group(pg)
-            self._in_flight = None
-        for url in survivors if name else []:
+        name = self.group_name
+        self.group_name, self.members = None, []
+        if name is None:
+            return
+        self.sender.leave(name)  # never under a running broadcast: the sender waits for it to end
+        for url in survivors:
             task = asyncio.ensure_future(
                 self._post(client, url, "/destroy_weights_update_group", {"group_name": name}, timeout_s, "leave")
             )
             task.add_done_callback(lambda f: f.cancelled() or f.exception())
-        self._store = None
 
     def close(self) -> None:
-        """Leave the group (trainer side)."""
-        if self._pg is not None and (self._in_flight is None or self._in_flight.done()):
-            destroy_group(self._pg)
-        self._pg, self._store, self._staged = None, None, None
+        """Leave the group (trainer side) and drop the staged buckets."""
+        self.group_name, self.members, self._staged = None, [], None
+        self.sender.close()
 
 
 class _GroupError(Exception):

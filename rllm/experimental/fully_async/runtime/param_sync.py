@@ -19,8 +19,9 @@ timeout, and the whole sync has an overall guard.
 
 How weights travel is a `WeightTransport`: `DiskTransport` (a shared directory of HF safetensors folders, via
 SGLang's `/update_weights_from_disk`) or `DistributedTransport` (the trainer broadcasts buckets while the engines
-receive through `/init_weights_update_group` + `/update_weights_from_distributed`; gloo on CPU, NCCL on GPU). The
-latter is a `CollectiveTransport`: its load is one call over all paused engines (`load_all`), after which each
+receive through `/init_weights_update_group` + `/update_weights_from_distributed`; gloo on CPU, NCCL on GPU; with
+several FSDP trainer ranks, rank 0 broadcasts and every rank gathers: `rank_weights.py`). The latter is a
+`CollectiveTransport`: its load is one call over all paused engines (`load_all`), after which each
 engine's version is set and read back as for disk.
 
 Engines come and go between syncs: `remove_engine` drops one whose process died, `replace_engine` adds its
@@ -43,11 +44,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import torch
-
 from rllm.experimental.fully_async.engines.client import EngineClient, EngineConnectionError, EngineError
 from rllm.experimental.fully_async.errors import FullyAsyncError
-from rllm.experimental.fully_async.runtime.distributed_transport import DistributedTransport, module_state
+from rllm.experimental.fully_async.runtime.distributed_transport import DistributedTransport
+from rllm.experimental.fully_async.runtime.weight_sender import module_state, module_tensors  # re-exported
 from rllm.experimental.fully_async.runtime.weight_transport import (  # re-exported: the transports' home
     CollectiveTransport,
     DiskTransport,
@@ -65,6 +65,7 @@ __all__ = [
     "SyncReport",
     "WeightTransport",
     "module_state",
+    "module_tensors",
     "transport_from_config",
 ]
 
@@ -112,14 +113,17 @@ SYNC_DTYPES = ("float32", "bfloat16")
 TRANSPORTS = ("disk", "distributed", "nccl")  # nccl: alias of distributed (verl/rLLM spelling; gloo on CPU)
 
 
-def transport_from_config(param_sync: Any, model: torch.nn.Module, dtype: str | None) -> WeightTransport:
+def transport_from_config(
+    param_sync: Any, backend: Any, dtype: str | None, *, master_address: str = "127.0.0.1"
+) -> WeightTransport:
     """The transport `param_sync.transport` names: disk -> `DiskTransport(param_sync.weights_dir)`; distributed or
-    nccl -> `DistributedTransport` over `model`'s tensors in buckets of `param_sync.bucket_mb`, cast to `dtype`."""
+    nccl -> `DistributedTransport.for_backend` in buckets of `param_sync.bucket_mb`, cast to `dtype`, reached by the
+    engines at `master_address` (`resolve_master_address`)."""
     kind = str(param_sync.transport)
     if kind == "disk":
         return DiskTransport(Path(param_sync.weights_dir))
     if kind in ("distributed", "nccl"):
-        return DistributedTransport(module_state(model), bucket_mb=float(param_sync.bucket_mb), dtype=dtype)
+        return DistributedTransport.for_backend(backend, float(param_sync.bucket_mb), dtype, master_address)
     raise ValueError(f"param_sync.transport={kind!r}: use one of {', '.join(TRANSPORTS)}")
 
 

@@ -14,6 +14,9 @@ agrees the count (all-reduce MAX), which only works if no rank has fewer rows th
 count does not divide by N is padded (verl's `pad_dataproto_to_divisor`) with copies of its first rows whose
 `response_mask` is zeroed: they add nothing to the loss, and their log-probs are dropped.
 
+For the distributed weight transport, rank 0 is also rank 0 of the engines' weight-update group: every rank gathers
+the full parameters, rank 0 keeps and broadcasts them (`stage_weights`, `weights_call`; runtime/rank_weights.py).
+
 Rendezvous: one machine uses a FileStore in a private temporary folder and keeps gloo/NCCL sockets on the loopback
 interface; several machines rendezvous over TCP at rank 0's node address. Every wait has a timeout naming the rank
 and the call; a rank that died fails the call with one line, and the group refuses further calls (its process group
@@ -69,13 +72,16 @@ def split_by_tokens(data: Any, world: int) -> tuple[list[Any], list[list[int]], 
     return [padded[list(part)] for part in partitions], [list(part) for part in partitions], rows
 
 
-@ray.remote
+# "weights": rank 0's end of the distributed weight transport (runtime/rank_weights.py), beside the training calls,
+# which keep the default group (one at a time, in order, as their collectives need).
+@ray.remote(concurrency_groups={"weights": 4})
 class _PolicyRank:
     """One rank: joins the process group, then holds an FSDPPolicyBackend and forwards calls to it."""
 
     def __init__(self, rank: int, world: int, device: str) -> None:
         self.rank, self.world, self.device = rank, world, device
         self.backend: Any = None
+        self.weights: Any = None  # LocalSender of the distributed weight transport, built at the first stage
         os.environ["LOCAL_RANK"] = "0"  # Ray shows each rank only its own GPU, as device 0
         if device == "cpu":
             os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CUDA initialises lazily: verl then picks the CPU
@@ -109,6 +115,29 @@ class _PolicyRank:
 
     def call(self, method: str, *args: Any) -> Any:
         return getattr(self.backend, method)(*args)
+
+    def stage_weights(
+        self, bucket_mb: float, dtype: str | None, backend: str, master_address: str, version: int
+    ) -> list[Any]:
+        """Every rank gathers the full tensors one at a time (a collective); rank 0 keeps them as buckets and
+        answers their headers (runtime/rank_weights.py)."""
+        from rllm.experimental.fully_async.runtime.weight_sender import LocalSender, module_tensors
+
+        if self.weights is None:
+            self.weights = LocalSender(
+                lambda: module_tensors(self.backend.model),
+                bucket_mb=bucket_mb,
+                dtype=dtype,
+                backend=backend,
+                master_address=master_address,
+                keep=self.rank == 0,
+            )
+        return self.weights.stage(version)
+
+    @ray.method(concurrency_group="weights")
+    def weights_call(self, method: str, *args: Any) -> Any:
+        """Rank 0's weight-update group: open_store, join, broadcast, leave, close (weight_sender.LocalSender)."""
+        return None if self.weights is None else getattr(self.weights, method)(*args)
 
     def free_port(self) -> int:
         import socket
@@ -234,6 +263,30 @@ class DistributedPolicyBackend:
     def load_checkpoint(self, directory: str | os.PathLike[str]) -> None:
         """Each rank reads its shard of a `save_checkpoint` folder written by any world size."""
         self._fan_out("load_checkpoint", [(str(directory),)] * self.world)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # The distributed weight transport (runtime/rank_weights.py)
+    # ------------------------------------------------------------------------------------------------------------
+
+    def weight_sender(self, *, bucket_mb: float, dtype: str | None, master_address: str) -> Any:
+        """Rank 0's end of the weight-update group, as `DistributedTransport(sender=...)` drives it."""
+        from rllm.experimental.fully_async.runtime.rank_weights import RankZeroSender
+
+        return RankZeroSender(self, bucket_mb=bucket_mb, dtype=dtype, master_address=master_address)
+
+    @property
+    def rank_zero(self) -> Any:
+        return self._ranks[0]
+
+    def rank_zero_address(self) -> str:
+        """The IP of the node trainer rank 0 runs on (Ray's)."""
+        return self._wait([self._ranks[0].node_address.remote()], "node_address", self.call_timeout_s)[0]
+
+    def on_every_rank(self, method: str, args: tuple) -> list[Any]:
+        """Call the rank actors' own `method` on every rank at once (a collective); results in rank order."""
+        if self._broken is not None:
+            raise RankFailedError(f"trainer worker group is down since: {self._broken}")
+        return self._wait([getattr(rank, method).remote(*args) for rank in self._ranks], method, self.call_timeout_s)
 
     def shutdown(self) -> None:
         """Leave the process group and end the rank actors (after a failure, just end them)."""

@@ -72,6 +72,9 @@ class ParamSyncConfig:
     # weight-update group: NCCL on GPU, gloo on CPU) | nccl (alias of distributed, as verl/rLLM users write it)
     transport: str = "disk"
     bucket_mb: float = 256.0  # distributed: MiB per broadcast (one HTTP call + one collective per bucket per sync)
+    # distributed: the address engines reach trainer rank 0 at (the weight-update group's store): auto (127.0.0.1
+    # when every engine runs on rank 0's node, else that node's IP as Ray knows it) | an IP address or host name
+    master_address: str = "auto"
     weights_dir: str | None = None  # shared folder for the disk transport; null: RUN_DIR/weights
     timeout_s: float = 300.0  # each of pause, update and resume, per engine
     # dtype of the weights pushed to engines: auto (bfloat16 when the trainer runs on CUDA, else the trainer's

@@ -154,6 +154,7 @@ class ParamSyncSpec:
 
     transport: str  # disk | distributed (nccl: its alias; gloo on CPU, NCCL on GPU)
     bucket_mb: float  # distributed: MiB per broadcast
+    master_address: str  # distributed: auto | the address engines reach trainer rank 0 at
     weights_dir: str
     timeout_s: float
     dtype: str  # auto (the trainer's parameter dtype: bf16 on GPU) | float32 | bfloat16
@@ -285,6 +286,7 @@ def build_run_spec(cfg: DictConfig) -> RunSpec:
     param_sync = ParamSyncSpec(
         transport=str(cfg.param_sync.transport),
         bucket_mb=float(cfg.param_sync.bucket_mb),
+        master_address=str(cfg.param_sync.master_address),
         weights_dir=str(cfg.param_sync.weights_dir),
         timeout_s=float(cfg.param_sync.timeout_s),
         dtype=str(cfg.param_sync.dtype),

@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rllm.experimental.fully_async.errors import ConfigError
 from rllm.experimental.fully_async.errors import first_line as _first_line
+from rllm.experimental.fully_async.settings.addresses import check_master_address
 from rllm.experimental.fully_async.tasks import task_names, unknown_task_message
 
 logger = logging.getLogger(__name__)
@@ -101,14 +102,12 @@ def validate(cfg: DictConfig, *, check_host: bool = True) -> None:
 def refuse_unsupported(cfg: DictConfig, *, check_host: bool = True) -> None:
     """Refuse settings this build or this machine cannot honour (a transport, strategy, device or topology it lacks),
     rather than running something else."""
-    if cfg.param_sync.transport in ("distributed", "nccl"):
-        # The broadcast reads full parameters from the trainer's own module: one rank, FSDP (runtime/param_sync.py).
-        world = int(cfg.trainer.n_gpus_per_node) * int(cfg.trainer.nnodes)
-        if world > 1 or cfg.actor_rollout_ref.actor.strategy == "megatron":
-            raise ConfigError(
-                f"'param_sync.transport={cfg.param_sync.transport}' broadcasts from a single FSDP trainer rank; "
-                "with several trainer ranks or Megatron use param_sync.transport=disk"
-            )
+    # The distributed transport works with one or several FSDP ranks (rank 0 broadcasts: runtime/rank_weights.py)
+    # and Megatron (its HF export stream); only the address the engines reach rank 0 at can be wrong here.
+    try:
+        check_master_address(cfg.param_sync.master_address)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
     strategy = cfg.actor_rollout_ref.actor.strategy
     if strategy == "megatron":
         _refuse_unsupported_megatron(cfg, check_host=check_host)
