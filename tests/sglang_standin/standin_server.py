@@ -154,7 +154,12 @@ async def generate(request: web.Request) -> web.Response:
         params = [SamplingParams.from_json(p) for p in raw_params]
         rid = body.get("rid")
         # _normalize_rid: one string rid over a batch becomes rid_0, rid_1, ...; a list must match the batch.
-        rids = [f"{rid}_{i}" for i in range(n)] if isinstance(rid, str) and not single else _per_item(rid, n, _none)
+        if single:
+            rids = [rid]
+        elif isinstance(rid, str):
+            rids = [f"{rid}_{i}" for i in range(n)]
+        else:
+            rids = _per_item(rid, n, _none)
         logprob = _per_item(body.get("return_logprob", False), n, lambda v: isinstance(v, bool))
     except (ValueError, TypeError) as exc:
         return web.json_response({"error": {"message": str(exc)}}, status=400)
