@@ -53,8 +53,8 @@ class _RolloutServiceClient:
 
 
 # `replace_engine` has a thread of its own: it must not wait behind a `train_step` that waits for rollouts from the
-# engine being replaced. Every other method stays in the default group, one at a time, so e.g. a checkpoint's
-# `state_dict` never runs beside an update.
+# engine being replaced. Every other method stays in the default group, one at a time, so e.g. `write_checkpoint`
+# never runs beside an update.
 @ray.remote(num_cpus=1, concurrency_groups={"engines": 1})
 class FullyAsyncTrainerActor:
     def __init__(self, spec: Any, engine_urls: list[str], rollouts: Any) -> None:
@@ -153,9 +153,6 @@ class FullyAsyncTrainerActor:
 
     def sync_weights(self, bump: bool = True) -> dict:
         return self.trainer.sync_weights(bump=bump)
-
-    def state_dict(self) -> dict:
-        return self.trainer.state_dict()
 
     def write_checkpoint(self, directory: str) -> dict:
         """Acknowledge the last batch to the rollout service, then write the trainer part into a checkpoint's
