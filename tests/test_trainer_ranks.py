@@ -203,6 +203,8 @@ def test_run_checkpoint_holds_every_ranks_shard_and_resumes_at_two_or_one_rank(t
         ) as info:
             load_trainer_part(tmp_path, _trainer(one.backend).state_dict(), resumed)
         assert "\n" not in str(info.value)
+        with pytest.raises(CheckpointError, match=r"world size > 1 \(the first checkpoint format\).* world size 1"):
+            load_trainer_part(tmp_path, gathered, one)
 
         import ray
 
