@@ -381,6 +381,63 @@ def test_newer_format_is_refused(tmp_path):
         manager.load(path)
 
 
+def save_with_shard(manager: CheckpointManager, step: int, shard_name: str = "policy_shards/__0_0.distcp") -> Path:
+    """A checkpoint whose trainer part has a file beside trainer.pt, as the policy's shards are (begin/commit, as
+    the run writes them; runtime/trainer_checkpoint.py)."""
+    from rllm.experimental.fully_async.runtime.checkpoint_codec import (
+        manifest_entry,
+        write_bytes,
+        write_rollout_part,
+        write_trainer_part,
+    )
+
+    tmp = manager.begin(step)
+    (tmp / "policy_shards").mkdir()
+    data = bytes(range(256)) * 16
+    write_bytes(tmp / "policy_shards" / "__0_0.distcp", data)
+    files = {shard_name: manifest_entry(data)}
+    files |= write_trainer_part(tmp, {"backend": {"shards": "policy_shards", "world_size": 1}, "step": step})
+    files |= write_rollout_part(tmp, {"step": step}, [])
+    return manager.commit(tmp, step, files, {"version": step})
+
+
+def test_a_damaged_or_missing_policy_shard_is_named_when_the_checkpoint_loads(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    path = save_with_shard(manager, 1)
+    assert manager.load(path).trainer["backend"]["shards"] == "policy_shards"
+    shard = path / "policy_shards" / "__0_0.distcp"
+    _flip_byte(shard)
+    with pytest.raises(CheckpointError, match="sha256") as excinfo:
+        manager.load(path)
+    assert str(shard) in str(excinfo.value) and "\n" not in str(excinfo.value)
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=f"{shard} cannot be read"):
+        manager.load(path)
+
+
+@pytest.mark.parametrize("name", ["../outside.bin", "/etc/passwd", "policy_shards/../../x", ""])
+def test_a_manifest_naming_a_file_outside_the_checkpoint_is_refused(tmp_path, name):
+    manager = CheckpointManager(tmp_path)
+    path = save_with_shard(manager, 1, shard_name=name)
+    with pytest.raises(CheckpointError, match="not a file inside the checkpoint") as excinfo:
+        manager.load(path)
+    assert "\n" not in str(excinfo.value)
+
+
+def test_a_first_format_checkpoint_still_loads(tmp_path):
+    """This round's first format (the full trainer state in trainer.pt) is read; resuming it is
+    runtime/trainer_checkpoint.py's call (tests/test_trainer_ranks.py)."""
+    manager = CheckpointManager(tmp_path)
+    path = save_simple(manager, 1)
+    meta = json.loads((path / "meta.json").read_text())
+    rewrite_part(path, "meta.json", json.dumps(meta | {"format_version": 1}).encode())
+    marker = json.loads((path / COMPLETE_MARKER).read_text())
+    (path / COMPLETE_MARKER).write_text(json.dumps(marker | {"format_version": 1}))
+    assert FORMAT_VERSION == 2
+    loaded = manager.load(path)
+    assert loaded.meta["format_version"] == 1 and torch.equal(loaded.trainer["weights"], torch.zeros(4))
+
+
 def test_damaged_newest_checkpoint_is_an_error_not_a_silent_fallback(tmp_path):
     manager = CheckpointManager(tmp_path)
     save_simple(manager, 1)

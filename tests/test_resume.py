@@ -23,6 +23,7 @@ from conftest import QUICK_WARMUP_STEPS, leftover_processes
 from rllm.experimental.fully_async.core.ledger_format import SampleState, history_counts
 from rllm.experimental.fully_async.runtime.checkpoint import CheckpointManager
 from rllm.experimental.fully_async.runtime.ledger_journal import read_journal
+from rllm.experimental.fully_async.runtime.trainer_checkpoint import POLICY_SHARDS
 from rllm.experimental.fully_async.tasks.addition import prepare_addition_assets
 
 NUM_PROMPTS = 40
@@ -91,10 +92,13 @@ def _sigkill_tree(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
-# Two trainer ranks (gloo, one rank actor each) take the same path: their checkpoint is the full state gathered on
-# rank 0, and the resumed group loads it back into both shards.
-@pytest.mark.parametrize("ranks", [1, 2], ids=["one-rank", "two-ranks"])
-def test_sigkill_then_resume_trains_every_prompt_of_the_epoch_exactly_once(small_task, tmp_path, ranks):
+# Two trainer ranks (gloo, one rank actor each) take the same path: each rank writes its own shard of the policy
+# through torch.distributed.checkpoint into the checkpoint being saved, and the resumed group reads them back. The
+# last case resumes the two ranks' checkpoint with one rank (DCP reshards; runtime/trainer_checkpoint.py).
+@pytest.mark.parametrize(
+    ("ranks", "resume_ranks"), [(1, 1), (2, 2), (2, 1)], ids=["one-rank", "two-ranks", "two-ranks-resumed-by-one"]
+)
+def test_sigkill_then_resume_trains_every_prompt_of_the_epoch_exactly_once(small_task, tmp_path, ranks, resume_ranks):
     model_dir, train, val = small_task
     run_dir = tmp_path / "run"
     command = _command(
@@ -105,15 +109,19 @@ def test_sigkill_then_resume_trains_every_prompt_of_the_epoch_exactly_once(small
         "trainer.total_training_steps=null",
         "trainer.total_epochs=1",
         "trainer.save_freq=1",
-        f"trainer.n_gpus_per_node={ranks}",
     )
-    first = _start(command, tmp_path)
+    first = _start([*command, f"trainer.n_gpus_per_node={ranks}"], tmp_path)
     _wait_for_line(first, "step    3/", timeout_s=400)
     _sigkill_tree(first)
     killed_at = CheckpointManager(run_dir / "checkpoints").latest()
     assert killed_at is not None
+    # every rank's shard is in the checkpoint (and its manifest, which the resume verifies); trainer.pt refers to them
+    shards = {path.name for path in (killed_at / POLICY_SHARDS).iterdir()}
+    assert shards == {*(f"__{rank}_0.distcp" for rank in range(ranks)), ".metadata", "extra.pt"}
+    trainer_part = CheckpointManager(run_dir / "checkpoints").load(killed_at).trainer
+    assert trainer_part["backend"] == {"shards": POLICY_SHARDS, "world_size": ranks}
 
-    second = _start(command, tmp_path)
+    second = _start([*command, f"trainer.n_gpus_per_node={resume_ranks}"], tmp_path)
     output, _ = second.communicate(timeout=600)
     assert second.returncode == 0, output[-3000:]
     assert f"resumed from {killed_at}" in output

@@ -133,6 +133,8 @@ def test_resume_allows_safe_changes_and_saves_the_new_config(tmp_path):
 def test_the_safe_list_is_the_documented_one():
     for key in ("trainer.total_training_steps", "trainer.logger", "engines.num_engines", "workflow.reward_timeout_s"):
         assert is_safe_key(key), key
+    # the trainer's world size: its checkpoint's shards reshard (tests/test_resume.py resumes 2 ranks with 1)
+    assert is_safe_key("trainer.n_gpus_per_node") and is_safe_key("trainer.nnodes")
     for key in (
         "actor_rollout_ref.model.path",
         "data.train_files",

@@ -2,8 +2,9 @@
 
 One 2-rank group (dynamic micro-batching, a 7-row batch with uneven token counts, so it is padded and split by
 tokens) is judged against one in-process rank on the same batch: log-probs, the optimizer step, the HF export, and
-a torch.distributed.checkpoint written by 2 ranks resumed by a fresh 2-rank group and by 1 rank. A killed rank
-fails the next call with one line.
+a torch.distributed.checkpoint written by 2 ranks resumed by a fresh 2-rank group and by 1 rank. The run's checkpoint
+(trainer.pt plus every rank's shard, committed by the checkpoint store) resumes 2 -> 2, 2 -> 1 and 1 -> 2; the first
+format's full state is refused where it cannot fit. A killed rank fails the next call with one line.
 """
 
 from __future__ import annotations
@@ -11,11 +12,26 @@ from __future__ import annotations
 import pytest
 import torch
 from test_fsdp_backend import actor_cfg
+from test_trainer import LocalRollouts, _advantages, _settings
 from test_verl_patch import BATCH_SIZE, RESPONSE_LEN, make_batch, response_log_probs
 from transformers import AutoModelForCausalLM
 from verl import DataProto
 
 from rllm.experimental.fully_async.backends.fsdp import FSDPPolicyBackend
+from rllm.experimental.fully_async.runtime.checkpoint import (
+    TRAINER_FILE,
+    Checkpoint,
+    CheckpointError,
+    CheckpointManager,
+    load_checkpoint,
+)
+from rllm.experimental.fully_async.runtime.checkpoint_codec import file_sha256, write_rollout_part
+from rllm.experimental.fully_async.runtime.fully_async_trainer import FullyAsyncTrainer
+from rllm.experimental.fully_async.runtime.trainer_checkpoint import (
+    POLICY_SHARDS,
+    load_trainer_part,
+    write_trainer_part,
+)
 from rllm.experimental.fully_async.runtime.trainer_ranks import (
     DistributedPolicyBackend,
     RankFailedError,
@@ -100,7 +116,15 @@ def test_two_ranks_match_one_rank_then_resume_from_their_checkpoint(two_ranks, t
 
     # a checkpoint written shard by shard resumes into one rank: the next step lands where the group's does,
     # so the Adam moments and the schedule came along
-    two_ranks.save_checkpoint(tmp_path / "dcp")
+    files = two_ranks.save_checkpoint(tmp_path / "dcp")
+    # each rank wrote its own shard (nothing gathered); the ranks' hashes cover every file of the folder
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "extra.pt"} == set(files)
+    assert set(files) == {entry.name for entry in (tmp_path / "dcp").iterdir()}
+    for name, entry in files.items():
+        assert entry == {
+            "bytes": (tmp_path / "dcp" / name).stat().st_size,
+            "sha256": file_sha256(tmp_path / "dcp" / name),
+        }
     resumed = FSDPPolicyBackend(tiny_model_dir, CFG, seed=5)
     resumed.load_checkpoint(tmp_path / "dcp")
     assert resumed.optimizer_steps == 1
@@ -112,22 +136,75 @@ def test_two_ranks_match_one_rank_then_resume_from_their_checkpoint(two_ranks, t
     assert BATCH_SIZE == 6  # odd_batch's 7 rows assume it
 
 
-def test_fresh_two_rank_group_resumes_identical_state_and_a_dead_rank_fails_in_one_line(
-    two_ranks, tiny_model_dir, tmp_path
-):
-    two_ranks.save_checkpoint(tmp_path / "dcp")
-    at_checkpoint = two_ranks.state_dict()
+def _trainer(backend, step: int = 0, version: int = 0) -> FullyAsyncTrainer:
+    return FullyAsyncTrainer(_settings(), backend, LocalRollouts([]), None, _advantages(), step=step, version=version)
+
+
+def _run_checkpoint(trainer: FullyAsyncTrainer, root) -> Checkpoint:
+    """The trainer part through the run's checkpoint store: written into the save's temporary folder (the trainer
+    actor's `write_checkpoint`), committed by one rename, loaded and verified as a resume does."""
+    manager = CheckpointManager(root)
+    tmp = manager.begin(trainer.step)
+    files = write_trainer_part(tmp, trainer) | write_rollout_part(tmp, {}, [])
+    return load_checkpoint(manager.commit(tmp, trainer.step, files, {}))
+
+
+def test_run_checkpoint_holds_every_ranks_shard_and_resumes_at_two_or_one_rank(two_ranks, tiny_model_dir, tmp_path):
     single = FSDPPolicyBackend(tiny_model_dir, CFG)
     two_ranks.update_policy(odd_batch(14, single))
-    later = two_ranks.state_dict()
+    saved = _run_checkpoint(_trainer(two_ranks, step=3, version=2), tmp_path / "two")
+    at_checkpoint = two_ranks.state_dict()
+
+    # trainer.pt refers to the shards, one per rank, inside the committed checkpoint and in its manifest
+    assert saved.trainer["backend"] == {"shards": POLICY_SHARDS, "world_size": 2}
+    shards = {p.name for p in (saved.path / POLICY_SHARDS).iterdir()}
+    assert shards == {"__0_0.distcp", "__1_0.distcp", ".metadata", "extra.pt"}
+    manifest = (saved.path / "COMPLETE").read_text()
+    assert all(f'"{POLICY_SHARDS}/{name}"' in manifest for name in shards)
+    shard_bytes = sum(p.stat().st_size for p in (saved.path / POLICY_SHARDS).iterdir())
+    assert (saved.path / TRAINER_FILE).stat().st_size < shard_bytes / 20  # no weights or moments in trainer.pt
+    two_ranks.update_policy(odd_batch(15, single))  # the group moves on: a resume must bring back the checkpoint
+
     fresh = DistributedPolicyBackend(tiny_model_dir, CFG, world=2, device="cpu", seed=7, **TIMEOUTS)
     try:
-        # the trainer's own checkpoint path: the full state gathered on rank 0, broadcast back from rank 0
-        fresh.load_state_dict(later)
-        assert_same_state(fresh.state_dict(), later)
-        # torch.distributed.checkpoint: each rank reads its own shard
-        fresh.load_checkpoint(tmp_path / "dcp")
+        # 2 -> 2: each rank reads its shard; weights, Adam moments and schedule bit for bit
+        resumed = _trainer(fresh)
+        load_trainer_part(saved.path, saved.trainer, resumed)
+        assert (resumed.step, resumed.version) == (3, 2)
         assert_same_state(fresh.state_dict(), at_checkpoint)
+
+        # 2 -> 1: one rank reads both shards (DCP reshards); the next step lands where the group's does
+        one = _trainer(FSDPPolicyBackend(tiny_model_dir, CFG, seed=5))
+        load_trainer_part(saved.path, saved.trainer, one)
+        assert one.backend.optimizer_steps == at_checkpoint["optimizer_steps"]
+        assert_same_params(one.backend.state_dict()["model"], full_params(at_checkpoint))
+        batch = odd_batch(16, single)
+        one.backend.update_policy(batch)
+        fresh.update_policy(batch)
+        assert_same_params(one.backend.state_dict()["model"], full_params(fresh.state_dict()))
+
+        # 1 -> 2: a one-rank run's checkpoint (one shard) resumes into the group, Adam moments included
+        saved_one = _run_checkpoint(_trainer(one.backend, step=5, version=4), tmp_path / "one")
+        assert saved_one.trainer["backend"] == {"shards": POLICY_SHARDS, "world_size": 1}
+        load_trainer_part(saved_one.path, saved_one.trainer, resumed)
+        assert (resumed.step, resumed.version) == (5, 4)
+        batch = odd_batch(17, single)
+        one.backend.update_policy(batch)
+        fresh.update_policy(batch)
+        assert_same_params(full_params(fresh.state_dict()), one.backend.state_dict()["model"])
+
+        # the first format: a state gathered from 2 ranks loads into 2 ranks; a world-1 full state cannot, and
+        # says so in one line naming both world sizes
+        gathered = _trainer(two_ranks, step=6, version=5).state_dict()
+        load_trainer_part(tmp_path, gathered, resumed)
+        assert_same_state(fresh.state_dict(), gathered["backend"])
+        with pytest.raises(
+            CheckpointError, match=r"world size 1 \(the first checkpoint format\).* world size 2"
+        ) as info:
+            load_trainer_part(tmp_path, _trainer(one.backend).state_dict(), resumed)
+        assert "\n" not in str(info.value)
+        with pytest.raises(CheckpointError, match=r"world size > 1 \(the first checkpoint format\).* world size 1"):
+            load_trainer_part(tmp_path, gathered, one)
 
         import ray
 

@@ -2,8 +2,10 @@
 
 The trainer (a Ray actor; world size 1 by default) calls four things: `compute_log_prob` for old or proximal
 log-probs, `update_policy` for exactly one optimizer step on one batch, `save_hf` to hand weights to ParamSync's
-disk transport, and `state_dict`/`load_state_dict` for checkpoints (or `save_checkpoint`/`load_checkpoint`: one
-shard per rank through torch.distributed.checkpoint, resumable at another world size). With several ranks,
+disk transport, and `save_checkpoint`/`load_checkpoint` for the run's checkpoints: one shard per rank through
+torch.distributed.checkpoint, nothing gathered, resumable at another world size (runtime/trainer_checkpoint.py).
+`state_dict`/`load_state_dict` (full, unsharded state) remain for tests and for reading this round's first
+checkpoint format. With several ranks,
 runtime/trainer_ranks.py runs one backend per rank behind the same interface. The backend knows nothing of Ray,
 queues or policy versions.
 
@@ -318,22 +320,40 @@ class FSDPPolicyBackend:
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.optimizer_steps = int(state["optimizer_steps"])
 
-    def save_checkpoint(self, directory: str | os.PathLike[str]) -> None:
+    def save_checkpoint(self, directory: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
         """Write model and optimizer with torch.distributed.checkpoint, each rank its own shard; collective.
 
-        Resumable at any world size (DCP reshards on load). The LR schedule and step count, the same on every
-        rank, go to `extra.pt` from rank 0.
+        Nothing is gathered: each rank writes the parameters and Adam moments it holds (`__<rank>_0.distcp`), rank
+        0 adds DCP's `.metadata` and `extra.pt` (the LR schedule and step count, the same on every rank). Resumable
+        at any world size (DCP reshards on load). Returns the manifest entries ({bytes, sha256}, by file name) of
+        this rank's share of the folder's files, every world-th name in sorted order from its rank, so the ranks
+        hash in parallel and together cover every file.
         """
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        from rllm.experimental.fully_async.runtime.checkpoint_codec import file_sha256
 
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(directory))
         if self.rank == 0:
             extra = {"lr_scheduler": self.lr_scheduler.state_dict(), "optimizer_steps": self.optimizer_steps}
-            torch.save(extra, Path(directory) / CHECKPOINT_EXTRA)
+            with open(Path(directory) / CHECKPOINT_EXTRA, "wb") as file:
+                torch.save(extra, file)
+                file.flush()
+                os.fsync(file.fileno())  # DCP fsyncs its own files; the commit's rename must not overtake this one
+            fd = os.open(directory, os.O_RDONLY)
+            try:
+                os.fsync(fd)  # the folder's names are on disk before the checkpoint that holds it is renamed in
+            finally:
+                os.close(fd)
         if self.world_size > 1:
-            dist.barrier()  # extra.pt is on disk before any rank returns
+            dist.barrier()  # every file is on disk before any rank lists the folder or returns
+        names = sorted(entry.name for entry in Path(directory).iterdir() if entry.is_file())
+        return {
+            name: {"bytes": (Path(directory) / name).stat().st_size, "sha256": file_sha256(Path(directory) / name)}
+            for name in names[self.rank :: self.world_size]
+        }
 
     def load_checkpoint(self, directory: str | os.PathLike[str]) -> None:
         """Restore what `save_checkpoint` wrote (possibly by another world size); collective."""
@@ -345,7 +365,8 @@ class FSDPPolicyBackend:
         state = {"model": model_state, "optimizer": optim_state}
         dcp.load(state, checkpoint_id=str(directory))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-        extra = torch.load(Path(directory) / CHECKPOINT_EXTRA, weights_only=False)
+        # weights_only: the schedule's state is plain numbers and lists, and loading it must not run code
+        extra = torch.load(Path(directory) / CHECKPOINT_EXTRA, map_location="cpu", weights_only=True)
         self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
         self.optimizer_steps = int(extra["optimizer_steps"])
 

@@ -53,8 +53,8 @@ class _RolloutServiceClient:
 
 
 # `replace_engine` has a thread of its own: it must not wait behind a `train_step` that waits for rollouts from the
-# engine being replaced. Every other method stays in the default group, one at a time, so e.g. a checkpoint's
-# `state_dict` never runs beside an update.
+# engine being replaced. Every other method stays in the default group, one at a time, so e.g. `write_checkpoint`
+# never runs beside an update.
 @ray.remote(num_cpus=1, concurrency_groups={"engines": 1})
 class FullyAsyncTrainerActor:
     def __init__(self, spec: Any, engine_urls: list[str], rollouts: Any) -> None:
@@ -154,23 +154,21 @@ class FullyAsyncTrainerActor:
     def sync_weights(self, bump: bool = True) -> dict:
         return self.trainer.sync_weights(bump=bump)
 
-    def state_dict(self) -> dict:
-        return self.trainer.state_dict()
-
     def write_checkpoint(self, directory: str) -> dict:
-        """Acknowledge the last batch to the rollout service, then write trainer.pt into a checkpoint's temporary
-        directory from this process (the weights never travel through the driver). Returns the manifest entry and
-        the version the checkpoint is at."""
-        from rllm.experimental.fully_async.runtime.checkpoint_codec import write_trainer_part
+        """Acknowledge the last batch to the rollout service, then write the trainer part into a checkpoint's
+        temporary directory: trainer.pt from this process, the policy's torch.distributed.checkpoint shards from
+        every rank (runtime/trainer_checkpoint.py; the weights never travel through the driver, nor to one rank).
+        Returns the manifest entries and the version the checkpoint is at."""
+        from rllm.experimental.fully_async.runtime.trainer_checkpoint import write_trainer_part
 
         self.trainer.flush_ack()
-        return {
-            "files": write_trainer_part(Path(directory), self.trainer.state_dict()),
-            "version": self.trainer.version,
-        }
+        return {"files": write_trainer_part(Path(directory), self.trainer), "version": self.trainer.version}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.trainer.load_state_dict(state)
+    def load_checkpoint(self, directory: str, state: dict) -> None:
+        """Restore from the checkpoint in `directory`, whose trainer.pt (verified by the driver) is `state`."""
+        from rllm.experimental.fully_async.runtime.trainer_checkpoint import load_trainer_part
+
+        load_trainer_part(Path(directory), state, self.trainer)
 
     def shutdown(self) -> None:
         """End the trainer's rank actors, if it has any (a multi-rank trainer); the driver calls it before

@@ -4,13 +4,17 @@ On-disk layout (one directory per step under `root`):
 
     root/
       step_00000012/          a complete checkpoint; the directory name is the commit
-        trainer.pt            torch.save of the trainer part (policy state_dict, step, version, RNG states);
-                              loaded with weights_only=True, so the file cannot run code when it is read
+        trainer.pt            torch.save of the trainer part (step, version, RNG states, and the policy: a
+                              reference to policy_shards/, or a backend's full state dict); loaded with
+                              weights_only=True, so the file cannot run code when it is read
+        policy_shards/        the FSDP policy as torch.distributed.checkpoint shards, one per trainer rank,
+                              written by the ranks themselves (runtime/trainer_checkpoint.py)
         rollout.json          the rollout part (iterator position, sample ledger, staleness counters, version)
         queue.json            the queued TrajectoryGroups as JSON (dataclasses.asdict), rebuilt into dataclasses
         meta.json             format_version, step, saved_at (wall time), plus the caller's meta (version,
                               config_hash, ...)
-        COMPLETE              written last: the manifest {file: {bytes, sha256}} of the four files above
+        COMPLETE              written last: the manifest {file: {bytes, sha256}} of every file above (shards as
+                              `policy_shards/<name>`)
       .tmp-step_00000013-...  a save in progress, or one a crash interrupted (the next save removes it)
       abandoned-step_...      a newer checkpoint of a run that was not resumed from it (see "Steps" below)
 
@@ -49,7 +53,8 @@ the message says how to choose (move the damaged directory away, or resume_mode=
 One writer per root: a save removes every `.tmp-` directory it finds, so two processes must not save into the
 same root at once (only the trainer's driver saves).
 
-How each part is encoded and checked, and the RNG capture a trainer part carries, live in `checkpoint_codec`.
+How each part is encoded and checked, and the RNG capture a trainer part carries, live in `checkpoint_codec`; the
+trainer part's policy shards, and resuming them at another world size, in `trainer_checkpoint`.
 Reading and verifying a committed checkpoint (`load_checkpoint`, `CheckpointError`) lives in `checkpoint_load`.
 """
 

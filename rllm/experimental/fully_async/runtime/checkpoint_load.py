@@ -1,7 +1,9 @@
 """Reading a committed checkpoint back: its format constants, the manifest check of every file, and the parts.
 
 `load_checkpoint` verifies each file's size and sha256 against the `COMPLETE` manifest before parsing it, so damage
-is reported as a `CheckpointError` naming the file. Writing and committing checkpoints, retention and the choice
+is reported as a `CheckpointError` naming the file. That includes the files it does not parse itself: the policy's
+torch.distributed.checkpoint shards (`policy_shards/...`, runtime/trainer_checkpoint.py), which the trainer's ranks
+read after this check. Writing and committing checkpoints, retention and the choice
 of the checkpoint to resume from are in `checkpoint.py` (which re-exports these names); the parts' encoding is in
 `checkpoint_codec`.
 """
@@ -27,7 +29,9 @@ from rllm.experimental.fully_async.runtime.checkpoint_codec import (
     group_from_json,
 )
 
-FORMAT_VERSION = 1  # bump when the layout or a part's encoding changes; load refuses newer formats
+# Bump when the layout or a part's encoding changes; load refuses newer formats. 1: the trainer's full state in
+# trainer.pt. 2: the FSDP policy as torch.distributed.checkpoint shards beside it (runtime/trainer_checkpoint.py).
+FORMAT_VERSION = 2
 COMPLETE_MARKER = "COMPLETE"
 PART_FILES = (TRAINER_FILE, ROLLOUT_FILE, QUEUE_FILE, META_FILE)
 
@@ -62,6 +66,9 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         raise CheckpointError(f"{marker_path} is not a valid manifest: it must list {', '.join(PART_FILES)}")
     _check_format(marker.get("format_version"), marker_path)
 
+    for name, expected in files.items():
+        if name not in PART_FILES:  # the policy's shards: checked here, read by the trainer's ranks
+            _verify(_inside(path, name, marker_path), expected if isinstance(expected, dict) else {})
     meta = _parse_json(_read_verified(path / META_FILE, files[META_FILE]), path / META_FILE)
     if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
         raise CheckpointError(f"{path / META_FILE} has no integer 'step'")
@@ -111,6 +118,14 @@ def _verify(path: Path, expected: Mapping[str, Any]) -> None:
         raise CheckpointError(f"{path} cannot be read: {_one_line(exc)}") from exc
     if digest != expected.get("sha256"):
         raise CheckpointError(f"{path} is damaged: its sha256 does not match the manifest")
+
+
+def _inside(path: Path, name: Any, marker_path: Path) -> Path:
+    """A manifest name as a file of the checkpoint; a name that could reach outside it is refused."""
+    parts = Path(name).parts if isinstance(name, str) else ()
+    if not parts or Path(name).is_absolute() or any(part in ("", ".", "..") for part in parts):
+        raise CheckpointError(f"{marker_path} lists {name!r}, which is not a file inside the checkpoint")
+    return path.joinpath(*parts)
 
 
 def _parse_json(data: bytes, path: Path) -> Any:

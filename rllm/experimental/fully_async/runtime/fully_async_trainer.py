@@ -226,21 +226,25 @@ class FullyAsyncTrainer:
             "sync/wait_validation_s": waited_s,
         }
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, policy: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Step, version, RNG states (and the critic's state) with the policy's: the backend's full state dict, or
+        `policy` when given (a reference to shards the backend wrote itself, runtime/trainer_checkpoint.py)."""
         from rllm.experimental.fully_async.runtime.checkpoint import capture_rng_state
 
         return {
-            "backend": self.backend.state_dict(),
+            "backend": self.backend.state_dict() if policy is None else policy,
             "step": self.step,
             "version": self.version,
             "rng": capture_rng_state(),
             **({"critic": self.critic.state_dict()} if self.critic is not None else {}),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], *, load_policy: bool = True) -> None:
+        """Restore `state_dict`'s result; `load_policy=False` when the caller has restored the policy already."""
         from rllm.experimental.fully_async.runtime.checkpoint import restore_rng_state
 
-        self.backend.load_state_dict(state["backend"])
+        if load_policy:
+            self.backend.load_state_dict(state["backend"])
         if self.critic is not None:
             if "critic" not in state:
                 raise ValueError("the checkpoint has no critic state (it was not a GAE run): start a new run.dir")

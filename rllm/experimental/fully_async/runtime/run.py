@@ -141,7 +141,7 @@ class Run:
         self.sync_timeout_s = float(cfg.param_sync.timeout_s) * 4
         self.validate_timeout_s = float(cfg.engines.request_timeout_s)
         if resumed is not None:
-            ray.get(self.trainer.load_state_dict.remote(resumed.trainer), timeout=300)
+            ray.get(self.trainer.load_checkpoint.remote(str(resumed.path.resolve()), resumed.trainer), timeout=300)
             # Fresh engines hold the initial weights: give them the checkpoint's, under its version.
             ray.get(self.trainer.sync_weights.remote(False), timeout=self.sync_timeout_s)
             version = resumed.meta.get("version")
@@ -226,8 +226,9 @@ class Run:
 
         tmp = self.checkpoints.begin(self.step_count)
         try:
-            trainer_part = ray.get(self.trainer.write_checkpoint.remote(str(tmp)), timeout=300)
-            files = trainer_part["files"] | ray.get(self.rollouts.write_checkpoint.remote(str(tmp)), timeout=120)
+            where = str(tmp.resolve())  # the actors' working directory need not be this process's
+            trainer_part = ray.get(self.trainer.write_checkpoint.remote(where), timeout=300)
+            files = trainer_part["files"] | ray.get(self.rollouts.write_checkpoint.remote(where), timeout=120)
         except BaseException:
             self.checkpoints.abort(tmp)
             raise

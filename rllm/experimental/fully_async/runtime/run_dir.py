@@ -21,6 +21,9 @@ trained step or a queued sample means):
 - trainer: total_training_steps, total_epochs, test_freq, save_freq, val_before_train, logger, project_name,
   experiment_name, resume_mode, resume_from_path, log_val_generations, rollout_data_dir, validation_data_dir,
   default_local_dir; the optimizers' total_training_steps (the LR horizon follows total_training_steps);
+- trainer.n_gpus_per_node and trainer.nnodes (the trainer's world size): the policy's torch.distributed.checkpoint
+  shards reshard onto the new ranks, and a step does not depend on how many ranks share it
+  (runtime/trainer_checkpoint.py; a checkpoint of the first format that cannot reshard is refused there);
 - run.log_level, run.dir; param_sync.weights_dir (a scratch folder);
 - engines.* (backend, count, threads, restarts: the weights and their version come from the checkpoint);
 - data.val_files and task.val_size (what validation measures, not what trains);
@@ -69,6 +72,8 @@ SAFE_KEYS = frozenset(
         "trainer.rollout_data_dir",
         "trainer.validation_data_dir",
         "trainer.default_local_dir",
+        "trainer.n_gpus_per_node",
+        "trainer.nnodes",
         "actor_rollout_ref.actor.optim.total_training_steps",
         "critic.optim.total_training_steps",
         "run.log_level",

@@ -1,8 +1,8 @@
 """The trainer's worker group: N FSDP2 ranks as Ray actors behind FSDPPolicyBackend's interface.
 
 `DistributedPolicyBackend` answers the calls the trainer makes on its `backend` (`compute_log_prob`,
-`update_policy`, `save_hf`, `state_dict`/`load_state_dict`, plus `save_checkpoint`/`load_checkpoint` for
-torch.distributed.checkpoint) by fanning each one out to N `_PolicyRank` actors at once. Each rank holds an
+`update_policy`, `save_hf`, `save_checkpoint`/`load_checkpoint`, `state_dict`/`load_state_dict`) by fanning each
+one out to N `_PolicyRank` actors at once. Each rank holds an
 `FSDPPolicyBackend` on one device (`num_gpus=1` on GPU, CPU only otherwise) in one torch.distributed group (NCCL on
 GPU, gloo on CPU), so one call is one optimizer step across all ranks: FSDP2 averages the gradients and verl's
 patched actor weights every micro-batch by its share of the global token count (patches/README.md).
@@ -16,6 +16,12 @@ count does not divide by N is padded (verl's `pad_dataproto_to_divisor`) with co
 
 For the distributed weight transport, rank 0 is also rank 0 of the engines' weight-update group: every rank gathers
 the full parameters, rank 0 keeps and broadcasts them (`stage_weights`, `weights_call`; runtime/rank_weights.py).
+
+Checkpoints: `save_checkpoint` has every rank write its own shard through torch.distributed.checkpoint (the run's
+checkpoint puts them in its temporary folder, runtime/trainer_checkpoint.py); nothing is gathered, and each rank
+hashes its share of the files for the manifest. `load_checkpoint` reads them back at any world size (DCP reshards).
+`state_dict` gathers the full state on rank 0: for tests, and for loading this round's first checkpoint format.
+Several nodes must see the checkpoint folder at the same path (a shared filesystem), as with verl's checkpoints.
 
 Rendezvous: one machine uses a FileStore in a private temporary folder and keeps gloo/NCCL sockets on the loopback
 interface; several machines rendezvous over TCP at rank 0's node address. Every wait has a timeout naming the rank
@@ -247,18 +253,27 @@ class DistributedPolicyBackend:
         to `dtype` when given (param_sync.dtype), as FSDPPolicyBackend.save_hf."""
         self._fan_out("save_hf", [(str(path), dtype)] * self.world)
 
+    @property
+    def world_size(self) -> int:
+        return self.world
+
     def state_dict(self) -> dict[str, Any]:
-        """Full (unsharded) model, optimizer and schedule state, gathered on rank 0 and returned from it."""
+        """Full (unsharded) model, optimizer and schedule state, gathered on rank 0 and returned from it (tests and
+        comparisons; the run's checkpoints use `save_checkpoint`, which gathers nothing)."""
         return self._fan_out("state_dict", [()] * self.world)[0]
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore a `state_dict` (from any world size): rank 0's copy is broadcast to the others."""
+        """Restore a `state_dict` gathered from a group (any world size > 1): rank 0's copy is broadcast to the
+        others. A world-1 state dict (a plain optimizer's, keyed by parameter index) does not fit; see
+        runtime/trainer_checkpoint.py, which refuses it."""
         ref = ray.put(dict(state))  # one copy in the object store, read by every rank
         self._fan_out("load_state_dict", [(ref,)] * self.world)
 
-    def save_checkpoint(self, directory: str | os.PathLike[str]) -> None:
-        """Each rank writes its own shard with torch.distributed.checkpoint (FSDPPolicyBackend.save_checkpoint)."""
-        self._fan_out("save_checkpoint", [(str(directory),)] * self.world)
+    def save_checkpoint(self, directory: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
+        """Each rank writes its own shard with torch.distributed.checkpoint (FSDPPolicyBackend.save_checkpoint);
+        returns the manifest entries of every file in `directory`, hashed by the ranks in parallel."""
+        shares = self._fan_out("save_checkpoint", [(str(directory),)] * self.world)
+        return {name: entry for share in shares for name, entry in share.items()}
 
     def load_checkpoint(self, directory: str | os.PathLike[str]) -> None:
         """Each rank reads its shard of a `save_checkpoint` folder written by any world size."""
