@@ -98,6 +98,25 @@ class EmbeddedEngineCommand:
         return {}
 
 
+@dataclass(frozen=True)
+class PlacedEngineCommand:
+    """Another command's engines at given indices and GPUs: local engine i is engine `slots[i][0]` of the run (its
+    seed and name) and sees the GPUs `slots[i][1]` (`CUDA_VISIBLE_DEVICES`, from the placement plan; "" = none).
+
+    An engine host on one node of a cluster launches only that node's engines with an `EngineLauncher` of this.
+    """
+
+    inner: EngineCommand
+    slots: tuple[tuple[int, str], ...]  # (run-wide engine index, CUDA_VISIBLE_DEVICES)
+
+    def build(self, host: str, port: int, index: int) -> list[str]:
+        return self.inner.build(host, port, self.slots[index][0])
+
+    def env(self, index: int) -> dict[str, str]:
+        engine, devices = self.slots[index]
+        return {**self.inner.env(engine), "CUDA_VISIBLE_DEVICES": devices}
+
+
 @dataclass
 class EngineProcess:
     """One started engine."""
@@ -119,6 +138,10 @@ class EngineProcess:
 
     def alive(self) -> bool:
         return self.process.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode
 
     def log_tail(self, max_chars: int = 3000) -> str:
         try:
