@@ -22,7 +22,8 @@ from rllm.experimental.fully_async.core.placement import PlacementError, node_bu
 pytestmark = pytest.mark.timeout(240)
 
 CLUSTER_SCRIPT = """
-import json, os, sys
+import json, os, sys, time
+t0 = time.monotonic()
 import httpx, ray
 from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group_table
@@ -38,13 +39,14 @@ cluster = Cluster(initialize_head=True, head_node_args=dict(
     num_cpus=2, num_gpus=2, resources={"node_a": 1}, include_dashboard=False, **common))
 cluster.add_node(num_cpus=4, num_gpus=4, resources={"node_b": 1}, **common)
 ray.init(address=cluster.address, configure_logging=False, log_to_driver=False)
-out = {}
+out = {"t": {"cluster": time.monotonic() - t0}}
 try:
     names = {n["NodeID"]: ("a" if "node_a" in n["Resources"] else "b") for n in ray.nodes() if n["Alive"]}
     nodes = cluster_gpu_nodes()
     out["order"] = [names[n.node_id] for n in nodes]
     plan = plan_on_nodes([n.gpus for n in nodes], nnodes=2, num_engines=2, tp_size=2, trainer_ranks=2)
     placement = reserve(plan, nodes, timeout_s=60)
+    out["t"]["reserved"] = time.monotonic() - t0
     table = placement_group_table(placement.group)
     out["bundles"] = [(names[table["bundles_to_node_id"][i]], b) for i, b in enumerate(table["bundles"].values())]
     out["strategy"] = table["strategy"]
@@ -54,11 +56,13 @@ try:
     out["ranks"] = [(names[p["node_id"]], p["cuda_visible_devices"])
                     for p in ray.get([rank.placement.remote() for rank in ranks], timeout=60)]
 
+    out["t"]["ranks"] = time.monotonic() - t0
     key = "run-secret"
     command = EmbeddedEngineCommand(model_path, max_running_requests=4, num_threads=1, extra_args=("--api-key", key))
     engines = ClusterEngines(command, placement, api_key=key, bind_host="127.0.0.1", startup_timeout_s=90,
                              log_dir=log_dir)
     with engines:
+        out["t"]["engines"] = time.monotonic() - t0
         hosts = {node: ray.get(host.where.remote(), timeout=30) for node, host in engines.hosts.items()}
         out["hosts"] = {str(node): names[h["node_id"]] for node, h in hosts.items()}
         out["engines"] = []
@@ -76,6 +80,7 @@ try:
         ray.kill(rank)
     placement.release()
 
+    out["t"]["stopped"] = time.monotonic() - t0
     # A plan the cluster cannot hold: node 1 "has" 8 GPUs in the plan, 4 in the cluster.
     too_big = plan_on_nodes([2, 8], nnodes=2, num_engines=1, tp_size=2, trainer_ranks=8)
     try:
@@ -84,6 +89,7 @@ try:
     except PlacementError as exc:
         out["too_big"] = str(exc)
 finally:
+    out["t"]["end"] = time.monotonic() - t0
     print("RESULT " + json.dumps(out), flush=True)
     ray.shutdown()
     cluster.shutdown()
@@ -105,6 +111,7 @@ def test_a_two_node_cluster_runs_every_process_on_its_planned_node_and_gpus(tmp_
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     out = json.loads(lines[-1].removeprefix("RESULT "))
+    print("seconds since start:", out["t"])
     assert out["order"] == ["a", "b"]  # the driver's node is plan node 0
     # One bundle per node, pinned: all of its GPUs, one CPU per process the plan puts there.
     assert out["strategy"] == "STRICT_SPREAD"
