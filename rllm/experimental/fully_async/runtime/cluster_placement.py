@@ -64,9 +64,8 @@ class ClusterPlacement:
 
     def rank_options(self) -> list[dict[str, Any]]:
         """Ray `.options` for each trainer rank: one GPU and one CPU of its node's bundle."""
-        return [
-            {"num_gpus": 1, "num_cpus": 1, "scheduling_strategy": self._strategy(slot.node)} for slot in self.plan.trainer
-        ]
+        one = {"num_gpus": 1, "num_cpus": 1}
+        return [{**one, "scheduling_strategy": self._strategy(slot.node)} for slot in self.plan.trainer]
 
     def rank_devices(self) -> list[str]:
         """`CUDA_VISIBLE_DEVICES` of each trainer rank: its plan device (Ray's own pick is by count, not by index)."""
@@ -118,3 +117,44 @@ def reserve(plan: PlacementPlan, nodes: list[ClusterNode], timeout_s: float = 12
     placement = ClusterPlacement(plan, tuple(nodes), group, {b.node: i for i, b in enumerate(bundles)})
     logger.info("placement group reserved on %d node(s): %s", len(bundles), [nodes[b.node].address for b in bundles])
     return placement
+
+
+def start_on_cluster(cfg: Any, spec: Any, stack: Any, log_dir: Any) -> tuple[Any, dict[str, list]]:
+    """A `trainer.nnodes > 1` run's processes on the Ray cluster at RAY_ADDRESS (else `auto`): join it, plan over
+    its first `trainer.nnodes` GPU nodes, reserve the plan, start the engines through their node's engine host.
+
+    Everything started is registered on `stack` (an ExitStack), so it stops in reverse order. Returns the engines
+    (the launcher's interface) and the trainer ranks' placement ({"options": [...], "devices": [...]}).
+    """
+    import functools
+    import os
+
+    from rllm.experimental.fully_async.core.placement import plan_on_nodes
+    from rllm.experimental.fully_async.errors import ConfigError
+    from rllm.experimental.fully_async.runtime.engine_hosts import cluster_engines
+    from rllm.experimental.fully_async.runtime.prepare import init_ray
+    from rllm.experimental.fully_async.runtime.processes import ray_lifetime
+
+    if spec.engines.backend != "sglang" or spec.trainer.device != "cuda":
+        raise ConfigError(
+            f"trainer.nnodes={spec.trainer.nnodes} places SGLang engines and CUDA trainer ranks over a Ray cluster; it "
+            f"needs engines.backend=sglang and trainer.device=cuda (got {spec.engines.backend}, {spec.trainer.device})"
+        )
+    address = os.environ.get("RAY_ADDRESS", "auto")
+    stack.enter_context(ray_lifetime(functools.partial(init_ray, address=address)))
+    nodes = cluster_gpu_nodes()
+    try:
+        plan = plan_on_nodes(
+            [n.gpus for n in nodes],
+            spec.trainer.nnodes,
+            num_engines=spec.engines.num_engines,
+            tp_size=spec.engines.tensor_model_parallel_size,
+            trainer_ranks=spec.trainer.world_size,
+        )
+    except PlacementError as exc:
+        raise ConfigError(f"GPU placement on the Ray cluster at {address}: {exc}") from exc
+    logger.info("placement over %d node(s):\n%s", spec.trainer.nnodes, "\n".join(plan.describe()))
+    placement = reserve(plan, nodes, timeout_s=float(cfg.engines.startup_timeout_s))
+    stack.callback(placement.release)  # after the engines and ranks (LIFO) have ended
+    engines = stack.enter_context(cluster_engines(cfg, placement, log_dir))
+    return engines, {"options": placement.rank_options(), "devices": placement.rank_devices()}

@@ -181,7 +181,7 @@ class ClusterEngines:
 
     def _get(self, refs: dict[int, Any], what: str) -> dict[int, Any]:
         timeout = self.startup_timeout_s + HOST_CALL_TIMEOUT_S  # the hosts wait startup_timeout_s themselves
-        ready, pending = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
+        _, pending = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
         if pending:
             late = [node for node, ref in refs.items() if ref in pending]
             raise EngineStartupError(f"engine hosts on node(s) {late} did not {what} within {timeout:g} s")

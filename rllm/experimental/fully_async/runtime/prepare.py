@@ -70,8 +70,9 @@ def check_data(cfg: DictConfig) -> int:
     return len(train)
 
 
-def init_ray(num_cpus: int | None = None, num_gpus: int | None = None) -> None:
-    """Loopback-only Ray with a small footprint (ENVIRONMENT.md)."""
+def init_ray(num_cpus: int | None = None, num_gpus: int | None = None, address: str | None = None) -> None:
+    """Loopback-only Ray with a small footprint (ENVIRONMENT.md); with `address`, join that running cluster
+    instead (its operator sized it: no resources are declared)."""
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -89,7 +90,14 @@ def init_ray(num_cpus: int | None = None, num_gpus: int | None = None) -> None:
     # environment; an exported value wins.
     os.environ.setdefault("RAY_task_events_max_num_task_in_gcs", "2000")
     os.environ.setdefault("RAY_task_events_max_dropped_task_attempts_tracked_per_job_in_gcs", "2000")
-    if not ray.is_initialized():
+    if not ray.is_initialized() and address is not None:
+        ray.init(
+            address=address,
+            configure_logging=False,
+            log_to_driver=True,
+            runtime_env={"env_vars": QUIET_LIBRARIES_ENV},
+        )
+    elif not ray.is_initialized():
         ray.init(
             num_cpus=num_cpus or max(4, os.cpu_count() or 1),
             num_gpus=num_gpus,  # None: Ray detects them; a GPU run declares the plan's trainer GPUs (gpu_placement.py)

@@ -177,7 +177,7 @@ class DistributedPolicyBackend:
         if len(devices) != world:
             raise ValueError(f"rank_devices has {len(devices)} entries for {world} ranks")
         self._ranks = [
-            _PolicyRank.options(**{**resources, **options[r]}).remote(r, world, device, devices[r]) for r in range(world)
+            _PolicyRank.options(**(resources | options[r])).remote(r, world, device, devices[r]) for r in range(world)
         ]
         self._store_dir: tempfile.TemporaryDirectory | None = None
         if nnodes == 1:
