@@ -1,11 +1,12 @@
 """The placement plan enforced on a two-node Ray cluster (runtime/cluster_placement.py, runtime/engine_hosts.py).
 
 `ray.cluster_utils.Cluster` starts a head and a second node on this machine, on 127.0.0.1, each declaring GPUs it does
-not have and a resource naming it. The plan puts engine 0 on node 0, engine 1 and two trainer ranks on node 1; the
-test checks, from inside each process, the node it runs on and the `CUDA_VISIBLE_DEVICES` it sees, that real embedded
+not have and a resource naming it. The plan puts engine 0 on node 0, engine 1 and two trainer ranks on node 1. The
+test checks, from inside each process, the node it runs on and the `CUDA_VISIBLE_DEVICES` it sees; that real embedded
 engines started by the engine hosts answer through the addresses they report (and refuse calls without the run's
-secret), and that a cluster too small for the plan is refused in one line. The cluster runs in a subprocess: the
-session's own Ray (tests/conftest.py) stays untouched.
+secret); that the engine supervisor restarts a killed remote engine through its host; and that a cluster too small
+for the plan is refused in one line. The cluster runs in a subprocess: the session's Ray (tests/conftest.py) stays
+untouched.
 """
 
 from __future__ import annotations
@@ -22,13 +23,14 @@ from rllm.experimental.fully_async.core.placement import PlacementError, node_bu
 pytestmark = pytest.mark.timeout(240)
 
 CLUSTER_SCRIPT = """
-import json, os, sys, time
+import json, os, signal, sys, time
 t0 = time.monotonic()
 import httpx, ray
 from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group_table
 from rllm.experimental.fully_async.core.placement import PlacementError, plan_on_nodes
 from rllm.experimental.fully_async.engines.launcher import EmbeddedEngineCommand
+from rllm.experimental.fully_async.engines.supervisor import EngineSupervisor
 from rllm.experimental.fully_async.runtime.cluster_placement import cluster_gpu_nodes, reserve
 from rllm.experimental.fully_async.runtime.engine_hosts import ClusterEngines
 from rllm.experimental.fully_async.runtime.trainer_ranks import _PolicyRank
@@ -75,6 +77,18 @@ try:
                               headers={"Authorization": f"Bearer {key}"}).status_code
             out["engines"].append(dict(index=proc.index, devices=devices, health=health, keyless=keyless,
                                        keyed=keyed, alive=proc.alive(), pid=proc.pid, url=proc.url))
+        # The supervisor watches remote engines as local ones: engine 1 (node 1) killed, restarted there.
+        supervisor = EngineSupervisor(engines, "restart", max_restarts=1, startup_timeout_s=90)
+        os.kill(engines.processes[1].pid, signal.SIGKILL)
+        events, deadline = [], time.monotonic() + 120
+        while not events and time.monotonic() < deadline:
+            events = supervisor.poll()
+            time.sleep(0.5)
+        new = engines.processes[1]
+        out["restart"] = dict(events=[type(e).__name__ for e in events], new_url=new.url,
+                              old_url=out["engines"][1]["url"],
+                              health=httpx.get(f"{new.url}/health", timeout=10).status_code)
+        out["engines"].append(dict(index=1, pid=new.pid))
     out["engines_alive_after_stop"] = [os.path.exists(f"/proc/{e['pid']}") for e in out["engines"]]
     for rank in ranks:
         ray.kill(rank)
@@ -118,12 +132,14 @@ def test_a_two_node_cluster_runs_every_process_on_its_planned_node_and_gpus(tmp_
     assert out["bundles"] == [["a", {"GPU": 2.0, "CPU": 1.0}], ["b", {"GPU": 4.0, "CPU": 3.0}]]
     assert out["ranks"] == [["b", "2"], ["b", "3"]]  # node 1's GPUs 2 and 3, seen from inside each rank
     assert out["hosts"] == {"0": "a", "1": "b"}  # each node's engine host runs on that node
-    engines = {e["index"]: e for e in out["engines"]}
+    engines = {e["index"]: e for e in out["engines"][:2]}
     assert [engines[i]["devices"] for i in (0, 1)] == ["0,1", "0,1"]  # each engine its own node's block
     for engine in engines.values():
         assert engine["alive"] and engine["health"] == 200, engine
         assert (engine["keyless"], engine["keyed"]) == (401, 200), engine  # the run's secret is required
-    assert out["engines_alive_after_stop"] == [False, False]
+    assert out["restart"]["events"] == ["EngineReplaced"] and out["restart"]["health"] == 200
+    assert out["restart"]["new_url"] != out["restart"]["old_url"]  # a new process on a new port
+    assert out["engines_alive_after_stop"] == [False, False, False]
     assert out["too_big"] is not None and "\n" not in out["too_big"]
     assert "could not reserve the placement in 3 s" in out["too_big"] and "node 1 (127.0.0.1" in out["too_big"]
     assert "8 GPU + 8 CPU of its 4 GPU + 4 CPU" in out["too_big"]

@@ -21,6 +21,7 @@ from typing import Any
 import ray
 
 from rllm.experimental.fully_async.engines.launcher import EngineStartupError
+from rllm.experimental.fully_async.engines.supervisor import EngineDiedError
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,11 @@ class RemoteEngineProcess:
         self._returncode: int | None = None
 
     def alive(self) -> bool:
-        alive, self._returncode = ray.get(self.host.status.remote(self.local), timeout=HOST_CALL_TIMEOUT_S)
+        try:
+            alive, self._returncode = ray.get(self.host.status.remote(self.local), timeout=HOST_CALL_TIMEOUT_S)
+        except ray.exceptions.RayActorError:  # the host is gone (its node died): so is the engine, or it is orphaned
+            logger.warning("the engine host of engine %d (%s) is gone", self.index, self.url)
+            return False
         return bool(alive)
 
     @property
@@ -151,7 +156,12 @@ class ClusterEngines:
 
     def restart(self, index: int) -> RemoteEngineProcess:
         old = self.processes[index]
-        info = ray.get(old.host.restart.remote(old.local), timeout=HOST_CALL_TIMEOUT_S)
+        try:
+            info = ray.get(old.host.restart.remote(old.local), timeout=HOST_CALL_TIMEOUT_S)
+        except ray.exceptions.RayActorError as exc:
+            raise EngineDiedError(
+                f"engine {index} ({old.url}) cannot be restarted: its node's engine host is gone (node lost?)"
+            ) from exc
         self.processes[index] = RemoteEngineProcess(index, old.host, old.local, info)
         return self.processes[index]
 
