@@ -155,3 +155,19 @@ def test_plan_on_nodes_uses_the_first_nnodes_nodes_and_names_what_is_missing():
         plan_on_nodes([4, 0, 4], nnodes=3, num_engines=1, tp_size=1, trainer_ranks=1)
     with pytest.raises(PlacementError, match=r"needs 8 GPUs .* has 6: 2 GPU\(s\) missing"):
         plan_on_nodes([2, 4], nnodes=2, num_engines=3, tp_size=2, trainer_ranks=2)
+
+
+def test_a_cluster_run_needs_sglang_engines_and_cuda_ranks_and_says_so_before_joining_ray(tmp_path):
+    from contextlib import ExitStack
+
+    from rllm.experimental.fully_async.errors import ConfigError
+    from rllm.experimental.fully_async.runtime.cluster_placement import start_on_cluster
+    from rllm.experimental.fully_async.settings import load_config
+    from rllm.experimental.fully_async.settings.spec import build_run_spec
+
+    cfg = load_config(None, ["trainer.nnodes=2", "trainer.device=cuda"], check_host=False)
+    with ExitStack() as stack, pytest.raises(ConfigError) as caught:
+        start_on_cluster(cfg, build_run_spec(cfg), stack, tmp_path)
+    assert "\n" not in str(caught.value)
+    assert "trainer.nnodes=2 places SGLang engines and CUDA trainer ranks" in str(caught.value)
+    assert "(got embedded, cuda)" in str(caught.value)
