@@ -171,3 +171,17 @@ def test_a_cluster_run_needs_sglang_engines_and_cuda_ranks_and_says_so_before_jo
     assert "\n" not in str(caught.value)
     assert "trainer.nnodes=2 places SGLang engines and CUDA trainer ranks" in str(caught.value)
     assert "(got embedded, cuda)" in str(caught.value)
+
+
+def test_a_cpu_driver_may_start_a_cluster_run_whose_ranks_are_on_gpu_nodes():
+    import torch
+
+    from rllm.experimental.fully_async.errors import ConfigError
+    from rllm.experimental.fully_async.settings import load_config
+
+    gpu_config = os.path.join(os.path.dirname(__file__), "..", "config", "fully_async_ppo_trainer.yaml")
+    cfg = load_config(gpu_config, ["trainer.nnodes=2"])  # the head node need not have CUDA: the ranks are elsewhere
+    assert (cfg.trainer.device, cfg.trainer.nnodes) == ("cuda", 2)
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match=r"'trainer\.device=cuda' but CUDA is not available here"):
+            load_config(gpu_config, [])  # on one node the ranks run here
