@@ -4,9 +4,9 @@
 not have and a resource naming it. The plan puts engine 0 on node 0, engine 1 and two trainer ranks on node 1. The
 test checks, from inside each process, the node it runs on and the `CUDA_VISIBLE_DEVICES` it sees; that real embedded
 engines started by the engine hosts answer through the addresses they report (and refuse calls without the run's
-secret); that the engine supervisor restarts a killed remote engine through its host; and that a cluster too small
-for the plan is refused in one line. The cluster runs in a subprocess: the session's Ray (tests/conftest.py) stays
-untouched.
+secret); that the engine supervisor restarts a killed remote engine through its host; that an engine dies with a
+host killed without stopping it; and that a cluster too small for the plan is refused in one line. The cluster runs
+in a subprocess: the session's Ray (tests/conftest.py) stays untouched.
 """
 
 from __future__ import annotations
@@ -36,6 +36,15 @@ from rllm.experimental.fully_async.runtime.engine_hosts import ClusterEngines
 from rllm.experimental.fully_async.runtime.trainer_ranks import _PolicyRank
 
 model_path, log_dir = sys.argv[1], sys.argv[2]
+
+
+def gone(pid):
+    try:  # exited: no such process, or a zombie nobody has reaped yet
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 common = dict(node_ip_address="127.0.0.1", object_store_memory=80_000_000)
 cluster = Cluster(initialize_head=True, head_node_args=dict(
     num_cpus=2, num_gpus=2, resources={"node_a": 1}, include_dashboard=False, **common))
@@ -89,7 +98,13 @@ try:
                               old_url=out["engines"][1]["url"],
                               health=httpx.get(f"{new.url}/health", timeout=10).status_code)
         out["engines"].append(dict(index=1, pid=new.pid))
-    out["engines_alive_after_stop"] = [os.path.exists(f"/proc/{e['pid']}") for e in out["engines"]]
+        # A host killed without stop() (its owner died) takes its engine with it.
+        ray.kill(engines.hosts[0])
+        deadline = time.monotonic() + 30
+        while not gone(engines.processes[0].pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        out["orphan_gone"] = gone(engines.processes[0].pid)
+    out["engines_alive_after_stop"] = [not gone(e["pid"]) for e in out["engines"]]
     for rank in ranks:
         ray.kill(rank)
     placement.release()
@@ -139,6 +154,7 @@ def test_a_two_node_cluster_runs_every_process_on_its_planned_node_and_gpus(tmp_
         assert (engine["keyless"], engine["keyed"]) == (401, 200), engine  # the run's secret is required
     assert out["restart"]["events"] == ["EngineReplaced"] and out["restart"]["health"] == 200
     assert out["restart"]["new_url"] != out["restart"]["old_url"]  # a new process on a new port
+    assert out["orphan_gone"]  # engine 0 died with its host, killed without stop()
     assert out["engines_alive_after_stop"] == [False, False, False]
     assert out["too_big"] is not None and "\n" not in out["too_big"]
     assert "could not reserve the placement in 3 s" in out["too_big"] and "node 1 (127.0.0.1" in out["too_big"]

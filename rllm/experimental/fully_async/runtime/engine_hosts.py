@@ -44,6 +44,7 @@ class EngineHost:
             host=host,
             startup_timeout_s=startup_timeout_s,
             log_dir=log_dir,
+            die_with_parent=True,  # a host killed with its owner (a driver that died) must not leave engines on GPUs
         )
 
     def where(self) -> dict[str, Any]:
@@ -181,11 +182,14 @@ class ClusterEngines:
     def stop(self) -> None:
         """Stop every engine through its host, then end the hosts (idempotent)."""
         hosts, self.hosts, self.processes = self.hosts, {}, []
-        refs = [host.stop.remote() for host in hosts.values()]
-        try:
-            ray.get(refs, timeout=HOST_CALL_TIMEOUT_S)
-        except Exception as exc:  # a host that died took its launcher with it; its engines' groups are logged
-            logger.warning("stopping engines through their hosts: %s", str(exc).splitlines()[0])
+        refs = {node: host.stop.remote() for node, host in hosts.items()}
+        # Each host's stop on its own: one dead host must not cut the others' short (ray.get of all would raise).
+        ray.wait(list(refs.values()), num_returns=len(refs), timeout=HOST_CALL_TIMEOUT_S)
+        for node, ref in refs.items():
+            try:
+                ray.get(ref, timeout=0)
+            except Exception as exc:  # a dead host's engines died with it (die_with_parent)
+                logger.warning("engine host on node %d did not stop its engines: %s", node, str(exc).splitlines()[0])
         for host in hosts.values():
             ray.kill(host)
 
