@@ -140,8 +140,8 @@ def plan_placement(gpus_per_node: Sequence[int], num_engines: int, tp_size: int,
 def plan_on_nodes(
     gpus_per_node: Sequence[int], nnodes: int, num_engines: int, tp_size: int, trainer_ranks: int
 ) -> PlacementPlan:
-    """The plan over the first `nnodes` nodes of a cluster (`trainer.nnodes`; the caller lists the driver's node
-    first, so single-node leftovers such as the rollout service sit beside engines, not trainer ranks).
+    """The plan over the first `nnodes` nodes with GPUs of a cluster (`trainer.nnodes`; the runtime lists the
+    driver's node first, so engines fill the driver's node first and trainer ranks the last node).
 
     Raises PlacementError (one line) when the cluster has fewer nodes with GPUs than `nnodes`, or when those nodes'
     GPUs do not hold the engines and ranks.
