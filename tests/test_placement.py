@@ -96,8 +96,33 @@ def test_plan_prints_every_engine_command_with_its_own_gpus(capsys):
     assert "trainer 0: node 0 GPU 7" in out
     engine_lines = [line for line in out.splitlines() if "sglang.launch_server" in line]
     assert len(engine_lines) == 2
-    assert engine_lines[1].lstrip().startswith("engine 1: CUDA_VISIBLE_DEVICES=2,3 ")
+    assert engine_lines[1].lstrip().startswith("engine 1 (node 0): CUDA_VISIBLE_DEVICES=2,3 ")
     assert "--tp-size 2" in engine_lines[1]
+    assert "--host 127.0.0.1" in engine_lines[1] and "--api-key" not in engine_lines[1]  # one node: loopback
+
+
+def test_plan_over_trainer_nnodes_prints_each_process_with_its_node_and_the_bundles(capsys):
+    from rllm.experimental.fully_async import plan
+
+    overrides = ["engines.num_engines=2", "trainer.n_gpus_per_node=3", "trainer.nnodes=2"]
+    code = plan.main(["--config", str(GPU_CONFIG), "--gpus-per-node", "4", *overrides])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "GPUs from --gpus-per-node 4 --nodes 2: [4, 4] per node" in out
+    assert "engine 1: node 0 GPU 1" in out and "trainer 0: node 0 GPU 2" in out and "trainer 5: node 1 GPU 3" in out
+    assert "node 0 {GPU: 4, CPU: 3}, node 1 {GPU: 4, CPU: 4}" in out
+    engine_lines = [line.strip() for line in out.splitlines() if "sglang.launch_server" in line]
+    assert engine_lines[1].startswith("engine 1 (node 0): CUDA_VISIBLE_DEVICES=1 ")
+    assert "--host NODE0_ADDRESS" in engine_lines[1] and "--api-key RUN_SECRET" in engine_lines[1]
+
+
+def test_plan_with_fewer_nodes_than_trainer_nnodes_says_so_in_one_line(capsys):
+    from rllm.experimental.fully_async import plan
+
+    code = plan.main(["--config", str(GPU_CONFIG), "--gpus-per-node", "8", "--nodes", "1", "trainer.nnodes=2"])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and len(err.splitlines()) == 1
+    assert "trainer.nnodes=2 but the cluster has 1 node(s) with GPUs" in err and "1 node(s) missing" in err
 
 
 def test_plan_says_in_one_line_what_is_missing(capsys):

@@ -6,8 +6,9 @@ fit from node 0; trainer ranks take what is left from the last node backward. On
 then sit on separate nodes (2 nodes x 8 GPUs, 8 engines + 8 ranks: node 0 generates, node 1 trains) and a rank's
 FSDP peers are its neighbours. When the GPUs do not suffice, `PlacementError` says in one line what is missing.
 
-The runtime turns a plan into process settings (`CUDA_VISIBLE_DEVICES` per engine, Ray resources per rank); the
-`plan` command prints it without starting anything; the simulator can sweep splits through it.
+The runtime turns a plan into process settings (`CUDA_VISIBLE_DEVICES` per engine, Ray resources per rank; on a
+cluster, one placement-group bundle per node from `node_bundles`); the `plan` command prints it without starting
+anything; the simulator can sweep splits through it.
 """
 
 from __future__ import annotations
@@ -60,6 +61,39 @@ class PlacementPlan:
         lines.append(f"{self.gpus_used} of {self.gpus_total} GPUs used" + (f", {idle} idle" if idle else ""))
         return lines
 
+    @property
+    def nodes_used(self) -> tuple[int, ...]:
+        """The nodes holding at least one engine or trainer rank, ascending."""
+        return tuple(sorted({slot.node for slot in (*self.engines, *self.trainer)}))
+
+    def engines_on(self, node: int) -> tuple[GpuSlot, ...]:
+        return tuple(slot for slot in self.engines if slot.node == node)
+
+    def trainer_on(self, node: int) -> tuple[GpuSlot, ...]:
+        return tuple(slot for slot in self.trainer if slot.node == node)
+
+
+@dataclass(frozen=True)
+class NodeBundle:
+    """What a run reserves on one node: all its GPUs, and one CPU per process the plan puts there.
+
+    All the node's GPUs, not only the used ones: Ray accounts GPUs by count, not by device index, so a reservation
+    of k GPUs would not stop Ray from handing device 6 to another job while the plan gives it to a trainer rank.
+    Reserving the whole node makes the plan's device indices this run's alone.
+    """
+
+    node: int
+    gpus: int
+    cpus: int  # one per trainer rank, plus one for the node's engine host when engines run there
+
+
+def node_bundles(plan: PlacementPlan) -> tuple[NodeBundle, ...]:
+    """One bundle per node the plan uses, in node order (bundle b of a placement group is node `nodes_used[b]`)."""
+    return tuple(
+        NodeBundle(node, plan.gpus_per_node[node], len(plan.trainer_on(node)) + (1 if plan.engines_on(node) else 0))
+        for node in plan.nodes_used
+    )
+
 
 def plan_placement(gpus_per_node: Sequence[int], num_engines: int, tp_size: int, trainer_ranks: int) -> PlacementPlan:
     """Place `num_engines` engines of `tp_size` GPUs and `trainer_ranks` one-GPU trainer ranks without sharing.
@@ -101,6 +135,27 @@ def plan_placement(gpus_per_node: Sequence[int], num_engines: int, tp_size: int,
     # Number ranks in (node, gpu) order so rank 0 is the lowest device and a node's ranks are consecutive.
     trainer = [GpuSlot("trainer", rank, node, (gpu,)) for rank, (node, gpu) in enumerate(sorted(taken))]
     return PlacementPlan(tuple(engines), tuple(trainer), tuple(gpus_per_node))
+
+
+def plan_on_nodes(
+    gpus_per_node: Sequence[int], nnodes: int, num_engines: int, tp_size: int, trainer_ranks: int
+) -> PlacementPlan:
+    """The plan over the first `nnodes` nodes with GPUs of a cluster (`trainer.nnodes`; the runtime lists the
+    driver's node first, so engines fill the driver's node first and trainer ranks the last node).
+
+    Raises PlacementError (one line) when the cluster has fewer nodes with GPUs than `nnodes`, or when those nodes'
+    GPUs do not hold the engines and ranks.
+    """
+    if nnodes < 1:
+        raise ValueError(f"nnodes must be >= 1, got {nnodes}")
+    with_gpus = [n for n in gpus_per_node if n > 0]
+    if len(with_gpus) < nnodes:
+        raise PlacementError(
+            f"trainer.nnodes={nnodes} but the cluster has {len(with_gpus)} node(s) with GPUs "
+            f"({list(gpus_per_node)} GPUs per node): {nnodes - len(with_gpus)} node(s) missing; add nodes or lower "
+            "trainer.nnodes"
+        )
+    return plan_placement(with_gpus[:nnodes], num_engines=num_engines, tp_size=tp_size, trainer_ranks=trainer_ranks)
 
 
 def _cluster(gpus_per_node: Sequence[int]) -> str:

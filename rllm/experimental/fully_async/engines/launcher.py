@@ -5,7 +5,8 @@ engine here, SGLang in `sglang.py`), so the rollout side gets the same list of U
 
 Processes never outlive their owner: each engine runs in its own session (process group), `stop()` sends
 SIGTERM to the group, waits, then SIGKILLs it; a failed start stops the engines already started; the context
-manager and an `atexit` hook call `stop()` too. Engine output goes to one log file per engine, whose tail is put
+manager and an `atexit` hook call `stop()` too; with `die_with_parent` the kernel kills them when the launching process
+dies without stopping them. Engine output goes to one log file per engine, whose tail is put
 into the error when an engine dies or does not become healthy in time.
 """
 
@@ -37,6 +38,13 @@ logger = logging.getLogger(__name__)
 # The directory that contains the `rllm` package, so `python -m rllm...` works in the child from any cwd.
 _PROJECT_ROOT = str(Path(__file__).resolve().parents[4])
 _BIND_RETRIES = 3  # a free port can be taken by someone else between probing and binding
+# Run before the engine's own command (same pid, through exec): the kernel SIGKILLs the engine when the process that
+# started it dies (prctl PR_SET_PDEATHSIG, kept across exec), and it exits at once if that process is already gone.
+# A shim rather than Popen's preexec_fn, which may deadlock in a process with threads (a Ray worker has many).
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGKILL); "
+    "os.getppid() == int(sys.argv[1]) or sys.exit(1); os.execvp(sys.argv[2], sys.argv[2:])"
+)
 
 
 class EngineStartupError(FullyAsyncError, RuntimeError):
@@ -98,6 +106,25 @@ class EmbeddedEngineCommand:
         return {}
 
 
+@dataclass(frozen=True)
+class PlacedEngineCommand:
+    """Another command's engines at given indices and GPUs: local engine i is engine `slots[i][0]` of the run (its
+    seed and name) and sees the GPUs `slots[i][1]` (`CUDA_VISIBLE_DEVICES`, from the placement plan; "" = none).
+
+    An engine host on one node of a cluster launches only that node's engines with an `EngineLauncher` of this.
+    """
+
+    inner: EngineCommand
+    slots: tuple[tuple[int, str], ...]  # (run-wide engine index, CUDA_VISIBLE_DEVICES)
+
+    def build(self, host: str, port: int, index: int) -> list[str]:
+        return self.inner.build(host, port, self.slots[index][0])
+
+    def env(self, index: int) -> dict[str, str]:
+        engine, devices = self.slots[index]
+        return {**self.inner.env(engine), "CUDA_VISIBLE_DEVICES": devices}
+
+
 @dataclass
 class EngineProcess:
     """One started engine."""
@@ -119,6 +146,10 @@ class EngineProcess:
 
     def alive(self) -> bool:
         return self.process.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode
 
     def log_tail(self, max_chars: int = 3000) -> str:
         try:
@@ -151,7 +182,10 @@ class EngineLauncher:
         startup_timeout_s: float = 120.0,
         stop_timeout_s: float = 10.0,
         log_dir: str | Path | None = None,
+        die_with_parent: bool = False,
     ) -> None:
+        """`die_with_parent` (Linux): the engines are killed when this process dies, even by SIGKILL, where no
+        `stop()` can run (an engine host actor on a cluster node whose owner died)."""
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
         self.command = command
@@ -160,6 +194,7 @@ class EngineLauncher:
         self.startup_timeout_s = startup_timeout_s
         self.stop_timeout_s = stop_timeout_s
         self.log_dir = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="rllm-engines-"))
+        self.die_with_parent = die_with_parent and sys.platform.startswith("linux")
         self.processes: list[EngineProcess] = []
         # The secret engines require (`--api-key`, set by engines.from_config beyond loopback); None: no key.
         self.api_key: str | None = None
@@ -261,10 +296,11 @@ class EngineLauncher:
         env = {**os.environ, **self.command.env(index)}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PROJECT_ROOT, env.get("PYTHONPATH", "")) if p)
         log_path = self.log_dir / f"engine-{index}-{port}.log"
+        argv = [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd] if self.die_with_parent else cmd
         with open(log_path, "wb") as log, interrupts_deferred():
             # start_new_session: the engine leads its own process group, so stop() can kill all it spawned.
             process = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+                argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
             )
             self._spawned.append(process)  # before any interrupt can land: stop() reaps it even if never listed
         logger.info("engine %d: pid %d on %s:%d (log %s)", index, process.pid, self.host, port, log_path)

@@ -19,9 +19,9 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
-from rllm.experimental.fully_async.engines.launcher import EngineProcess, EngineStartupError
+from rllm.experimental.fully_async.engines.launcher import EngineStartupError
 from rllm.experimental.fully_async.errors import FullyAsyncError
 
 logger = logging.getLogger(__name__)
@@ -64,12 +64,25 @@ class EngineLost:
 EngineEvent = EngineReplaced | EngineLost
 
 
+class WatchedProcess(Protocol):
+    """What the supervisor reads of one engine: `launcher.EngineProcess`, or a remote one on a cluster node."""
+
+    url: str
+    pid: int
+    log_path: Any
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def alive(self) -> bool: ...
+
+
 class SupervisedLauncher(Protocol):
-    """What the supervisor needs of `launcher.EngineLauncher`."""
+    """What the supervisor needs of `launcher.EngineLauncher` (or of `runtime.engine_hosts.ClusterEngines`)."""
 
-    processes: list[EngineProcess]
+    processes: list[WatchedProcess]
 
-    def restart(self, index: int) -> EngineProcess: ...
+    def restart(self, index: int) -> WatchedProcess: ...
 
     def probe(self, index: int) -> bool: ...
 
@@ -124,7 +137,7 @@ class EngineSupervisor:
             if slot.state == "running":
                 proc = self.launcher.processes[index]
                 if not proc.alive():
-                    reason = f"pid {proc.pid} exited with code {proc.process.returncode} (log {proc.log_path})"
+                    reason = f"pid {proc.pid} exited with code {proc.returncode} (log {proc.log_path})"
                     self._on_death(index, slot, proc.url, reason, events)
             elif slot.state == "starting":
                 self._check_start(index, slot, events)

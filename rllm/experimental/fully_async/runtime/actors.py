@@ -57,9 +57,12 @@ class _RolloutServiceClient:
 # never runs beside an update.
 @ray.remote(num_cpus=1, concurrency_groups={"engines": 1})
 class FullyAsyncTrainerActor:
-    def __init__(self, spec: Any, engine_urls: list[str], rollouts: Any) -> None:
+    def __init__(
+        self, spec: Any, engine_urls: list[str], rollouts: Any, api_key: str | None = None, ranks: dict | None = None
+    ) -> None:
         """`spec` is the run's frozen RunSpec (settings/spec.py), built once by the driver: every setting this actor
-        honours is read from it."""
+        honours is read from it. `api_key`: the engines' per-run secret (None on loopback); `ranks`: the trainer
+        ranks' Ray options and devices from a cluster placement ({"options", "devices"}; None on one host)."""
         from transformers import AutoTokenizer
 
         from rllm.experimental.fully_async.algorithms.corrections import corrector_for
@@ -103,6 +106,8 @@ class FullyAsyncTrainerActor:
                 nnodes=t.nnodes,
                 seed=t.seed,
                 enable_gradient_checkpointing=t.enable_gradient_checkpointing,
+                rank_options=ranks["options"] if ranks else None,
+                rank_devices=ranks["devices"] if ranks else None,
             )
             param_dtype = "float32"  # the ranks hold fp32 parameters (FSDP2 mixed precision computes in bf16)
         else:
@@ -119,6 +124,7 @@ class FullyAsyncTrainerActor:
             update_timeout_s=sync.timeout_s,
             continue_timeout_s=sync.timeout_s,
             weights_dtype=dtype,
+            api_key=api_key,
         )
         settings = TrainerSettings(
             required_samples=t.required_samples,

@@ -6,8 +6,8 @@ actors asking for `num_gpus=1`: Ray hands out GPU ids from the devices it was st
 only the plan's trainer GPUs (`ray_gpu_environment`), and can never give a rank a GPU an engine holds. Without GPUs
 (embedded engines, trainer.device=cpu) there is no plan and nothing changes.
 
-A multi-node cluster's Ray is started by its operator, not by this driver: there the plan is printed by
-`python -m rllm.experimental.fully_async plan`, and enforcing it through placement groups is not built yet.
+A multi-node cluster's Ray is started by its operator, not by this driver: a `trainer.nnodes > 1` run joins it and
+enforces the plan through a placement group instead (runtime/cluster_placement.py).
 """
 
 from __future__ import annotations

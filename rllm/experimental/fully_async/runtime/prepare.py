@@ -13,6 +13,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+logger = logging.getLogger(__name__)
+
 QUIET_LIBRARIES_ENV = {
     "TRANSFORMERS_VERBOSITY": "error",
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
@@ -71,8 +73,9 @@ def check_data(cfg: DictConfig) -> int:
     return len(train)
 
 
-def init_ray(num_cpus: int | None = None, num_gpus: int | None = None) -> None:
-    """Loopback-only Ray with a small footprint (ENVIRONMENT.md)."""
+def init_ray(num_cpus: int | None = None, num_gpus: int | None = None, address: str | None = None) -> None:
+    """Loopback-only Ray with a small footprint (ENVIRONMENT.md); with `address`, join that running cluster
+    instead (its operator sized it: no resources are declared)."""
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -90,24 +93,30 @@ def init_ray(num_cpus: int | None = None, num_gpus: int | None = None) -> None:
     # environment; an exported value wins.
     os.environ.setdefault("RAY_task_events_max_num_task_in_gcs", "2000")
     os.environ.setdefault("RAY_task_events_max_dropped_task_attempts_tracked_per_job_in_gcs", "2000")
-    if not ray.is_initialized():
-        # RAY_ADDRESS names a cluster to join (multi-node: `ray start` on each node); it owns its resources, so
-        # nothing is declared. Otherwise a private instance, always: with address=None Ray would join any Ray
-        # already running on this machine (another user's `ray start`, another run's cluster) and fail there.
-        cluster = os.environ.get("RAY_ADDRESS") or None
-        resources: dict[str, Any] = {}
-        if cluster is None:
-            resources = {
-                "num_cpus": num_cpus or max(4, os.cpu_count() or 1),
-                "num_gpus": num_gpus,  # None: Ray detects them; a GPU run declares the plan's trainer GPUs
-                "object_store_memory": 1_000_000_000,
-            }
-        ray.init(
-            address=cluster or "local",
-            include_dashboard=False,
-            configure_logging=False,
-            log_to_driver=True,
-            # Library progress bars and notices in the actors would interleave with the progress line.
-            runtime_env={"env_vars": QUIET_LIBRARIES_ENV},
-            **resources,
+    if ray.is_initialized():
+        return
+    if address is not None:
+        # A cluster's operator sized it: nothing is declared.
+        ray.init(address=address, configure_logging=False, log_to_driver=True, runtime_env=_quiet_runtime_env())
+        return
+    if os.environ.get("RAY_ADDRESS", "local") not in ("", "local"):
+        logger.warning(
+            "RAY_ADDRESS is set, but this run uses one node (trainer.nnodes=1): it starts its own Ray on this machine"
         )
+    # Always a private instance: with address=None Ray would join any Ray already running on this machine (another
+    # user's `ray start`, another run's cluster) and then refuse the resources declared here.
+    ray.init(
+        address="local",
+        num_cpus=num_cpus or max(4, os.cpu_count() or 1),
+        num_gpus=num_gpus,  # None: Ray detects them; a GPU run declares the plan's trainer GPUs (gpu_placement.py)
+        include_dashboard=False,
+        object_store_memory=1_000_000_000,
+        configure_logging=False,
+        log_to_driver=True,
+        runtime_env=_quiet_runtime_env(),
+    )
+
+
+def _quiet_runtime_env() -> dict[str, Any]:
+    # Library progress bars and notices in the actors would interleave with the progress line.
+    return {"env_vars": QUIET_LIBRARIES_ENV}

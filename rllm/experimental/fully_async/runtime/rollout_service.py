@@ -168,10 +168,11 @@ class RolloutService:
 
 @ray.remote(num_cpus=0)  # waits on events and HTTP; the generation work is in the engine processes
 class RolloutServiceActor:
-    """The RolloutService built from the config, plus validation through the same engines."""
+    """The RolloutService built from the config, plus validation through the same engines (`api_key`: their
+    per-run secret when they listen beyond loopback)."""
 
     def __init__(
-        self, cfg: dict, engine_urls: list[str], state: dict | None = None, queued: list | None = None
+        self, cfg: dict, urls: list[str], state: dict | None = None, queued: list | None = None, api_key: str = ""
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -202,10 +203,11 @@ class RolloutServiceActor:
         # supervisor gives a restart startup_timeout_s) rather than failing its sample.
         restarting = str(c.engines.on_engine_failure) == "restart"
         self.client = EngineClient(
-            engine_urls,
+            urls,
             request_timeout_s=float(c.engines.request_timeout_s),
             partial_rollout=bool(c.async_training.partial_rollout),
             wait_for_engine_s=float(c.engines.startup_timeout_s) + 30.0 if restarting else 0.0,
+            api_key=api_key or None,
         )
         # The journal (every sample's issue and end, for the exactly-once audit) lives in the run dir. A relative
         # run.dir is resolved against this worker's cwd, which Ray gives the driver's. A fresh run starts it empty

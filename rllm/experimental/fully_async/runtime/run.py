@@ -31,6 +31,7 @@ from rllm.experimental.fully_async.observe.reporting import (
     prefixed,
     print_summary,
 )
+from rllm.experimental.fully_async.runtime.cluster_placement import start_on_cluster
 from rllm.experimental.fully_async.runtime.gpu_placement import (
     host_plan,
     ray_gpu_environment,
@@ -100,7 +101,10 @@ class Run:
         self.container = OmegaConf.to_container(cfg, resolve=True)
         # Built once, here, after the task filled in its paths; the trainer reads every setting from it.
         self.spec = build_run_spec(cfg)
-        self.gpu_plan = host_plan(self.spec)
+        # Several nodes of a GPU run: the cluster's placement (runtime/cluster_placement.py); else this host's.
+        t, backend = self.spec.trainer, self.spec.engines.backend
+        on_cluster = t.nnodes > 1 and (backend == "sglang" or t.device == "cuda")
+        self.gpu_plan = None if on_cluster else host_plan(self.spec)
         os.environ.setdefault("RLLM_LOG_LEVEL", str(cfg.run.log_level))
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", keep_last=2)
         resume_path = find_resume_checkpoint(
@@ -114,7 +118,11 @@ class Run:
         self._stack.callback(self.progress.close)
         self.step_count = resumed.step if resumed is not None else 0
 
-        engines = self._stack.enter_context(engine_launcher(cfg, self.run_dir / "engines"))
+        ranks = None  # where the trainer ranks go: their node's bundle and device, on a cluster
+        if on_cluster:  # Ray first there: engines start through actors on their nodes
+            engines, ranks = start_on_cluster(cfg, self.spec, self._stack, self.run_dir / "engines")
+        else:
+            engines = self._stack.enter_context(engine_launcher(cfg, self.run_dir / "engines"))
         self.supervisor = EngineSupervisor(
             engines,
             str(cfg.engines.on_engine_failure),
@@ -124,17 +132,22 @@ class Run:
         # Ray sees only the plan's trainer GPUs, so no rank can land on an engine's GPU (runtime/gpu_placement.py).
         with ray_gpu_environment(self.gpu_plan):
             start_ray = functools.partial(init_ray, num_gpus=ray_num_gpus(self.gpu_plan))
-            self._stack.enter_context(ray_lifetime(start_ray))  # also stops a half-started Ray (processes.py)
+            if not on_cluster:
+                self._stack.enter_context(ray_lifetime(start_ray))  # also stops a half-started Ray (processes.py)
         # One rollout service (executor, queue, budget, ledger) and the trainer, which takes a batch from it with
         # one call per step; a resume hands each its own part of the checkpoint.
         # An interrupt inside Ray's actor creation could leave a half-registered actor that crashes Ray's shutdown
         # (seen once: the driver exited with SIGSEGV): it is held until the handles are registered for cleanup.
         with interrupts_deferred():
             self.rollouts = RolloutServiceActor.remote(
-                self.container, engines.urls, resumed.rollout if resumed else None, resumed.queue if resumed else None
+                self.container,
+                engines.urls,
+                resumed.rollout if resumed else None,
+                resumed.queue if resumed else None,
+                api_key=engines.api_key,
             )
             self.trainer = FullyAsyncTrainerActor.options(num_gpus=trainer_actor_gpus(self.spec)).remote(
-                self.spec, engines.urls, self.rollouts
+                self.spec, engines.urls, self.rollouts, api_key=engines.api_key, ranks=ranks
             )
             self._stack.callback(_stop_actors, self.rollouts, self.trainer)
             self._stack.callback(_shutdown_trainer, self.trainer)  # first (LIFO): a multi-rank trainer's ranks

@@ -84,13 +84,23 @@ def split_by_tokens(data: Any, world: int) -> tuple[list[Any], list[list[int]], 
 class _PolicyRank:
     """One rank: joins the process group, then holds an FSDPPolicyBackend and forwards calls to it."""
 
-    def __init__(self, rank: int, world: int, device: str) -> None:
+    def __init__(self, rank: int, world: int, device: str, visible_devices: str | None = None) -> None:
         self.rank, self.world, self.device = rank, world, device
         self.backend: Any = None
         self.weights: Any = None  # LocalSender of the distributed weight transport, built at the first stage
         os.environ["LOCAL_RANK"] = "0"  # Ray shows each rank only its own GPU, as device 0
         if device == "cpu":
             os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CUDA initialises lazily: verl then picks the CPU
+        elif visible_devices is not None:
+            # A cluster placement names the device (runtime/cluster_placement.py); Ray's own pick is by count.
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
+
+    def placement(self) -> dict[str, Any]:
+        """Where this rank runs: its node id and the devices it sees (for tests and logs)."""
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        }
 
     def node_address(self) -> str:
         return ray.util.get_node_ip_address()
@@ -176,11 +186,13 @@ class DistributedPolicyBackend:
         call_timeout_s: float = CALL_TIMEOUT_S,
         setup_timeout_s: float = SETUP_TIMEOUT_S,
         rank_options: list[dict[str, Any]] | None = None,
+        rank_devices: list[str] | None = None,
     ) -> None:
         """Start `world` ranks on `device` ("cuda" or "cpu") and build the policy on each.
 
         `rank_options` (one dict per rank, e.g. a placement-group scheduling strategy from the placement plan) is
         passed to Ray's `.options`; by default each rank asks for one GPU (cuda) or one CPU slot (cpu).
+        `rank_devices` (one per rank): the `CUDA_VISIBLE_DEVICES` each rank sets (a cluster placement's devices).
         """
         from omegaconf import DictConfig, OmegaConf
 
@@ -196,8 +208,11 @@ class DistributedPolicyBackend:
         options = rank_options or [{} for _ in range(world)]
         if len(options) != world:
             raise ValueError(f"rank_options has {len(options)} entries for {world} ranks")
+        devices = rank_devices or [None] * world
+        if len(devices) != world:
+            raise ValueError(f"rank_devices has {len(devices)} entries for {world} ranks")
         self._ranks = [
-            _PolicyRank.options(**{**resources, **options[r]}).remote(r, world, device) for r in range(world)
+            _PolicyRank.options(**(resources | options[r])).remote(r, world, device, devices[r]) for r in range(world)
         ]
         self._store_dir: tempfile.TemporaryDirectory | None = None
         if nnodes == 1:

@@ -14,7 +14,7 @@ naming the nearest equivalent. The table (rLLM key -> here), with rLLM's default
                                             weights move by param_sync.transport
     rollout.n [4]                           actor_rollout_ref.rollout.n
     rollout.nnodes [1], n_gpus_per_node [8] engines.num_engines = n_gpus_per_node / rollout.tensor_model_parallel_size
-                                            (sglang; one node only)
+                                            (sglang; placed with the trainer over trainer.nnodes)
     rollout.total_rollout_steps [100]       trainer.total_training_steps = ceil(it / required_samples)
     rollout.total_epochs [10]               trainer.total_epochs
     rollout.test_freq [1] (per weight sync) trainer.test_freq = it x trigger_parameter_sync_step (optimizer steps)
@@ -164,7 +164,10 @@ def _rollout_n(cfg: DictConfig, value: Any, base: DictConfig) -> None:
 
 def _rollout_nnodes(cfg: DictConfig, value: Any, base: DictConfig) -> None:
     if value != 1:
-        raise ConfigError(f"'rollout.nnodes={value}': engines run on this machine only; set rollout.nnodes: 1")
+        raise ConfigError(
+            f"'rollout.nnodes={value}': engines and trainer ranks share one plan over trainer.nnodes nodes; set "
+            "rollout.nnodes: 1 and rollout.n_gpus_per_node to all the engines' GPUs"
+        )
 
 
 def _rollout_gpus(cfg: DictConfig, value: Any, base: DictConfig) -> None:

@@ -123,7 +123,9 @@ def refuse_unsupported(cfg: DictConfig, *, check_host: bool = True) -> None:
     if cfg.trainer.device == "cuda":
         import torch
 
-        if check_host and not torch.cuda.is_available():
+        # With trainer.nnodes > 1 the ranks run on the Ray cluster's GPU nodes, which the placement checks: the
+        # driver's own machine may be a CPU head node.
+        if check_host and int(cfg.trainer.nnodes) == 1 and not torch.cuda.is_available():
             raise ConfigError("'trainer.device=cuda' but CUDA is not available here; set trainer.device=cpu")
     elif cfg.trainer.device != "cpu":
         raise ConfigError(f"'trainer.device' must be cpu or cuda, got {cfg.trainer.device!r}")
