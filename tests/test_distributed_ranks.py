@@ -20,11 +20,11 @@ import pytest
 import torch
 from conftest import addition_run_command, leftover_processes
 from engine_helpers import max_abs_diff, reference_logprobs
+from test_distributed_sync import PROMPTS, greedy, versions
 from test_trainer_ranks import CFG, TIMEOUTS, odd_batch
 from transformers import AutoModelForCausalLM
 
 from rllm.experimental.fully_async.engines import EmbeddedEngineCommand, EngineLauncher
-from rllm.experimental.fully_async.engines.client import EngineClient, GenerationResult
 from rllm.experimental.fully_async.runtime import weight_sender
 from rllm.experimental.fully_async.runtime.param_sync import DiskTransport, ParamSync, SyncError, transport_from_config
 from rllm.experimental.fully_async.runtime.rank_weights import RankZeroSender
@@ -34,7 +34,6 @@ from rllm.experimental.fully_async.settings.loader import load_config
 pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("one_torch_thread")]
 
 SMALL_BUCKET_MB = 0.02  # ~21 KB: the tiny model (~310 KB in fp32) travels in ~15 buckets
-PROMPTS = [[4, 5], [7], [3, 9, 2]]
 
 
 def no_disk(path: str) -> None:
@@ -46,17 +45,6 @@ def distributed_config(**overrides: str):
         None, ["param_sync.transport=distributed", *(f"param_sync.{k}={v}" for k, v in overrides.items())]
     )
     return cfg.param_sync
-
-
-async def greedy(urls: list[str]) -> list[GenerationResult]:
-    async with EngineClient(urls) as client:
-        params = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
-        return [await client.generate(p, params) for p in PROMPTS for _ in urls]
-
-
-async def versions(urls: list[str]) -> list[str]:
-    async with EngineClient(urls) as client:
-        return [await client.get_weight_version(u) for u in urls]
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ client and ParamSync); on loopback no key is needed and none is set.
 
 from __future__ import annotations
 
-import ipaddress
 import secrets
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from rllm.experimental.fully_async.engines.launcher import EmbeddedEngineCommand, EngineLauncher
+from rllm.experimental.fully_async.settings.addresses import is_loopback
 
 # Flags the SGLang command sets from the config itself; extra_args may not set them a second time.
 MANAGED_SGLANG_FLAGS = frozenset(
@@ -39,16 +39,6 @@ MANAGED_SGLANG_FLAGS = frozenset(
         "api-key",
     }
 )
-
-
-def is_loopback(host: str) -> bool:
-    """True for 127.0.0.0/8, ::1 and "localhost"."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def api_key_for(host: str) -> str | None:

@@ -10,7 +10,7 @@ import re
 from collections.abc import Iterable
 from urllib.parse import urlsplit
 
-__all__ = ["LOOPBACK", "check_master_address", "resolve_master_address"]
+__all__ = ["LOOPBACK", "check_master_address", "is_loopback", "resolve_master_address"]
 
 LOOPBACK = "127.0.0.1"
 _LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
@@ -34,7 +34,8 @@ def check_master_address(value: str) -> str:
     )
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and "localhost"."""
     if host == "localhost":
         return True
     try:
@@ -54,5 +55,5 @@ def resolve_master_address(setting: str, rank0_node: str, engine_urls: Iterable[
     if setting != "auto":
         return setting
     hosts = [urlsplit(url).hostname or "" for url in engine_urls]
-    nodes = {local_node if _is_loopback(h) else h for h in hosts}
+    nodes = {local_node if is_loopback(h) else h for h in hosts}
     return LOOPBACK if nodes <= {rank0_node} else rank0_node
