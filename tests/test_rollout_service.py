@@ -214,9 +214,7 @@ def test_a_request_the_queue_can_never_fill_is_refused(n):
 
 
 def test_a_filter_that_drops_groups_still_yields_full_batches_and_reports_what_it_dropped():
-    from omegaconf import OmegaConf
-
-    from rllm.experimental.fully_async.algorithms.filters import build_group_filter
+    from rllm.experimental.fully_async.algorithms.filters import FilterConfig, build_group_filter
 
     async def scenario():
         service, workflow = make_service(30, max_staleness=0, batch_groups=2)
@@ -230,8 +228,7 @@ def test_a_filter_that_drops_groups_still_yields_full_batches_and_reports_what_i
             return trajectory
 
         workflow.run = run_with_equal_rewards
-        config = OmegaConf.create({"algorithm": {"group_filter": {"drop_zero_variance": True}}})
-        service.executor.group_filter = build_group_filter(config)
+        service.executor.group_filter = build_group_filter(FilterConfig(drop_zero_variance=True))
         rollouts = asyncio.create_task(service.run())
         batches = []
         for version in range(3):
