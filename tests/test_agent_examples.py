@@ -42,9 +42,9 @@ def test_the_example_env_and_step_reward_play_an_episode_in_the_worker_pool(in_r
     cfg = load_config(EXAMPLES / "agent.yaml")
     spec = build_run_spec(cfg)
     assert spec.executor.agent.env_name == "CostlyLine" and spec.trainer.advantages.adv_estimator == "gigpo"
-    reward = load_reward_fn(cfg, pool)
+    reward = load_reward_fn(spec.executor, pool)
     assert isinstance(reward, IsolatedReward)
-    workflow = build_workflow(cfg, reward, pool)
+    workflow = build_workflow(spec.executor, reward, pool)
     assert isinstance(workflow, MultiTurnWorkflow) and workflow.reward_fn is reward
     traj = asyncio.run(workflow.run(ScriptedClient(tok, ["+3", "-1", "+2"]), tok, datum(tok, 3, 7), 0))
     assert traj.status == TrajectoryStatus.OK and traj.metadata["end_reason"] == "done"
@@ -70,8 +70,8 @@ def test_the_example_workflow_class_and_rllm_function_load_by_path(in_repo, tok)
     def exact(data_source, solution_str, ground_truth, extra_info=None):
         return float(solution_str == "+3")
 
-    workflow = build_workflow(cfg, exact)
+    workflow = build_workflow(build_run_spec(cfg).executor, exact)
     traj = asyncio.run(workflow.run(ScriptedClient(tok, ["+1", "+3"]), tok, datum(tok, 3, 7), 0))
     assert traj.status == TrajectoryStatus.OK and len(traj.sequences) == 2 and traj.reward == 1.0
-    rllm = build_workflow(load_config(EXAMPLES / "rllm_number_line.yaml"), None)
+    rllm = build_workflow(build_run_spec(load_config(EXAMPLES / "rllm_number_line.yaml")).executor, None)
     assert isinstance(rllm, RllmRolloutWorkflow)

@@ -20,6 +20,7 @@ from rllm.experimental.fully_async.envs import EnvSpec
 from rllm.experimental.fully_async.observe import viewer
 from rllm.experimental.fully_async.observe.dumps import read_dump, write_training_batch
 from rllm.experimental.fully_async.settings.loader import load_config
+from rllm.experimental.fully_async.settings.spec import build_run_spec
 from rllm.experimental.fully_async.tasks.number_line import build_tokenizer
 from rllm.experimental.fully_async.workers import WorkerPool
 from rllm.experimental.fully_async.workflows import (
@@ -78,12 +79,16 @@ def _cfg(*overrides: str):
     return load_config(None, list(overrides))
 
 
+def _executor(cfg):
+    return build_run_spec(cfg).executor
+
+
 # --- rewards through the worker pool ------------------------------------------------------------------------------
 
 
 def test_a_users_reward_runs_in_the_pool_and_a_hung_one_is_killed_with_its_reason(rewards_file, pool):
     cfg = _cfg(f"reward.custom_reward_function.path={rewards_file}", "reward.custom_reward_function.name=pid")
-    reward = load_reward_fn(cfg, pool)
+    reward = load_reward_fn(_executor(cfg), pool)
     assert isinstance(reward, IsolatedReward) and reward.reference == f"{rewards_file}:pid"
 
     def score(fn, text, timeout_s=5.0):
@@ -106,10 +111,10 @@ def test_built_in_task_rewards_stay_in_process_and_without_a_pool_nothing_is_iso
     from rllm.experimental.fully_async.tasks import addition
 
     built_in = _cfg(f"reward.custom_reward_function.path={addition.__name__}")
-    assert load_reward_fn(built_in, pool) is addition.compute_score
+    assert load_reward_fn(_executor(built_in), pool) is addition.compute_score
     user = _cfg(f"reward.custom_reward_function.path={rewards_file}", "reward.custom_reward_function.name=pid")
-    assert not isinstance(load_reward_fn(user), IsolatedReward)
-    default = load_reward_fn(_cfg(), pool)
+    assert not isinstance(load_reward_fn(_executor(user)), IsolatedReward)
+    default = load_reward_fn(_executor(_cfg()), pool)
     assert isinstance(default, IsolatedReward) and default.reference.endswith(":default_compute_score")
 
 
@@ -158,14 +163,14 @@ AGENT = ["workflow.name=multi_turn", "env.name=number_line", "env.max_turns=3", 
 
 def test_the_config_builds_multi_turn_single_turn_and_rllm_workflows(tmp_path, pool):
     cfg = _cfg(*AGENT, "workflow.layout=concat", "tools.functions={c: calculator}", "tools.format=compact")
-    workflow = build_workflow(cfg, reward_fn=None, pool=pool)
+    workflow = build_workflow(_executor(cfg), reward_fn=None, pool=pool)
     assert isinstance(workflow, MultiTurnWorkflow) and workflow.pool is pool and workflow.layout == "concat"
     assert workflow.env.max_turns == 3 and workflow.env.max_total_tokens == 48 and workflow.reward_fn is None
     assert workflow.tools.format == "compact" and set(workflow.tools.functions) == {"c"}
-    assert isinstance(build_workflow(_cfg(), reward_fn=len), SingleTurnWorkflow)
+    assert isinstance(build_workflow(_executor(_cfg()), reward_fn=len), SingleTurnWorkflow)
     example = os.path.join(os.path.dirname(__file__), "..", "examples", "agents", "rllm_number_line.py")
     rllm = build_workflow(
-        _cfg(f"workflow.path={example}", "workflow.name=rollout_fn", "workflow.rllm_batched=true"), None
+        _executor(_cfg(f"workflow.path={example}", "workflow.name=rollout_fn", "workflow.rllm_batched=true")), None
     )
     assert isinstance(rllm, RllmRolloutWorkflow) and rllm.batched
 

@@ -13,6 +13,7 @@ from rllm.experimental.fully_async.algorithms.filters import (
     FilterConfig,
     FilterReason,
     build_group_filter,
+    dataclass_from_config,
     drop_by_length,
     drop_zero_variance,
     filter_groups,
@@ -258,9 +259,11 @@ def test_filter_accounting_adds_up_and_matches_a_loop_reference(
 
 
 def test_executor_filter_is_built_from_the_config_and_returns_ledger_reasons():
-    assert build_group_filter(OmegaConf.create({"algorithm": {"adv_estimator": "grpo"}})) is None
-    cfg = OmegaConf.create({"algorithm": {"group_filter": {"max_response_length": 8}}})
-    group_filter = build_group_filter(cfg)
+    def from_config(cfg):
+        return build_group_filter(dataclass_from_config(cfg, "algorithm.group_filter", FilterConfig))
+
+    assert from_config(OmegaConf.create({"algorithm": {"adv_estimator": "grpo"}})) is None
+    group_filter = from_config(OmegaConf.create({"algorithm": {"group_filter": {"max_response_length": 8}}}))
     group = make_group("a", [0.0, 1.0, 1.0], lengths=[3, 9, 3])
     kept, dropped = group_filter([group, make_group("b", [1.0, 1.0])])
     assert [t.uid for t in kept[0].trajectories] == ["a/0", "a/2"] and kept[0] is not group
@@ -269,4 +272,4 @@ def test_executor_filter_is_built_from_the_config_and_returns_ledger_reasons():
         ("b", "zero_reward_variance"),
     ]
     with pytest.raises(ValueError, match=r"unknown key algorithm\.group_filter\.max_len"):
-        build_group_filter(OmegaConf.create({"algorithm": {"group_filter": {"max_len": 8}}}))
+        from_config(OmegaConf.create({"algorithm": {"group_filter": {"max_len": 8}}}))

@@ -11,6 +11,7 @@ no text (no engine is needed to test the scheduling): each sample is one token t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 
 import pytest
@@ -161,7 +162,7 @@ def test_a_request_that_times_out_takes_nothing_but_its_acknowledgement_counts()
 
 @ray.remote(num_cpus=0)
 class _ServiceOverRay:
-    """The RolloutService in an async Ray actor, as RolloutServiceActor hosts it (that one builds from a config)."""
+    """The RolloutService in an async Ray actor, as RolloutServiceActor hosts it (that one builds from the run spec)."""
 
     def __init__(self, journal: str) -> None:
         # A budget that never makes a group stale here: this test is about the process boundary.
@@ -206,6 +207,44 @@ def test_over_ray_one_call_per_step_moves_batches_and_acknowledgements(ray_sessi
     assert history_counts(read_journal(journal)) == counts
 
 
+def test_the_real_actor_takes_every_setting_from_the_run_spec(ray_session, tmp_path):
+    """RolloutServiceActor gets the frozen RunSpec, never the config: a spec changed after it was built (values no
+    config file holds) is what the actor runs with."""
+    import pandas as pd
+
+    from rllm.experimental.fully_async.runtime.rollout_service import RolloutServiceActor
+    from rllm.experimental.fully_async.settings.loader import load_config
+    from rllm.experimental.fully_async.settings.spec import build_run_spec
+    from rllm.experimental.fully_async.tasks import addition
+
+    train, _ = addition.write_addition_parquets(tmp_path, seed=0, num_train=12, num_val=4)
+    rows = pd.read_parquet(train)
+    for i in range(0, 12, 3):  # every third prompt one character longer ("35+77=" -> "35+77+0=")
+        content = rows.at[i, "prompt"][0]["content"]
+        rows.at[i, "prompt"] = [{"role": "user", "content": content[:-1] + "+0="}]
+    rows.to_parquet(train, index=False)
+    addition.build_addition_tokenizer().save_pretrained(tmp_path / "tokenizer")
+    overrides = [f"data.train_files={train}", "data.val_files=null", "data.max_prompt_length=64"]
+    overrides += [f"actor_rollout_ref.model.path={tmp_path / 'tokenizer'}", f"run.dir={tmp_path / 'config_dir'}"]
+    spec = build_run_spec(load_config(None, ["task.name=null", *overrides]))
+    data = dataclasses.replace(spec.executor.data, max_prompt_length=6, overlong="filter")  # the longer ones go
+    spec = dataclasses.replace(
+        spec,
+        executor=dataclasses.replace(spec.executor, data=data, queue_max_groups=7),
+        run=dataclasses.replace(spec.run, dir=str(tmp_path / "spec_dir")),
+    )
+    actor = RolloutServiceActor.remote(spec, ["http://127.0.0.1:9"])  # no engine: nothing here generates
+    try:
+        counts = ray.get(actor.ledger_counts.remote(), timeout=WAIT_S)
+        metrics = ray.get(actor.metrics.remote(), timeout=WAIT_S)
+        ray.get(actor.aclose.remote(), timeout=WAIT_S)
+    finally:
+        ray.kill(actor)
+    assert counts["issued"] == counts["filtered"] == 4  # the spec's prompt limit, not the config's 64
+    assert metrics["queue/max_size"] == 7
+    assert (tmp_path / "spec_dir" / "ledger.jsonl").exists() and not (tmp_path / "config_dir").exists()
+
+
 @pytest.mark.parametrize("n", [0, 101])
 def test_a_request_the_queue_can_never_fill_is_refused(n):
     service, _ = make_service(2)
@@ -214,9 +253,7 @@ def test_a_request_the_queue_can_never_fill_is_refused(n):
 
 
 def test_a_filter_that_drops_groups_still_yields_full_batches_and_reports_what_it_dropped():
-    from omegaconf import OmegaConf
-
-    from rllm.experimental.fully_async.algorithms.filters import build_group_filter
+    from rllm.experimental.fully_async.algorithms.filters import FilterConfig, build_group_filter
 
     async def scenario():
         service, workflow = make_service(30, max_staleness=0, batch_groups=2)
@@ -230,8 +267,7 @@ def test_a_filter_that_drops_groups_still_yields_full_batches_and_reports_what_i
             return trajectory
 
         workflow.run = run_with_equal_rewards
-        config = OmegaConf.create({"algorithm": {"group_filter": {"drop_zero_variance": True}}})
-        service.executor.group_filter = build_group_filter(config)
+        service.executor.group_filter = build_group_filter(FilterConfig(drop_zero_variance=True))
         rollouts = asyncio.create_task(service.run())
         batches = []
         for version in range(3):

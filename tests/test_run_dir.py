@@ -20,6 +20,7 @@ from rllm.experimental.fully_async.runtime.run_dir import (
     settle_run_dir,
 )
 from rllm.experimental.fully_async.settings.loader import load_config
+from rllm.experimental.fully_async.settings.spec import build_run_spec
 
 
 def config(run_dir, *overrides):
@@ -54,12 +55,12 @@ def test_a_run_at_its_total_steps_says_so_in_one_line(tmp_path):
 def test_a_run_whose_data_ran_out_is_finished_until_more_epochs_are_asked(tmp_path):
     run_dir = tmp_path / "run"
     cfg = finished_run(run_dir, 3, "trainer.total_training_steps=null", "trainer.total_epochs=1")
-    mark_finished(run_dir, 3, cfg)
+    mark_finished(run_dir, 3, build_run_spec(cfg))
     with pytest.raises(RunFinished, match="exhausted at step 3"):
         settle_run_dir(config(run_dir, "trainer.total_training_steps=null", "trainer.total_epochs=1"))
     settle_run_dir(config(run_dir, "trainer.total_training_steps=null", "trainer.total_epochs=2"))
     # A marker from an older step (the run was resumed past it) does not count.
-    mark_finished(run_dir, 2, cfg)
+    mark_finished(run_dir, 2, build_run_spec(cfg))
     settle_run_dir(config(run_dir, "trainer.total_training_steps=null", "trainer.total_epochs=1"))
 
 

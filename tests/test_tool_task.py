@@ -58,11 +58,7 @@ def test_the_calculator_turns_the_problem_into_a_copy_and_only_model_turns_train
     agent = spec.executor.agent
     assert agent.env_name == "product" and dict(agent.tools) == {"c": "calculator"} and agent.tool_format == "compact"
     with WorkerPool(max_workers=1) as pool:
-        cfg = load_config(
-            REPO / "config" / "tool_cpu.yaml",
-            ["task.name=null", "data.train_files=x", "actor_rollout_ref.model.path=y"],
-        )
-        workflow = build_workflow(cfg, None, pool)
+        workflow = build_workflow(spec.executor, None, pool)
         assert isinstance(workflow, MultiTurnWorkflow) and workflow.tools is not None
         client = Scripted(tok, ["c[23*47]", "1081"])
         traj = asyncio.run(workflow.run(client, tok, Datum(tok, 23, 47), 0))

@@ -278,14 +278,14 @@ def _select(cfg: Any, path: str) -> Any:
     return node
 
 
-def build_group_filter(cfg: Any) -> GroupFilterFn | None:
-    """The executor's filter from ``algorithm.group_filter`` (None when that section is absent: no filtering).
+def build_group_filter(config: FilterConfig | None) -> GroupFilterFn | None:
+    """The executor's filter from ``algorithm.group_filter`` as the run spec holds it (`ExecutorSpec.group_filter`;
+    None when that section is absent: no filtering).
 
     The returned callable maps groups to (kept groups, [(dropped group, reason string)]); the reason strings are
     `FilterReason` values, what the ledger records. A kept group may hold fewer trajectories than the input group
     (trajectory-level length drops): callers must queue the kept objects, not their inputs.
     """
-    config = dataclass_from_config(cfg, "algorithm.group_filter", FilterConfig)
     if config is None:
         return None
 

@@ -2,7 +2,8 @@
 
 - `FullyAsyncTrainerActor`: owns the policy backend (patched verl actor), ParamSync and the `FullyAsyncTrainer`;
   it reaches the rollout side through one call per step (`runtime/rollout_service.py`).
-Configs cross the process boundary as plain containers and are rebuilt with OmegaConf inside.
+Settings cross the process boundary as the frozen RunSpec (settings/spec.py); verl's sections in it are rebuilt
+with OmegaConf inside.
 """
 
 from __future__ import annotations
@@ -10,10 +11,13 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
+
+if TYPE_CHECKING:
+    from rllm.experimental.fully_async.settings.spec import DataSpec
 
 logger = logging.getLogger(__name__)
 
@@ -216,25 +220,11 @@ def _training_dump(directory: str | None, tokenizer: Any) -> Any:
     return lambda step, groups, data: write_training_batch(Path(directory), step, groups, data, tokenizer)
 
 
-def _files(value: Any) -> list[str]:
-    """verl accepts one path or a list of paths for data.train_files / data.val_files."""
-    if isinstance(value, str):
-        return [value]
-    return [str(v) for v in value]
-
-
-def load_prompt_datasets(cfg: DictConfig, tokenizer: Any) -> tuple[Any, Any]:
-    """The train and (optional) validation PromptDatasets the config names; DataError names file, row, field."""
+def load_prompt_datasets(data: DataSpec, tokenizer: Any) -> tuple[Any, Any]:
+    """The train and (optional) validation PromptDatasets `data` names; DataError names file, row, field."""
     from rllm.experimental.fully_async.data import PromptDataset
 
-    overlong, max_len = overlong_policy(cfg), int(cfg.data.max_prompt_length)
-    train = PromptDataset(_files(cfg.data.train_files), tokenizer, max_len, overlong)
-    val = PromptDataset(_files(cfg.data.val_files), tokenizer, max_len, overlong) if cfg.data.val_files else None
-    return train, val
+    def read(files: tuple[str, ...]) -> Any:
+        return PromptDataset(list(files), tokenizer, data.max_prompt_length, data.overlong)
 
-
-def overlong_policy(cfg: DictConfig) -> str:
-    """verl's keys for prompts longer than data.max_prompt_length, as PromptDataset's `overlong` argument."""
-    if cfg.data.filter_overlong_prompts:
-        return "filter"
-    return {"left": "truncate_left", "right": "truncate_right"}.get(str(cfg.data.truncation), "error")
+    return read(data.train_files), read(data.val_files) if data.val_files else None

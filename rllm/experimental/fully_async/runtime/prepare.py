@@ -60,9 +60,10 @@ def check_data(cfg: DictConfig) -> int:
     from transformers import AutoTokenizer
 
     from rllm.experimental.fully_async.runtime.actors import load_prompt_datasets
+    from rllm.experimental.fully_async.settings.spec import data_spec
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.path)
-    train, _ = load_prompt_datasets(cfg, tokenizer)
+    train, _ = load_prompt_datasets(data_spec(cfg), tokenizer)
     if len(train) == 0:
         from rllm.experimental.fully_async.data import DataError
 

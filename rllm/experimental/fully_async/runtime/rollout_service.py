@@ -14,7 +14,8 @@ Guarantees: a stale group never leaves this process; a request that times out ta
 rollouts end the last request gets what is left (fewer groups), the next one status "closed".
 
 `RolloutService` is the asyncio core (no Ray, so a test can drive it with a real executor); the actor builds it
-from the config and adds validation and the checkpoint part it writes itself.
+from the frozen run spec (settings/spec.py; it never reads the config tree) and adds validation and the checkpoint
+part it writes itself.
 """
 
 from __future__ import annotations
@@ -25,10 +26,9 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
-from omegaconf import DictConfig, OmegaConf
 
 from rllm.experimental.fully_async.core.messages import Ack, Batch, BatchRequest
 from rllm.experimental.fully_async.core.protocol import TrajectoryGroup
@@ -37,6 +37,9 @@ from rllm.experimental.fully_async.observe.reporting import prefixed
 from rllm.experimental.fully_async.runtime.message_queue import MessageQueue
 from rllm.experimental.fully_async.runtime.pinned_validation import SyncGate, pinned_version
 from rllm.experimental.fully_async.runtime.rollout_executor import RolloutExecutor
+
+if TYPE_CHECKING:
+    from rllm.experimental.fully_async.settings.spec import ExecutorSpec, RunSpec
 
 logger = logging.getLogger(__name__)
 
@@ -168,11 +171,16 @@ class RolloutService:
 
 @ray.remote(num_cpus=0)  # waits on events and HTTP; the generation work is in the engine processes
 class RolloutServiceActor:
-    """The RolloutService built from the config, plus validation through the same engines (`api_key`: their
+    """The RolloutService built from the run spec, plus validation through the same engines (`api_key`: their
     per-run secret when they listen beyond loopback)."""
 
     def __init__(
-        self, cfg: dict, urls: list[str], state: dict | None = None, queued: list | None = None, api_key: str = ""
+        self,
+        spec: RunSpec,
+        engine_urls: list[str],
+        state: dict | None = None,
+        queued: list | None = None,
+        api_key: str = "",
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -187,33 +195,31 @@ class RolloutServiceActor:
         from rllm.experimental.fully_async.workflows import IsolatedReward, build_workflow, load_reward_fn
 
         logging.basicConfig(level=os.environ.get("RLLM_LOG_LEVEL", "WARNING"))
-        self.cfg: DictConfig = OmegaConf.create(cfg)
-        c = self.cfg
-        self.tokenizer = AutoTokenizer.from_pretrained(c.actor_rollout_ref.model.path)
+        self.spec = spec
+        ex, data = spec.executor, spec.executor.data
+        self.tokenizer = AutoTokenizer.from_pretrained(spec.engines.model_path)  # the engines' model, its tokens
         # User code (rewards, environments, tools) runs in these worker processes, where a timeout kills a hung call
         # (workers/pool.py); they exit with this process.
-        self.pool = _worker_pool(c)
-        self.reward_fn = load_reward_fn(c, self.pool)
-        uses_reward = c.workflow.path is None and (
-            c.workflow.name == "single_turn" or c.reward.custom_reward_function.path
-        )
+        self.pool = _worker_pool(ex)
+        self.reward_fn = load_reward_fn(ex, self.pool)
+        uses_reward = ex.workflow_path is None and (ex.workflow_name == "single_turn" or ex.reward_fn_path)
         if isinstance(self.reward_fn, IsolatedReward) and uses_reward:
             self.pool.preload += (self.reward_fn.reference,)
         # Under on_engine_failure=restart a request finding no live engine waits for a restarted one (the
         # supervisor gives a restart startup_timeout_s) rather than failing its sample.
-        restarting = str(c.engines.on_engine_failure) == "restart"
+        restarting = spec.engines.on_engine_failure == "restart"
         self.client = EngineClient(
-            urls,
-            request_timeout_s=float(c.engines.request_timeout_s),
-            partial_rollout=bool(c.async_training.partial_rollout),
-            wait_for_engine_s=float(c.engines.startup_timeout_s) + 30.0 if restarting else 0.0,
+            engine_urls,
+            request_timeout_s=spec.engines.request_timeout_s,
+            partial_rollout=ex.partial_rollout,
+            wait_for_engine_s=spec.engines.startup_timeout_s + 30.0 if restarting else 0.0,
             api_key=api_key or None,
         )
         # The journal (every sample's issue and end, for the exactly-once audit) lives in the run dir. A relative
         # run.dir is resolved against this worker's cwd, which Ray gives the driver's. A fresh run starts it empty
         # at its first record; a resume cuts it back to the checkpoint (`SampleLedger.load_state_dict`).
-        ledger = journaled_ledger(Path(c.run.dir).absolute() / "ledger.jsonl")
-        train, val = load_prompt_datasets(c, self.tokenizer)
+        ledger = journaled_ledger(Path(spec.run.dir).absolute() / "ledger.jsonl")
+        train, val = load_prompt_datasets(data, self.tokenizer)
         if state is None:  # a resumed ledger has them already
             for rejected in train.rejected:
                 # Left out before any rollout, yet still a prompt the user gave: the ledger accounts for it.
@@ -222,23 +228,17 @@ class RolloutServiceActor:
                 ledger.mark_filtered([uid], rejected.reason)
         self.val: list = []
         if val is not None:
-            self.val = list(PromptIterator(val, seed=0, num_epochs=1, shuffle=False))[: int(c.task.val_size)]
-        prompts = PromptIterator(
-            train,
-            seed=int(c.data.seed if c.data.seed is not None else c.run.seed),
-            num_epochs=int(c.trainer.total_epochs),
-            shuffle=bool(c.data.shuffle),
-        )
-        at = c.async_training
+            self.val = list(PromptIterator(val, seed=0, num_epochs=1, shuffle=False))[: data.val_size]
+        prompts = PromptIterator(train, seed=data.seed, num_epochs=data.total_epochs, shuffle=data.shuffle)
         settings = ExecutorSettings(
-            samples_per_prompt=int(c.actor_rollout_ref.rollout.n),
-            max_staleness=int(at.max_staleness),
-            batch_groups=groups_per_version(int(at.required_samples), int(at.trigger_parameter_sync_step)),
-            max_concurrent_rollouts=int(at.max_concurrent_rollouts),
+            samples_per_prompt=ex.samples_per_prompt,
+            max_staleness=ex.max_staleness,
+            batch_groups=groups_per_version(ex.required_samples, ex.sync_every_steps),
+            max_concurrent_rollouts=ex.max_concurrent_rollouts,
         )
         queued = queued or []
-        queue = MessageQueue(max_groups=max(int(at.queue_max_groups), len(queued)))
-        self.workflow = build_workflow(c, self.reward_fn, self.pool)
+        queue = MessageQueue(max_groups=max(ex.queue_max_groups, len(queued)))
+        self.workflow = build_workflow(ex, self.reward_fn, self.pool)
         executor = RolloutExecutor(
             settings,
             prompts,
@@ -246,16 +246,16 @@ class RolloutServiceActor:
             self.client,
             self.tokenizer,
             queue,
-            group_filter=build_group_filter(c),
+            group_filter=build_group_filter(ex.group_filter),
             ledger=ledger,
         )
         if state is not None:
             executor.load_state_dict(state, queued)
             queue.put(queued)
-        self.service = RolloutService(executor, queue, max_staleness=int(at.max_staleness))
+        self.service = RolloutService(executor, queue, max_staleness=ex.max_staleness)
         # Validations beside training, pinned to one weight version (runtime/pinned_validation.py).
         self.gate = SyncGate()
-        self.gate_timeout_s = float(c.param_sync.timeout_s)
+        self.gate_timeout_s = spec.param_sync.timeout_s
         self._validation: asyncio.Task | None = None
         self._finished_validations: list[dict[str, float]] = []
 
@@ -341,15 +341,16 @@ class RolloutServiceActor:
 
         if not self.val:
             return {}
-        if self.cfg.workflow.path is not None or self.cfg.workflow.name != "single_turn":
+        ex = self.spec.executor
+        if ex.workflow_path is not None or ex.workflow_name != "single_turn":
             return await self._validate_episodes(self.service.batches_taken if step is None else step)
         result = await evaluate(
             self.client,
             self.tokenizer,
             self.val,
             self.reward_fn,
-            max_new_tokens=int(self.cfg.data.max_response_length),
-            reward_timeout_s=float(self.cfg.workflow.reward_timeout_s),
+            max_new_tokens=ex.sampling.max_new_tokens,
+            reward_timeout_s=ex.reward_timeout_s,
         )
         return {
             "val/accuracy": result.accuracy,
@@ -361,17 +362,17 @@ class RolloutServiceActor:
 
     async def _validate_episodes(self, step: int) -> dict:
         from rllm.experimental.fully_async.runtime.validation import evaluate_episodes
-        from rllm.experimental.fully_async.settings.spec import validation_sampling_spec
 
-        spec = validation_sampling_spec(self.cfg)
+        spec = self.spec.executor.validation
+        assert spec is not None, "build_run_spec always sets ExecutorSpec.validation"
         sampling = {"temperature": spec.temperature, "top_p": spec.top_p, "top_k": spec.top_k}
         result, episodes = await evaluate_episodes(
             self.workflow, self.client, self.tokenizer, self.val, n=spec.n, sampling=sampling
         )
-        if self.cfg.trainer.validation_data_dir:
+        if self.spec.run.validation_data_dir:
             from rllm.experimental.fully_async.observe.dumps import write_episodes
 
-            write_episodes(Path(self.cfg.trainer.validation_data_dir), step, episodes, self.tokenizer)
+            write_episodes(Path(self.spec.run.validation_data_dir), step, episodes, self.tokenizer)
         return {
             "val/accuracy": result.accuracy,
             "val/num_prompts": float(result.num_prompts),
@@ -384,14 +385,13 @@ class RolloutServiceActor:
         self.pool.close()
 
 
-def _worker_pool(cfg: DictConfig) -> Any:
+def _worker_pool(executor: ExecutorSpec) -> Any:
     """The worker pool for user code, its workers preloading the environment's and the reward's modules so that
     no call's timeout pays for an import."""
     from rllm.experimental.fully_async.workers.pool import DEFAULT_PRELOAD, WorkerPool
+    from rllm.experimental.fully_async.workflows import env_spec
 
     preload = list(DEFAULT_PRELOAD)
-    if cfg.workflow.path is None and cfg.workflow.name == "multi_turn":
-        from rllm.experimental.fully_async.envs.base import EnvSpec
-
-        preload.append(EnvSpec.from_config(OmegaConf.to_container(cfg.env, resolve=True)).reference)
+    if executor.agent is not None:  # a multi_turn workflow (no workflow.path)
+        preload.append(env_spec(executor.agent).reference)
     return WorkerPool(max_workers=2, preload=tuple(preload))

@@ -99,16 +99,18 @@ class Run:
         settle_run_dir(cfg)  # already finished? a fresh start? a resume whose config may change? (runtime/run_dir.py)
         self.total = cfg.trainer.total_training_steps  # None: until the data (trainer.total_epochs) is exhausted
         self.container = OmegaConf.to_container(cfg, resolve=True)
-        # Built once, here, after the task filled in its paths; the trainer reads every setting from it.
+        # Built once, here, after the task filled in its paths; the actors and the rest of this run read every
+        # setting from it. The config itself is read after this line only by start-up (the metrics sink, the engine
+        # launcher) and hashed into each checkpoint (`config_hash`, which a resume compares).
         self.spec = build_run_spec(cfg)
         # Several nodes of a GPU run: the cluster's placement (runtime/cluster_placement.py); else this host's.
         t, backend = self.spec.trainer, self.spec.engines.backend
         on_cluster = t.nnodes > 1 and (backend == "sglang" or t.device == "cuda")
         self.gpu_plan = None if on_cluster else host_plan(self.spec)
-        os.environ.setdefault("RLLM_LOG_LEVEL", str(cfg.run.log_level))
+        os.environ.setdefault("RLLM_LOG_LEVEL", self.spec.run.log_level)
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", keep_last=2)
         resume_path = find_resume_checkpoint(
-            self.checkpoints.root, str(cfg.trainer.resume_mode), cfg.trainer.resume_from_path
+            self.checkpoints.root, self.spec.run.resume_mode, self.spec.run.resume_from_path
         )
         resumed = load_checkpoint(resume_path) if resume_path is not None else None
         self.sink = MetricsSink(cfg, self.run_dir)
@@ -125,9 +127,9 @@ class Run:
             engines = self._stack.enter_context(engine_launcher(cfg, self.run_dir / "engines"))
         self.supervisor = EngineSupervisor(
             engines,
-            str(cfg.engines.on_engine_failure),
-            max_restarts=int(cfg.engines.max_restarts),
-            startup_timeout_s=float(cfg.engines.startup_timeout_s),
+            self.spec.engines.on_engine_failure,
+            max_restarts=self.spec.engines.max_restarts,
+            startup_timeout_s=self.spec.engines.startup_timeout_s,
         )
         # Ray sees only the plan's trainer GPUs, so no rank can land on an engine's GPU (runtime/gpu_placement.py).
         with ray_gpu_environment(self.gpu_plan):
@@ -140,7 +142,7 @@ class Run:
         # (seen once: the driver exited with SIGSEGV): it is held until the handles are registered for cleanup.
         with interrupts_deferred():
             self.rollouts = RolloutServiceActor.remote(
-                self.container,
+                self.spec,
                 engines.urls,
                 resumed.rollout if resumed else None,
                 resumed.queue if resumed else None,
@@ -151,15 +153,15 @@ class Run:
             )
             self._stack.callback(_stop_actors, self.rollouts, self.trainer)
             self._stack.callback(_shutdown_trainer, self.trainer)  # first (LIFO): a multi-rank trainer's ranks
-        self.sync_timeout_s = float(cfg.param_sync.timeout_s) * 4
-        self.validate_timeout_s = float(cfg.engines.request_timeout_s)
+        self.sync_timeout_s = self.spec.param_sync.timeout_s * 4
+        self.validate_timeout_s = self.spec.engines.request_timeout_s
         if resumed is not None:
             ray.get(self.trainer.load_checkpoint.remote(str(resumed.path.resolve()), resumed.trainer), timeout=300)
             # Fresh engines hold the initial weights: give them the checkpoint's, under its version.
             ray.get(self.trainer.sync_weights.remote(False), timeout=self.sync_timeout_s)
             version = resumed.meta.get("version")
             self.progress.message(f"resumed from {resume_path} at step {self.step_count} (version {version})")
-        elif cfg.trainer.val_before_train:
+        elif self.spec.run.val_before_train:
             val = ray.get(self.rollouts.validate.remote(), timeout=self.validate_timeout_s)
             self.initial_acc = val.get("val/accuracy")
             self.sink.log(0, val)
@@ -177,8 +179,7 @@ class Run:
         """One optimizer step (and a weight sync when due); None when the prompt data is exhausted."""
         import ray
 
-        cfg = self.cfg
-        step_timeout = float(cfg.async_training.queue_get_timeout_s) + 120
+        step_timeout = self.spec.trainer.queue_get_timeout_s + 120
         self._watch_engines()  # between steps too: a short step never leaves the wait below to watch
         metrics = _step(self.trainer, self._run_ref, timeout_s=step_timeout, while_waiting=self._watch_engines)
         if metrics is None:
@@ -189,7 +190,7 @@ class Run:
         # queue/*, ledger/* and rollout/* came with the batch (as of when the step took it): one Ray call per
         # step. The ledger's `trained` therefore counts up to the previous step.
         metrics.update(self.supervisor.metrics())
-        test_freq, save_freq = int(cfg.trainer.test_freq), int(cfg.trainer.save_freq)
+        test_freq, save_freq = self.spec.run.test_freq, self.spec.run.save_freq
         finished: list[dict[str, float]] = []
         if test_freq > 0 and step % test_freq == 0 and step != self.total:
             # Validation runs beside training, pinned to the weights the engines hold now; its result comes back
@@ -270,7 +271,7 @@ class Run:
         from rllm.experimental.fully_async.runtime.run_dir import mark_finished
 
         step = self.step_count
-        if step % int(self.cfg.async_training.trigger_parameter_sync_step):
+        if step % self.spec.trainer.sync_every_steps:
             ray.get(self.trainer.sync_weights.remote(), timeout=self.sync_timeout_s)
         if getattr(self, "_last_checkpoint_step", None) != step:
             self.checkpoint()
@@ -283,7 +284,7 @@ class Run:
         self.ledger = ray.get(self.rollouts.ledger_counts.remote(), timeout=60)
         self.sink.log(step, val | prefixed("ledger", self.ledger))
         self.close()
-        mark_finished(self.run_dir, step, self.cfg)
+        mark_finished(self.run_dir, step, self.spec)
         return RunSummary(
             step, self.initial_acc, self.final_acc, time.monotonic() - self._started, self.ledger, str(self.run_dir)
         )

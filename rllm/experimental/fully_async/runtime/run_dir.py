@@ -43,11 +43,14 @@ import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from rllm.experimental.fully_async.settings.loader import ConfigError
+
+if TYPE_CHECKING:
+    from rllm.experimental.fully_async.settings.spec import RunSpec
 
 logger = logging.getLogger(__name__)
 
@@ -142,11 +145,11 @@ def check_not_finished(cfg: DictConfig, run_dir: Path, latest: Path) -> None:
         )
 
 
-def mark_finished(run_dir: str | Path, step: int, cfg: DictConfig) -> None:
+def mark_finished(run_dir: str | Path, step: int, spec: RunSpec) -> None:
     """Record that the run ended normally at `step` (its final checkpoint), and why: the step count or the data."""
-    total = cfg.trainer.total_training_steps
-    reason = "total_training_steps" if total is not None and step >= int(total) else "data_exhausted"
-    doc = {"step": step, "reason": reason, "total_epochs": int(cfg.trainer.total_epochs), "finished_at": time.time()}
+    total, epochs = spec.run.total_training_steps, spec.executor.data.total_epochs
+    reason = "total_training_steps" if total is not None and step >= total else "data_exhausted"
+    doc = {"step": step, "reason": reason, "total_epochs": epochs, "finished_at": time.time()}
     (Path(run_dir) / FINISHED_FILE).write_text(json.dumps(doc) + "\n")
 
 

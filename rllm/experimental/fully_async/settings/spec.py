@@ -202,18 +202,7 @@ def build_run_spec(cfg: DictConfig) -> RunSpec:
     at, rollout, actor = cfg.async_training, cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.actor
     model_path = str(cfg.actor_rollout_ref.model.path)
     run_seed = int(cfg.run.seed)
-    data = DataSpec(
-        train_files=_files(cfg.data.train_files),
-        val_files=_files(cfg.data.val_files),
-        max_prompt_length=int(cfg.data.max_prompt_length),
-        overlong="filter"
-        if cfg.data.filter_overlong_prompts
-        else {"left": "truncate_left", "right": "truncate_right"}.get(str(cfg.data.truncation), "error"),
-        seed=int(cfg.data.seed if cfg.data.seed is not None else run_seed),
-        shuffle=bool(cfg.data.shuffle),
-        total_epochs=int(cfg.trainer.total_epochs),
-        val_size=int(cfg.task.val_size),
-    )
+    data = data_spec(cfg)
     reward = cfg.reward.custom_reward_function
     legacy = cfg.custom_reward_function  # verl's older top-level spelling, read when the new one is unset
     executor = ExecutorSpec(
@@ -314,6 +303,22 @@ def build_run_spec(cfg: DictConfig) -> RunSpec:
         validation_data_dir=None if t.validation_data_dir is None else str(t.validation_data_dir),
     )
     return RunSpec(executor=executor, trainer=trainer, engines=engines, param_sync=param_sync, run=run)
+
+
+def data_spec(cfg: DictConfig) -> DataSpec:
+    """The prompt data part alone: the driver reads the data with it at start-up, before the whole spec exists."""
+    return DataSpec(
+        train_files=_files(cfg.data.train_files),
+        val_files=_files(cfg.data.val_files),
+        max_prompt_length=int(cfg.data.max_prompt_length),
+        overlong="filter"
+        if cfg.data.filter_overlong_prompts
+        else {"left": "truncate_left", "right": "truncate_right"}.get(str(cfg.data.truncation), "error"),
+        seed=int(cfg.data.seed if cfg.data.seed is not None else cfg.run.seed),
+        shuffle=bool(cfg.data.shuffle),
+        total_epochs=int(cfg.trainer.total_epochs),
+        val_size=int(cfg.task.val_size),
+    )
 
 
 def _agent_spec(cfg: DictConfig) -> AgentSpec | None:

@@ -184,7 +184,7 @@ def _validate_algorithm(cfg: DictConfig) -> None:
 
     from rllm.experimental.fully_async.algorithms.advantages import SUPPORTED_ESTIMATORS, AdvantageConfig
     from rllm.experimental.fully_async.algorithms.corrections import build_correction
-    from rllm.experimental.fully_async.algorithms.filters import build_group_filter
+    from rllm.experimental.fully_async.algorithms.filters import FilterConfig, dataclass_from_config
 
     estimator = cfg.algorithm.adv_estimator
     if estimator not in SUPPORTED_ESTIMATORS:
@@ -205,7 +205,11 @@ def _validate_algorithm(cfg: DictConfig) -> None:
             )
     # The algorithm sections validate themselves when built; their errors name the key.
     built = {}
-    for build in (AdvantageConfig.from_config, build_correction, build_group_filter):
+
+    def group_filter(cfg: DictConfig) -> FilterConfig | None:
+        return dataclass_from_config(cfg, "algorithm.group_filter", FilterConfig)
+
+    for build in (AdvantageConfig.from_config, build_correction, group_filter):
         try:
             built[build] = build(cfg)
         except (ValueError, TypeError) as exc:

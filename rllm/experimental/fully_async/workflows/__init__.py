@@ -1,6 +1,6 @@
 """Rollout workflows: `async run(client, tokenizer, datum, sample_index) -> Trajectory`, chosen by config.
 
-`build_workflow(cfg, reward_fn, pool)` picks one:
+`build_workflow(spec.executor, reward_fn, pool)` picks one, from the run spec (settings/spec.py ExecutorSpec):
 - `workflow.path` set: the object `workflow.name` in that file. An `async def fn(client, tokenizer, **datum)` is an
   rLLM rollout function (workflows/rllm_compat.py runs it unchanged); a class is built as
   `cls(reward_fn=..., sampling_params=...)`.
@@ -12,9 +12,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from rllm.experimental.fully_async.envs.base import EnvSpec
+from rllm.experimental.fully_async.settings.spec import thaw
 from rllm.experimental.fully_async.workflows.base import (
     IsolatedReward,
     Workflow,
@@ -24,6 +27,9 @@ from rllm.experimental.fully_async.workflows.base import (
 from rllm.experimental.fully_async.workflows.multi_turn import MultiTurnWorkflow
 from rllm.experimental.fully_async.workflows.single_turn import SingleTurnWorkflow
 
+if TYPE_CHECKING:
+    from rllm.experimental.fully_async.settings.spec import AgentSpec, ExecutorSpec, SamplingSpec
+
 __all__ = [
     "IsolatedReward",
     "MultiTurnWorkflow",
@@ -31,61 +37,68 @@ __all__ = [
     "Workflow",
     "build_workflow",
     "check_agent_fits_model",
+    "env_spec",
     "load_reward_fn",
     "sampling_params_from",
     "score_safely",
 ]
 
 
-def sampling_params_from(cfg: Any) -> dict[str, Any]:
-    """SGLang sampling parameters from verl's rollout section and data.max_response_length (one turn's limit)."""
-    rollout = cfg.actor_rollout_ref.rollout
-    return {
-        "max_new_tokens": int(cfg.data.max_response_length),
-        "temperature": float(rollout.temperature),
-        "top_p": float(rollout.top_p),
-        "top_k": int(rollout.top_k),
-        "ignore_eos": bool(rollout.ignore_eos),
-    }
+def sampling_params_from(sampling: SamplingSpec) -> dict[str, Any]:
+    """SGLang sampling parameters from the run spec's sampling (verl's rollout section, data.max_response_length:
+    one turn's limit)."""
+    return dataclasses.asdict(sampling)
 
 
-def build_workflow(cfg: Any, reward_fn: Any, pool: Any = None) -> Workflow:
-    """The workflow `cfg.workflow` names (module docstring). `pool`: the rollout service's WorkerPool."""
-    sampling_params = sampling_params_from(cfg)
-    if cfg.workflow.path:
+def build_workflow(executor: ExecutorSpec, reward_fn: Any, pool: Any = None) -> Workflow:
+    """The workflow `executor` names (module docstring). `pool`: the rollout service's WorkerPool."""
+    sampling_params = sampling_params_from(executor.sampling)
+    if executor.workflow_path:
         from verl.utils.import_utils import load_extern_object
 
-        obj = load_extern_object(module_path=cfg.workflow.path, object_name=cfg.workflow.name)
+        obj = load_extern_object(module_path=executor.workflow_path, object_name=executor.workflow_name)
         if inspect.iscoroutinefunction(obj):
             from rllm.experimental.fully_async.workflows.rllm_compat import RllmRolloutWorkflow
 
-            return RllmRolloutWorkflow(obj, batched=bool(cfg.workflow.rllm_batched))
+            return RllmRolloutWorkflow(obj, batched=executor.rllm_batched)
         return obj(reward_fn=reward_fn, sampling_params=sampling_params)
-    if cfg.workflow.name == "single_turn":
-        return SingleTurnWorkflow(reward_fn, sampling_params, float(cfg.workflow.reward_timeout_s))
-    if cfg.workflow.name == "multi_turn":
-        return build_multi_turn(cfg, reward_fn, pool, sampling_params)
-    raise ValueError(f"workflow.name: unknown workflow {cfg.workflow.name!r} (use single_turn, multi_turn or set path)")
+    if executor.workflow_name == "single_turn":
+        return SingleTurnWorkflow(reward_fn, sampling_params, executor.reward_timeout_s)
+    if executor.workflow_name == "multi_turn" and executor.agent is not None:
+        return build_multi_turn(executor, reward_fn, pool, sampling_params)
+    raise ValueError(
+        f"workflow.name: unknown workflow {executor.workflow_name!r} (use single_turn, multi_turn or set path)"
+    )
 
 
-def build_multi_turn(cfg: Any, reward_fn: Any, pool: Any, sampling_params: dict[str, Any]) -> MultiTurnWorkflow:
-    from omegaconf import OmegaConf
-
-    from rllm.experimental.fully_async.envs.base import EnvSpec
+def build_multi_turn(
+    executor: ExecutorSpec, reward_fn: Any, pool: Any, sampling_params: dict[str, Any]
+) -> MultiTurnWorkflow:
     from rllm.experimental.fully_async.workflows.tools import ToolBox
 
-    env = OmegaConf.to_container(cfg.env, resolve=True) if OmegaConf.is_config(cfg.env) else dict(cfg.env)
-    tools = cfg.tools
-    toolbox = ToolBox(dict(tools.functions), str(tools.format), float(tools.timeout_s)) if tools.functions else None
-    user_reward = bool(cfg.reward.custom_reward_function.get("path"))
+    agent = executor.agent
+    assert agent is not None, "build_multi_turn needs a multi_turn spec (ExecutorSpec.agent)"
+    toolbox = ToolBox(dict(agent.tools), agent.tool_format, agent.tool_timeout_s) if agent.tools else None
     return MultiTurnWorkflow(
-        EnvSpec.from_config(env),
+        env_spec(agent),
         sampling_params,
         pool=pool,
         tools=toolbox,
-        layout=str(cfg.workflow.layout),
-        reward_fn=reward_fn if user_reward else None,
-        reward_timeout_s=float(cfg.workflow.reward_timeout_s),
+        layout=agent.layout,
+        reward_fn=reward_fn if executor.reward_fn_path else None,  # the environment's reward unless one is named
+        reward_timeout_s=executor.reward_timeout_s,
+    )
+
+
+def env_spec(agent: AgentSpec) -> EnvSpec:
+    """The environment an agent plays, from the run spec (what its worker preloads, what each episode builds)."""
+    return EnvSpec(
+        name=agent.env_name,
+        path=agent.env_path,
+        kwargs=thaw(agent.env_kwargs) or {},  # env.kwargs: null is no kwargs
+        max_turns=agent.max_turns,
+        max_total_tokens=agent.max_total_tokens,
+        step_timeout_s=agent.step_timeout_s,
     )
 
 

@@ -27,11 +27,14 @@ import queue
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from rllm.experimental.fully_async.core.protocol import Trajectory
+
+if TYPE_CHECKING:
+    from rllm.experimental.fully_async.settings.spec import ExecutorSpec
 
 logger = logging.getLogger(__name__)
 
@@ -210,19 +213,19 @@ def _in_own_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:
 BUILTIN_REWARD_PREFIX = "rllm.experimental.fully_async.tasks."  # built-in tasks' rewards: trusted, in-process
 
 
-def load_reward_fn(cfg: Any, pool: Any = None) -> RewardFn:
+def load_reward_fn(executor: ExecutorSpec, pool: Any = None) -> RewardFn:
     """The configured reward: verl's custom_reward_function (path + name), else verl's default_compute_score.
 
-    Both of verl's locations are honoured: `reward.custom_reward_function` (0.7.1) and the legacy top-level
-    `custom_reward_function`. `path` is a Python file (as in verl) or an importable module name. The function is
-    loaded here too, so that a bad path fails at start-up in one line; with a `pool`, a synchronous function that
-    is not a built-in task's comes back as an `IsolatedReward` (run in the pool, see the module docstring).
+    `executor.reward_fn_path`/`reward_fn_name` hold both of verl's locations, resolved by the run spec
+    (`reward.custom_reward_function` (0.7.1), else the legacy top-level `custom_reward_function`). The path is a
+    Python file (as in verl) or an importable module name. The function is loaded here too, so that a bad path fails
+    at start-up in one line; with a `pool`, a synchronous function that is not a built-in task's comes back as an
+    `IsolatedReward` (run in the pool, see the module docstring).
     """
-    fn = _load_reward_fn(cfg)
+    path, name = executor.reward_fn_path, executor.reward_fn_name or "compute_score"
+    fn = _load_reward_fn(path, name)
     if pool is None or inspect.iscoroutinefunction(fn):
         return fn
-    path = cfg.reward.custom_reward_function.get("path")
-    name = cfg.reward.custom_reward_function.get("name") or "compute_score"
     if not path:
         return IsolatedReward("verl.utils.reward_score:default_compute_score", pool)
     if path.startswith(BUILTIN_REWARD_PREFIX):
@@ -232,19 +235,15 @@ def load_reward_fn(cfg: Any, pool: Any = None) -> RewardFn:
     return IsolatedReward(f"{path}:{name}", pool)
 
 
-def _load_reward_fn(cfg: Any) -> RewardFn:
-    from verl.trainer.ppo.reward import get_custom_reward_fn
+def _load_reward_fn(path: str | None, name: str) -> RewardFn:
+    from verl.utils.import_utils import load_extern_object
     from verl.utils.reward_score import default_compute_score
 
-    legacy = cfg.get("custom_reward_function") or {}
-    if legacy.get("path") and not cfg.reward.custom_reward_function.get("path"):
-        cfg.reward.custom_reward_function.path = legacy.path
-        cfg.reward.custom_reward_function.name = legacy.get("name") or "compute_score"
-    path = cfg.reward.custom_reward_function.get("path")
-    if path and not path.endswith(".py") and not os.path.exists(path):
+    if not path:
+        return default_compute_score
+    if not path.endswith(".py") and not os.path.exists(path):
         # A dotted module name (e.g. a built-in task's). verl's loader executes a file without registering it
         # in sys.modules, which breaks modules that define dataclasses; importing by name has no such problem.
-        name = cfg.reward.custom_reward_function.get("name") or "compute_score"
         try:
             return getattr(importlib.import_module(path), name)
         except (ImportError, AttributeError) as exc:
@@ -252,11 +251,9 @@ def _load_reward_fn(cfg: Any) -> RewardFn:
                 f"reward.custom_reward_function: could not load '{name}' from module {path}: {exc}"
             ) from exc
     try:
-        custom = get_custom_reward_fn(cfg)
+        # verl's get_custom_reward_fn without its reward_kwargs wrapper (reward_kwargs is refused at load)
+        return load_extern_object(module_path=path, object_name=name)
     except Exception as exc:
-        path = cfg.reward.custom_reward_function.path
-        name = cfg.reward.custom_reward_function.name
         raise ValueError(
             f"reward.custom_reward_function: could not load '{name}' from {path}: {type(exc).__name__}: {exc}"
         ) from exc
-    return custom if custom is not None else default_compute_score
