@@ -31,6 +31,7 @@ def ray_session():
 
     if not ray.is_initialized():
         ray.init(
+            address="local",  # never another session's Ray (address=None joins whatever runs on the machine)
             num_cpus=4,  # logical slots, so several small actors fit on a 2-core machine
             include_dashboard=False,
             object_store_memory=1_000_000_000,

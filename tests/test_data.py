@@ -248,3 +248,26 @@ def test_a_data_folder_that_cannot_be_written_still_loads(tmp_path, tokenizer, m
     monkeypatch.setattr(token_cache.os, "replace", refuse)  # as a read-only folder would (root ignores chmod)
     assert len(PromptDataset(path, tokenizer, max_prompt_length=64)) == 1
     assert [p.name for p in tmp_path.iterdir()] == ["data.parquet"], "no cache and no temporary file left"
+
+
+def test_a_validation_file_with_no_prompt_left_is_refused_before_anything_starts(tmp_path, tokenizer):
+    """A held-out file whose every prompt is filtered out made the rollout service die while it was created
+    (PromptIterator needs a non-empty dataset); the start-up data check names the file instead."""
+    from rllm.experimental.fully_async.runtime.prepare import check_data
+    from rllm.experimental.fully_async.settings.loader import load_config
+
+    tokenizer.save_pretrained(tmp_path / "tok")
+    train = write(tmp_path, [row("1+1="), row("2+2=")], "train.parquet")
+    val = write(tmp_path, [row("1234567890+1=")], "val.parquet")
+    overrides = [
+        "task.name=null",
+        f"actor_rollout_ref.model.path={tmp_path / 'tok'}",
+        f"data.train_files={train}",
+        "data.max_prompt_length=6",
+        "data.filter_overlong_prompts=true",
+        "reward.custom_reward_function.path=rllm.experimental.fully_async.tasks.addition",
+        "reward.custom_reward_function.name=compute_score",
+    ]
+    assert check_data(load_config(None, [*overrides, f"data.val_files={train}"], check_host=False)) == 2
+    with pytest.raises(DataError, match=r"val\.parquet: no held-out prompt left after filtering"):
+        check_data(load_config(None, [*overrides, f"data.val_files={val}"], check_host=False))

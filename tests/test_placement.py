@@ -157,8 +157,8 @@ from rllm.experimental.fully_async.runtime.gpu_placement import ray_gpu_environm
 
 plan = plan_placement([8], num_engines=2, tp_size=2, trainer_ranks=4)
 with ray_gpu_environment(plan):
-    ray.init(num_cpus=4, num_gpus=ray_num_gpus(plan), include_dashboard=False, object_store_memory=100_000_000,
-             configure_logging=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, num_gpus=ray_num_gpus(plan), include_dashboard=False,
+             object_store_memory=100_000_000, configure_logging=False, log_to_driver=False)
 
 @ray.remote(num_gpus=1, num_cpus=0)
 class Rank:

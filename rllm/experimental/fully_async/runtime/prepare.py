@@ -63,11 +63,16 @@ def check_data(cfg: DictConfig) -> int:
     from rllm.experimental.fully_async.settings.spec import data_spec
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.path)
-    train, _ = load_prompt_datasets(data_spec(cfg), tokenizer)
-    if len(train) == 0:
-        from rllm.experimental.fully_async.data import DataError
+    train, val = load_prompt_datasets(data_spec(cfg), tokenizer)
+    from rllm.experimental.fully_async.data import DataError
 
+    if len(train) == 0:
         raise DataError(f"{cfg.data.train_files}: no prompt left after filtering (data.max_prompt_length?)")
+    if val is not None and len(val) == 0:
+        raise DataError(
+            f"{cfg.data.val_files}: no held-out prompt left after filtering (data.max_prompt_length?); "
+            "fix the file or set data.val_files=null"
+        )
     from rllm.experimental.fully_async.workflows import check_agent_fits_model
 
     check_agent_fits_model(cfg)
