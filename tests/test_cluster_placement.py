@@ -183,7 +183,7 @@ def test_a_cluster_run_needs_sglang_engines_and_cuda_ranks_and_says_so_before_jo
 
     cfg = load_config(None, ["trainer.nnodes=2", "trainer.device=cuda"], check_host=False)
     with ExitStack() as stack, pytest.raises(ConfigError) as caught:
-        start_on_cluster(cfg, build_run_spec(cfg), stack, tmp_path)
+        start_on_cluster(build_run_spec(cfg), stack, tmp_path)
     assert "\n" not in str(caught.value)
     assert "trainer.nnodes=2 places SGLang engines and CUDA trainer ranks" in str(caught.value)
     assert "(got embedded, cuda)" in str(caught.value)

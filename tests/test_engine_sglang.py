@@ -20,6 +20,7 @@ from rllm.experimental.fully_async.engines import EngineLauncher, SGLangEngineCo
 from rllm.experimental.fully_async.engines.client import EngineClient, EngineHTTPError, GenerationResult
 from rllm.experimental.fully_async.engines.from_config import api_key_for, engine_launcher, sglang_extra_args
 from rllm.experimental.fully_async.engines.http import EngineHTTP
+from rllm.experimental.fully_async.settings.spec import EnginesSpec, engines_spec
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
 
@@ -187,8 +188,9 @@ def test_a_batch_answers_a_list_and_its_waiting_prompts_are_resumed_as_unstarted
 # ---------------------------------------------------------------- command line from the config
 
 
-def sglang_cfg(**extra_args: object):
-    return OmegaConf.create(
+def sglang_cfg(**extra_args: object) -> EnginesSpec:
+    """The engines part of a run spec built from a config, as the run builds it (settings/spec.py)."""
+    cfg = OmegaConf.create(
         {
             "engines": {
                 "backend": "sglang",
@@ -196,7 +198,10 @@ def sglang_cfg(**extra_args: object):
                 "dtype": "bfloat16",
                 "num_engines": 2,
                 "startup_timeout_s": 10,
+                "request_timeout_s": 60,
                 "torch_threads": 1,
+                "on_engine_failure": "fail",
+                "max_restarts": 0,
                 "extra_args": extra_args,
             },
             "actor_rollout_ref": {
@@ -206,6 +211,7 @@ def sglang_cfg(**extra_args: object):
             "run": {"seed": 3, "log_level": "INFO"},
         }
     )
+    return engines_spec(cfg)
 
 
 def test_sglang_command_takes_tp_and_memory_from_the_config_and_bools_are_bare_flags(tmp_path):

@@ -1,4 +1,4 @@
-"""Build the engine launcher a run's configuration asks for (moved from runtime/run.py).
+"""Build the engine launcher a run's spec (`settings/spec.py`, EnginesSpec) asks for.
 
 Keys honoured here, for `engines.backend=sglang`:
 - `actor_rollout_ref.rollout.tensor_model_parallel_size` -> `--tp-size` (GPUs per engine);
@@ -17,10 +17,11 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from rllm.experimental.fully_async.engines.launcher import EmbeddedEngineCommand, EngineLauncher
 from rllm.experimental.fully_async.settings.addresses import is_loopback
+from rllm.experimental.fully_async.settings.spec import EnginesSpec, thaw
 
 # Flags the SGLang command sets from the config itself; extra_args may not set them a second time.
 MANAGED_SGLANG_FLAGS = frozenset(
@@ -66,45 +67,42 @@ def sglang_extra_args(extra: dict[str, Any]) -> tuple[str, ...]:
     return tuple(args)
 
 
-def engine_command(cfg: DictConfig, api_key: str | None = None) -> Any:
+def engine_command(engines: EnginesSpec, api_key: str | None = None) -> Any:
     """The `EngineCommand` (embedded or SGLang) that starts each engine of the configured backend."""
-    e = cfg.engines
-    model_path = str(cfg.actor_rollout_ref.model.path)
-    if e.backend == "embedded":
+    if engines.backend == "embedded":
         return EmbeddedEngineCommand(
-            model_path=model_path,
-            max_running_requests=int(e.max_running_requests),
-            dtype=str(e.dtype),
-            seed=int(cfg.run.seed),
-            num_threads=int(e.torch_threads),
-            log_level=str(cfg.run.log_level),
+            model_path=engines.model_path,
+            max_running_requests=engines.max_running_requests,
+            dtype=engines.dtype,
+            seed=engines.seed,
+            num_threads=engines.torch_threads,
+            log_level=engines.log_level,
             extra_args=("--api-key", api_key) if api_key else (),
         )
     from rllm.experimental.fully_async.engines.sglang import SGLangEngineCommand
 
-    rollout = cfg.actor_rollout_ref.rollout
-    tp_size = OmegaConf.select(rollout, "tensor_model_parallel_size", default=None)
-    mem_fraction = OmegaConf.select(rollout, "gpu_memory_utilization", default=None)
     return SGLangEngineCommand(
-        model_path=model_path,
-        tp_size=int(tp_size) if tp_size is not None else 1,
-        dtype=str(e.dtype),
-        mem_fraction_static=float(mem_fraction) if mem_fraction is not None else None,
-        max_running_requests=int(e.max_running_requests),
-        seed=int(cfg.run.seed),
+        model_path=engines.model_path,
+        tp_size=engines.tensor_model_parallel_size,
+        dtype=engines.dtype,
+        mem_fraction_static=engines.gpu_memory_utilization,
+        max_running_requests=engines.max_running_requests,
+        seed=engines.seed,
         api_key=api_key,
-        extra_args=sglang_extra_args(dict(e.extra_args or {})),
+        extra_args=sglang_extra_args(thaw(engines.extra_args)),
     )
 
 
-def engine_launcher(cfg: DictConfig, log_dir: Path, *, host: str = "127.0.0.1") -> Any:
+def engine_launcher(engines: EnginesSpec, log_dir: Path, *, host: str = "127.0.0.1") -> Any:
     """An EngineLauncher for the configured backend (a context manager whose `.urls` are the engines, and whose
     `.api_key` is the secret clients must send, or None)."""
-    e = cfg.engines
     api_key = api_key_for(host)
-    command = engine_command(cfg, api_key)
     launcher = EngineLauncher(
-        command, int(e.num_engines), host=host, startup_timeout_s=float(e.startup_timeout_s), log_dir=log_dir
+        engine_command(engines, api_key),
+        engines.num_engines,
+        host=host,
+        startup_timeout_s=engines.startup_timeout_s,
+        log_dir=log_dir,
     )
     launcher.api_key = api_key
     return launcher

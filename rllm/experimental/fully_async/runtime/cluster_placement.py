@@ -119,7 +119,7 @@ def reserve(plan: PlacementPlan, nodes: list[ClusterNode], timeout_s: float = 12
     return placement
 
 
-def start_on_cluster(cfg: Any, spec: Any, stack: Any, log_dir: Any) -> tuple[Any, dict[str, list]]:
+def start_on_cluster(spec: Any, stack: Any, log_dir: Any) -> tuple[Any, dict[str, list]]:
     """A `trainer.nnodes > 1` run's processes on the Ray cluster at RAY_ADDRESS (else `auto`): join it, plan over
     its first `trainer.nnodes` GPU nodes, reserve the plan, start the engines through their node's engine host.
 
@@ -154,7 +154,7 @@ def start_on_cluster(cfg: Any, spec: Any, stack: Any, log_dir: Any) -> tuple[Any
     except PlacementError as exc:
         raise ConfigError(f"GPU placement on the Ray cluster at {address}: {exc}") from exc
     logger.info("placement over %d node(s):\n%s", spec.trainer.nnodes, "\n".join(plan.describe()))
-    placement = reserve(plan, nodes, timeout_s=float(cfg.engines.startup_timeout_s))
+    placement = reserve(plan, nodes, timeout_s=spec.engines.startup_timeout_s)
     stack.callback(placement.release)  # after the engines and ranks (LIFO) have ended
-    engines = stack.enter_context(cluster_engines(cfg, placement, log_dir))
+    engines = stack.enter_context(cluster_engines(spec.engines, placement, log_dir))
     return engines, {"options": placement.rank_options(), "devices": placement.rank_devices()}

@@ -205,17 +205,19 @@ class ClusterEngines:
             raise EngineStartupError(f"{what}: {str(exc.cause or exc).splitlines()[0]}") from exc
 
 
-def cluster_engines(cfg: Any, placement: Any, log_dir: str | Path, *, bind_host: str | None = None) -> ClusterEngines:
+def cluster_engines(
+    engines: Any, placement: Any, log_dir: str | Path, *, bind_host: str | None = None
+) -> ClusterEngines:
     """The configured engines over a reserved placement, each listening on its node's address with a fresh per-run
     secret (`--api-key`; `.api_key` is what clients must send)."""
     from rllm.experimental.fully_async.engines.from_config import engine_command
 
     api_key = secrets.token_urlsafe(32)
     return ClusterEngines(
-        engine_command(cfg, api_key),
+        engine_command(engines, api_key),
         placement,
         api_key=api_key,
         bind_host=bind_host,
-        startup_timeout_s=float(cfg.engines.startup_timeout_s),
+        startup_timeout_s=engines.startup_timeout_s,
         log_dir=log_dir,
     )

@@ -122,9 +122,9 @@ class Run:
 
         ranks = None  # where the trainer ranks go: their node's bundle and device, on a cluster
         if on_cluster:  # Ray first there: engines start through actors on their nodes
-            engines, ranks = start_on_cluster(cfg, self.spec, self._stack, self.run_dir / "engines")
+            engines, ranks = start_on_cluster(self.spec, self._stack, self.run_dir / "engines")
         else:
-            engines = self._stack.enter_context(engine_launcher(cfg, self.run_dir / "engines"))
+            engines = self._stack.enter_context(engine_launcher(self.spec.engines, self.run_dir / "engines"))
         self.supervisor = EngineSupervisor(
             engines,
             self.spec.engines.on_engine_failure,

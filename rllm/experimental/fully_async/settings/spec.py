@@ -254,24 +254,7 @@ def build_run_spec(cfg: DictConfig) -> RunSpec:
         correction=correction_config_from(cfg),
         critic=_frozen(cfg.critic) if gae else None,
     )
-    e = cfg.engines
-    engines = EnginesSpec(
-        backend=str(e.backend),
-        model_path=model_path,
-        num_engines=int(e.num_engines),
-        max_running_requests=int(e.max_running_requests),
-        startup_timeout_s=float(e.startup_timeout_s),
-        request_timeout_s=float(e.request_timeout_s),
-        dtype=str(e.dtype),
-        torch_threads=int(e.torch_threads),
-        on_engine_failure=str(e.on_engine_failure),
-        max_restarts=int(e.max_restarts),
-        extra_args=_frozen(e.extra_args),
-        tensor_model_parallel_size=int(rollout.tensor_model_parallel_size),
-        gpu_memory_utilization=float(rollout.gpu_memory_utilization),
-        seed=run_seed,
-        log_level=str(cfg.run.log_level),
-    )
+    engines = engines_spec(cfg)
     param_sync = ParamSyncSpec(
         transport=str(cfg.param_sync.transport),
         bucket_mb=float(cfg.param_sync.bucket_mb),
@@ -303,6 +286,28 @@ def build_run_spec(cfg: DictConfig) -> RunSpec:
         validation_data_dir=None if t.validation_data_dir is None else str(t.validation_data_dir),
     )
     return RunSpec(executor=executor, trainer=trainer, engines=engines, param_sync=param_sync, run=run)
+
+
+def engines_spec(cfg: DictConfig) -> EnginesSpec:
+    """The engines part alone: `plan` prints their command lines from it without building the whole spec."""
+    e, rollout = cfg.engines, cfg.actor_rollout_ref.rollout
+    return EnginesSpec(
+        backend=str(e.backend),
+        model_path=str(cfg.actor_rollout_ref.model.path),
+        num_engines=int(e.num_engines),
+        max_running_requests=int(e.max_running_requests),
+        startup_timeout_s=float(e.startup_timeout_s),
+        request_timeout_s=float(e.request_timeout_s),
+        dtype=str(e.dtype),
+        torch_threads=int(e.torch_threads),
+        on_engine_failure=str(e.on_engine_failure),
+        max_restarts=int(e.max_restarts),
+        extra_args=_frozen(e.extra_args),
+        tensor_model_parallel_size=int(rollout.tensor_model_parallel_size),
+        gpu_memory_utilization=float(rollout.gpu_memory_utilization),
+        seed=int(cfg.run.seed),
+        log_level=str(cfg.run.log_level),
+    )
 
 
 def data_spec(cfg: DictConfig) -> DataSpec:
