@@ -358,6 +358,11 @@ class RetryCountingClient:
         self.retries.append(result.num_retries)
         return result
 
+    async def generate_batch(self, prompts: list[list[int]], sampling_params: dict, *, rids: list[str]):
+        results: list[GenerationResult] = await self.client.generate_batch(prompts, sampling_params, rids=rids)
+        self.retries += [r.num_retries for r in results]
+        return results
+
 
 def test_a_killed_engine_has_its_requests_resent_and_losing_the_last_engine_stops_the_run(
     model_dir, dataset, tokenizer, tmp_path

@@ -66,6 +66,15 @@ class GenerationClient(Protocol):
     ) -> Any: ...
 
 
+class BatchGenerationClient(GenerationClient, Protocol):
+    """A client that also sends several prompts as one batched request (what `run_group` of SingleTurnWorkflow
+    needs)."""
+
+    async def generate_batch(
+        self, prompts: list[list[int]], sampling_params: dict[str, Any], *, rids: list[str]
+    ) -> list[Any]: ...
+
+
 class Workflow(Protocol):
     """One rollout sample. Returning a FAILED trajectory (never raising) rejects the sample with a reason.
 

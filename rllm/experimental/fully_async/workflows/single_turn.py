@@ -8,7 +8,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rllm.experimental.fully_async.core.protocol import Sequence, Trajectory, TrajectoryStatus
-from rllm.experimental.fully_async.workflows.base import GenerationClient, RewardFn, score_safely
+from rllm.experimental.fully_async.workflows.base import (
+    BatchGenerationClient,
+    GenerationClient,
+    RewardFn,
+    score_safely,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -32,16 +37,13 @@ class SingleTurnWorkflow:
         return await self._scored(tokenizer, datum, uid, result)
 
     async def run_group(
-        self, client: GenerationClient, tokenizer: Any, datum: Any, sample_indexes: list[int]
+        self, client: BatchGenerationClient, tokenizer: Any, datum: Any, sample_indexes: list[int]
     ) -> list[Trajectory]:
-        """All samples of one prompt in one batched request when the client offers it (`generate_batch`), else
-        one `run` each. The group is consumed together, so waiting for its slowest sample costs nothing."""
-        generate_batch = getattr(client, "generate_batch", None)
-        if generate_batch is None:
-            return list(await asyncio.gather(*(self.run(client, tokenizer, datum, i) for i in sample_indexes)))
+        """All samples of one prompt in one batched request (`generate_batch`). The group is consumed together, so
+        waiting for its slowest sample costs nothing."""
         uids = [f"{datum.prompt_uid}/{i}" for i in sample_indexes]
         prompt = list(datum.prompt_ids)
-        results = await generate_batch([prompt] * len(uids), dict(self.sampling_params), rids=uids)
+        results = await client.generate_batch([prompt] * len(uids), dict(self.sampling_params), rids=uids)
         scored = (self._scored(tokenizer, datum, u, r) for u, r in zip(uids, results, strict=True))
         return list(await asyncio.gather(*scored))
 
