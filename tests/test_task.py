@@ -239,3 +239,33 @@ def test_reading_the_registry_imports_no_task_module():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+def test_a_task_cache_entry_is_built_once_and_a_lost_race_keeps_the_winners_entry(tmp_path):
+    """tasks/cache.py, which every built-in task uses: the second call only reads the marker; a build whose entry
+    another process renamed into place first is discarded, and nothing temporary is left behind."""
+    from rllm.experimental.fully_async.tasks.cache import cache_key, cached_entry
+
+    key = cache_key({"seed": 0})
+    builds: list[Path] = []
+
+    def build(folder: Path) -> dict:
+        builds.append(folder)
+        (folder / "data.txt").write_text("ours")
+        return {"who": "ours"}
+
+    entry, meta = cached_entry(tmp_path, "t", key, build)
+    assert meta == {"who": "ours"} and (entry / "data.txt").read_text() == "ours"
+    assert cached_entry(tmp_path, "t", key, build) == (entry, meta) and len(builds) == 1
+
+    other = cache_key({"seed": 1})
+
+    def loses_the_race(folder: Path) -> dict:
+        winner = tmp_path / f"t-{other}"
+        winner.mkdir()
+        (winner / "assets.json").write_text('{"who": "theirs"}')
+        return {"who": "ours"}
+
+    entry, meta = cached_entry(tmp_path, "t", other, loses_the_race)
+    assert meta == {"who": "theirs"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"t-{key}", f"t-{other}"])

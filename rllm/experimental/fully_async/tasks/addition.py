@@ -20,13 +20,8 @@ count (WARMUP_STEPS) so RL starts in the narrow 20-50% held-out window, never st
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
-import shutil
 import time
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,6 +29,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from rllm.experimental.fully_async.tasks.cache import cache_key, cached_entry
 
 if TYPE_CHECKING:
     import torch
@@ -318,11 +315,10 @@ def _cache_key(seed: int, num_train: int, num_val: int, warmup_steps: int) -> st
         "vocab": VOCAB,
         "chat_template": CHAT_TEMPLATE,
     }
-    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_key(spec)
 
 
-def _load_entry(entry: Path) -> AdditionAssets:
-    meta = json.loads((entry / "assets.json").read_text())
+def _assets(entry: Path, meta: dict[str, Any]) -> AdditionAssets:
     return AdditionAssets(
         model_dir=entry / "model",
         tokenizer_dir=entry / "model",
@@ -344,25 +340,16 @@ def prepare_addition_assets(
 ) -> AdditionAssets:
     """Build (once) and return the data, the warmed-up model and its held-out accuracy, cached under cache_dir.
 
-    The entry folder is named after a hash of everything that changes the result (seed, sizes, steps, batch size,
-    lr, model config, vocabulary, ASSETS_VERSION); a second call with the same key only reads a small JSON file.
-    The entry is built in a temporary folder and renamed into place, so a crash never leaves a half-written entry
-    that a later call would trust; if another process wins the race, its entry is used and ours is discarded.
+    The entry is keyed by everything that changes the result (seed, sizes, steps, batch size, lr, model config,
+    vocabulary, ASSETS_VERSION) and built at most once (tasks/cache.py).
     """
     import pandas as pd
     import torch
 
-    cache_dir = Path(cache_dir)
     key = _cache_key(seed, num_train, num_val, warmup_steps)
-    entry = cache_dir / f"addition-{key}"
-    if (entry / "assets.json").is_file():
-        return _load_entry(entry)
 
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = cache_dir / f".tmp-addition-{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        _, val_path = write_addition_parquets(tmp, seed, num_train, num_val)
+    def build(folder: Path) -> dict[str, Any]:
+        _, val_path = write_addition_parquets(folder, seed, num_train, num_val)
         train_prompts, _ = make_problems(seed, num_train, num_val)
         tokenizer = build_addition_tokenizer()
         model = build_addition_model(seed)
@@ -370,9 +357,9 @@ def prepare_addition_assets(
         val_rows = pd.read_parquet(val_path).to_dict(orient="records")
         warmup = supervised_warmup(model, tokenizer, train_prompts, seed, steps=warmup_steps)
         accuracy = exact_match_accuracy(model, tokenizer, val_rows)
-        model.save_pretrained(tmp / "model", safe_serialization=True)
-        tokenizer.save_pretrained(tmp / "model")
-        meta = {
+        model.save_pretrained(folder / "model", safe_serialization=True)
+        tokenizer.save_pretrained(folder / "model")
+        return {
             "cache_key": key,
             "warmup_val_accuracy": accuracy,
             "warmup_seconds": warmup.seconds,
@@ -380,20 +367,11 @@ def prepare_addition_assets(
             "warmup_final_loss": warmup.final_loss,
             "torch": torch.__version__,
         }
-        # assets.json is written last: its presence marks a complete entry.
-        (tmp / "assets.json").write_text(json.dumps(meta, indent=2))
-        try:
-            os.rename(tmp, entry)
-        except OSError:
-            if not (entry / "assets.json").is_file():
-                raise
-            logger.info("addition assets %s were built concurrently by another process; using theirs", key)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    assets = _load_entry(entry)
+
+    assets = _assets(*cached_entry(cache_dir, "addition", key, build))
     logger.info(
         "addition assets ready in %s: warm-up %.1f s, held-out exact match %.1f%%",
-        entry,
+        assets.model_dir.parent,
         assets.warmup_seconds,
         100 * assets.warmup_val_accuracy,
     )

@@ -16,16 +16,13 @@ verl-format parquet (prompt "Q", `extra_info` {a, b}, ground truth the product).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import random
-import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rllm.experimental.fully_async.tasks.cache import cache_key, cached_entry
 from rllm.experimental.fully_async.tasks.imitation import imitation_warmup, pad_rows
 
 if TYPE_CHECKING:
@@ -144,28 +141,17 @@ def prepare_calculator_assets(cache_dir: str | Path, seed: int = 0, warmup_steps
     """Build (once, cached by a key of everything that changes it) the data and the warmed-up model."""
     spec = {"v": ASSETS_VERSION, "seed": seed, "steps": warmup_steps, "model": MODEL_CONFIG, "vocab": VOCAB}
     spec |= {"batch": WARMUP_BATCH_SIZE, "lr": WARMUP_LR, "tool_p": DEMO_TOOL_P, "template": CHAT_TEMPLATE}
-    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
-    cache_dir = Path(cache_dir)
-    entry = cache_dir / f"calculator-{key}"
-    if not (entry / "assets.json").is_file():
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        tmp = cache_dir / f".tmp-calculator-{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
-        try:
-            write_parquets(tmp, seed)
-            tokenizer, model = build_tokenizer(), build_model(seed)
-            seconds = supervised_warmup(model, tokenizer, seed, warmup_steps)
-            model.save_pretrained(tmp / "model", safe_serialization=True)
-            tokenizer.save_pretrained(tmp / "model")
-            (tmp / "assets.json").write_text(json.dumps({"cache_key": key, "warmup_seconds": seconds}))
-            try:
-                os.rename(tmp, entry)
-            except OSError:
-                if not (entry / "assets.json").is_file():
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    meta = json.loads((entry / "assets.json").read_text())
+    key = cache_key(spec)
+
+    def build(folder: Path) -> dict[str, Any]:
+        write_parquets(folder, seed)
+        tokenizer, model = build_tokenizer(), build_model(seed)
+        seconds = supervised_warmup(model, tokenizer, seed, warmup_steps)
+        model.save_pretrained(folder / "model", safe_serialization=True)
+        tokenizer.save_pretrained(folder / "model")
+        return {"cache_key": key, "warmup_seconds": seconds}
+
+    entry, meta = cached_entry(cache_dir, "calculator", key, build)
     return CalculatorAssets(
         entry / "model", entry / "train.parquet", entry / "val.parquet", float(meta["warmup_seconds"]), key
     )

@@ -19,19 +19,16 @@ written as verl-format parquet (prompt "N", `extra_info` {start, target}, ground
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import random
-import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rllm.experimental.fully_async.envs.number_line import NumberLineEnv
 from rllm.experimental.fully_async.tasks.addition import single_torch_thread
+from rllm.experimental.fully_async.tasks.cache import cache_key, cached_entry
 from rllm.experimental.fully_async.tasks.imitation import imitation_warmup, pad_rows
 
 if TYPE_CHECKING:
@@ -277,31 +274,18 @@ def prepare_number_line_assets(cache_dir: str | Path, seed: int = 0, warmup_step
 
     spec = {"v": ASSETS_VERSION, "seed": seed, "steps": warmup_steps, "model": MODEL_CONFIG, "vocab": VOCAB}
     spec |= {"batch": WARMUP_BATCH_SIZE, "lr": WARMUP_LR, "demo_p": DEMO_DIRECTION_P, "turns": MAX_TURNS}
-    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
-    cache_dir = Path(cache_dir)
-    entry = cache_dir / f"number_line-{key}"
-    if not (entry / "assets.json").is_file():
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        tmp = cache_dir / f".tmp-number_line-{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
-        try:
-            write_parquets(tmp, seed)
-            tokenizer, model = build_tokenizer(), build_model(seed)
-            seconds = supervised_warmup(model, tokenizer, seed, warmup_steps)
-            success = sampled_success(model, tokenizer, make_pairs(seed)[1], 16, seed)
-            model.save_pretrained(tmp / "model", safe_serialization=True)
-            tokenizer.save_pretrained(tmp / "model")
-            meta = {"cache_key": key, "warmup_val_success": success, "warmup_seconds": seconds}
-            meta["torch"] = torch.__version__
-            (tmp / "assets.json").write_text(json.dumps(meta, indent=2))  # last: marks a complete entry
-            try:
-                os.rename(tmp, entry)
-            except OSError:
-                if not (entry / "assets.json").is_file():
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    meta = json.loads((entry / "assets.json").read_text())
+    key = cache_key(spec)
+
+    def build(folder: Path) -> dict[str, Any]:
+        write_parquets(folder, seed)
+        tokenizer, model = build_tokenizer(), build_model(seed)
+        seconds = supervised_warmup(model, tokenizer, seed, warmup_steps)
+        success = sampled_success(model, tokenizer, make_pairs(seed)[1], 16, seed)
+        model.save_pretrained(folder / "model", safe_serialization=True)
+        tokenizer.save_pretrained(folder / "model")
+        return {"cache_key": key, "warmup_val_success": success, "warmup_seconds": seconds, "torch": torch.__version__}
+
+    entry, meta = cached_entry(cache_dir, "number_line", key, build)
     assets = NumberLineAssets(
         model_dir=entry / "model",
         train_parquet=entry / "train.parquet",

@@ -27,16 +27,11 @@ behaviour the prompt asks to drop. Answers with no integer (spelled-out numbers,
 from __future__ import annotations
 
 import copy
-import hashlib
 import importlib.metadata
 import importlib.util
-import json
 import logging
-import os
 import re
-import shutil
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rllm.experimental.fully_async.errors import EXIT_BAD_INPUT, FullyAsyncError
+from rllm.experimental.fully_async.tasks.cache import cache_key, cached_entry
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -147,7 +143,7 @@ def _model_cache_key(gguf: Path) -> str:
         "gguf": gguf.name,
         "size": gguf.stat().st_size,
     }
-    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_key(spec)
 
 
 def convert_gguf(gguf: Path, out_dir: Path) -> None:
@@ -187,33 +183,15 @@ def prepare_smollm2_model(cache_dir: str | Path) -> Path:
     the package is missing.
     """
     gguf = find_smollm2_gguf()
-    cache_dir = Path(cache_dir)
     key = _model_cache_key(gguf)
-    entry = cache_dir / f"smollm2-135m-instruct-{key}"
-    if (entry / "source.json").is_file():
-        return entry
 
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = cache_dir / f".tmp-smollm2-model-{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    def build(folder: Path) -> dict[str, Any]:
         logger.info("converting %s (Q4_1) to a float32 HF folder, once", gguf)
-        convert_gguf(gguf, tmp)
-        source = {"gguf": str(gguf), "cache_key": key, "distribution": _distribution_version()}
-        (tmp / "source.json").write_text(json.dumps(source, indent=2))
-        _rename_into_place(tmp, entry, "source.json")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        convert_gguf(gguf, folder)
+        return {"gguf": str(gguf), "cache_key": key, "distribution": _distribution_version()}
+
+    entry, _ = cached_entry(cache_dir, "smollm2-135m-instruct", key, build, marker="source.json")
     return entry
-
-
-def _rename_into_place(tmp: Path, entry: Path, marker: str) -> None:
-    try:
-        os.rename(tmp, entry)
-    except OSError:
-        if not (entry / marker).is_file():
-            raise
-        logger.info("%s was built concurrently by another process; using theirs", entry)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -334,7 +312,7 @@ def _data_cache_key(model_key: str, seed: int, num_val_pairs: int, max_new_token
         "max_new_tokens": max_new_tokens,
         "templates": TEMPLATES,
     }
-    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_key(spec)
 
 
 def prepare_smollm2_assets(
@@ -351,27 +329,20 @@ def prepare_smollm2_assets(
     into place, like the model. The baseline (greedy, max_new_tokens tokens) takes ~1-2 min on two cores, once.
     """
     model_dir = prepare_smollm2_model(cache_dir)
-    cache_dir = Path(cache_dir)
     key = _data_cache_key(model_dir.name, seed, num_val_pairs, max_new_tokens)
-    entry = cache_dir / f"smollm2-addition-{key}"
-    if not (entry / "assets.json").is_file():
-        tmp = cache_dir / f".tmp-smollm2-addition-{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
-        try:
-            _, val_path = write_smollm2_parquets(tmp, seed, num_val_pairs)
-            started = time.perf_counter()
-            baseline = evaluate_accuracy(model_dir, val_path, max_new_tokens=max_new_tokens)
-            meta = {
-                "cache_key": key,
-                "model_dir": model_dir.name,
-                "baseline_val_accuracy": baseline,
-                "baseline_seconds": time.perf_counter() - started,
-            }
-            (tmp / "assets.json").write_text(json.dumps(meta, indent=2))  # last: marks a complete entry
-            _rename_into_place(tmp, entry, "assets.json")
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    meta = json.loads((entry / "assets.json").read_text())
+
+    def build(folder: Path) -> dict[str, Any]:
+        _, val_path = write_smollm2_parquets(folder, seed, num_val_pairs)
+        started = time.perf_counter()
+        baseline = evaluate_accuracy(model_dir, val_path, max_new_tokens=max_new_tokens)
+        return {
+            "cache_key": key,
+            "model_dir": model_dir.name,
+            "baseline_val_accuracy": baseline,
+            "baseline_seconds": time.perf_counter() - started,
+        }
+
+    entry, meta = cached_entry(cache_dir, "smollm2-addition", key, build)
     assets = SmolLM2Assets(
         model_dir=model_dir,
         train_parquet=entry / "train.parquet",
