@@ -67,3 +67,14 @@ async def wait_for_decoding(client: Any, url: str, timeout_s: float = 60.0) -> N
         if time.monotonic() > deadline:
             raise TimeoutError(f"no request started decoding on {url} within {timeout_s:g}s")
         await asyncio.sleep(0.02)
+
+
+def restarted(launcher: Any, index: int) -> Any:
+    """Restart slot `index` of an EngineLauncher and wait until it is healthy (what the supervisor does over
+    several polls); its new EngineProcess."""
+    launcher.restart(index)
+    deadline = time.monotonic() + 90
+    while not launcher.probe(index):
+        assert time.monotonic() < deadline, "restarted engine not healthy within 90 s"
+        time.sleep(0.1)
+    return launcher.processes[index]

@@ -32,6 +32,19 @@ async def wait_for_running(client: EngineClient, url: str, n: int, timeout_s: fl
         await asyncio.sleep(0.02)
 
 
+async def load_weights(client: EngineClient, url: str, path: object, version: str) -> None:
+    """ParamSync's protocol: SGLang ignores weight_version on a load while paused, so it is set after the load."""
+    await client.update_weights_from_disk(url, str(path), weight_version=version)
+    await client.update_weight_version(url, version)
+
+
+async def sync_weights(client: EngineClient, url: str, path: object, version: str) -> None:
+    """A weight sync as ParamSync makes it: pause (in-flight requests return aborted), load, continue."""
+    await client.pause_generation(url, "abort")
+    await load_weights(client, url, path, version)
+    await client.continue_generation(url)
+
+
 @pytest.fixture(scope="module", params=ENGINE_KINDS)
 def engine_launcher(request, models, tmp_path_factory):
     """Two engines serving model A: embedded engines, then SGLang stand-ins (every test runs against both)."""
@@ -85,14 +98,9 @@ def test_aborted_generation_is_resumed_across_a_weight_update_and_stitched(engin
         async with EngineClient([url]) as client:
             task = asyncio.ensure_future(client.generate(prompt, LONG))
             await wait_for_running(client, url, 1)
-            await client.pause_generation(url, "abort")
-            # ParamSync's protocol: SGLang ignores weight_version on a load while paused, so set it after.
-            await client.update_weights_from_disk(url, str(path_b), weight_version="1")
-            await client.update_weight_version(url, "1")
-            await client.continue_generation(url)
+            await sync_weights(client, url, path_b, "1")
             result = await asyncio.wait_for(task, 60)
-            await client.update_weights_from_disk(url, str(path_a), weight_version="0")  # restore for other tests
-            await client.update_weight_version(url, "0")
+            await load_weights(client, url, path_a, "0")  # restore for other tests
             return result
 
     result = asyncio.run(run())
@@ -120,13 +128,9 @@ def test_without_partial_rollout_an_interrupted_generation_restarts_on_the_new_w
             task = asyncio.ensure_future(client.generate(prompt, LONG))
             await wait_for_running(client, url, 1)
             await asyncio.sleep(0.05)  # let it produce some tokens of version 0
-            await client.pause_generation(url, "abort")
-            await client.update_weights_from_disk(url, str(path_b), weight_version="1")
-            await client.update_weight_version(url, "1")
-            await client.continue_generation(url)
+            await sync_weights(client, url, path_b, "1")
             result = await asyncio.wait_for(task, 60)
-            await client.update_weights_from_disk(url, str(path_a), weight_version="0")
-            await client.update_weight_version(url, "0")
+            await load_weights(client, url, path_a, "0")
             return result
 
     result = asyncio.run(run())
@@ -154,15 +158,11 @@ def test_a_batch_is_aborted_by_a_weight_update_and_each_prompt_is_resumed_on_its
             task = asyncio.ensure_future(client.generate_batch(prompts, LONG, rids=["g/0", "g/1", "g/2"]))
             await wait_for_running(client, url, 3)
             assert client.in_flight() == {url: 3}, "a batch counts each of its prompts toward the engine's load"
-            await client.pause_generation(url, "abort")
-            await client.update_weights_from_disk(url, str(path_b), weight_version="1")
-            await client.update_weight_version(url, "1")
-            await client.continue_generation(url)
+            await sync_weights(client, url, path_b, "1")
             results = await asyncio.wait_for(task, 60)
             after = await counts(client)
             assert client.in_flight() == {url: 0}
-            await client.update_weights_from_disk(url, str(path_a), weight_version="0")  # restore for other tests
-            await client.update_weight_version(url, "0")
+            await load_weights(client, url, path_a, "0")  # restore for other tests
             return results, (after[0] - before[0], after[1] - before[1])
 
     results, (finished, aborted) = asyncio.run(run())
@@ -187,13 +187,9 @@ def test_a_batch_without_partial_rollout_restarts_every_interrupted_prompt(engin
             task = asyncio.ensure_future(client.generate_batch(prompts, LONG, rids=["h/0", "h/1"]))
             await wait_for_running(client, url, 2)
             await asyncio.sleep(0.05)  # let them produce some tokens of version 0
-            await client.pause_generation(url, "abort")
-            await client.update_weights_from_disk(url, str(path_b), weight_version="1")
-            await client.update_weight_version(url, "1")
-            await client.continue_generation(url)
+            await sync_weights(client, url, path_b, "1")
             results = await asyncio.wait_for(task, 60)
-            await client.update_weights_from_disk(url, str(path_a), weight_version="0")
-            await client.update_weight_version(url, "0")
+            await load_weights(client, url, path_a, "0")
             return results
 
     for prompt, result in zip(prompts, asyncio.run(run()), strict=True):

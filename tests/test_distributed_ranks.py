@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 from conftest import addition_run_command, leftover_processes
-from engine_helpers import max_abs_diff, reference_logprobs
+from engine_helpers import max_abs_diff, reference_logprobs, restarted
 from test_distributed_sync import PROMPTS, greedy, versions
 from test_trainer_ranks import CFG, TIMEOUTS, odd_batch
 from transformers import AutoModelForCausalLM
@@ -120,17 +120,12 @@ def test_an_engine_killed_mid_broadcast_leaves_no_rank_waiting(two_ranks, models
             assert asyncio.run(versions([survivor])) == ["2"]
             two_ranks.compute_log_prob(odd_batch(5, two_ranks))  # both ranks still answer collectives
             # The restarted engine catches up from rank 0's kept buckets through a group of its own.
-            launcher.restart(0)
-            deadline = time.monotonic() + 60
-            while not launcher.probe(0):
-                assert time.monotonic() < deadline, "the restarted engine did not come up"
-                time.sleep(0.2)
-            restarted = launcher.urls[0]
-            assert sync.replace_engine(victim, restarted) == 2
-            assert transport.members == [restarted]
+            new_url = restarted(launcher, 0).url
+            assert sync.replace_engine(victim, new_url) == 2
+            assert transport.members == [new_url]
             sync.sync(no_disk, 3)
-            assert sorted(transport.members) == sorted([restarted, survivor])
-            assert asyncio.run(versions([restarted, survivor])) == ["3", "3"]
+            assert sorted(transport.members) == sorted([new_url, survivor])
+            assert asyncio.run(versions([new_url, survivor])) == ["3", "3"]
 
 
 def test_bucket_packing_streams_and_a_rank_other_than_zero_keeps_nothing(models):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import ENGINE_KINDS, LOGPROB_TOL, engine_command, max_abs_diff, reference_logprobs
+from engine_helpers import ENGINE_KINDS, LOGPROB_TOL, engine_command, max_abs_diff, reference_logprobs, restarted
 
 from rllm.experimental.fully_async.engines import EmbeddedEngineCommand, EngineLauncher
 from rllm.experimental.fully_async.engines.client import EngineClient, GenerationResult
@@ -225,18 +225,13 @@ def test_an_engine_killed_mid_broadcast_fails_the_sync_in_time_and_its_restart_r
             assert max_abs_diff(result.logprobs, expected) < 1e-4
 
             sync.remove_engine(victim)
-            launcher.restart(0)
-            deadline = time.monotonic() + 60
-            while not launcher.probe(0):
-                assert time.monotonic() < deadline, "the restarted engine did not come up"
-                time.sleep(0.2)
-            restarted = launcher.urls[0]
-            assert sync.replace_engine(victim, restarted) == 1
-            assert transport.members == [restarted]
+            new_url = restarted(launcher, 0).url
+            assert sync.replace_engine(victim, new_url) == 1
+            assert transport.members == [new_url]
             sync.sync(no_disk, 2)
-            assert sorted(transport.members) == sorted([restarted, survivor])
-            assert asyncio.run(versions([restarted, survivor])) == ["2", "2"]
-            for url in (restarted, survivor):
+            assert sorted(transport.members) == sorted([new_url, survivor])
+            assert asyncio.run(versions([new_url, survivor])) == ["2", "2"]
+            for url in (new_url, survivor):
                 for result, prompt in zip(asyncio.run(greedy([url])), PROMPTS, strict=True):
                     expected = reference_logprobs(models["b"][1], prompt, result.output_ids)
                     assert max_abs_diff(result.logprobs, expected) < 1e-4, url

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import addition_run_command, leftover_processes
-from engine_helpers import max_abs_diff, reference_logprobs, wait_for_decoding
+from engine_helpers import max_abs_diff, reference_logprobs, restarted, wait_for_decoding
 
 from rllm.experimental.fully_async.engines import EmbeddedEngineCommand, EngineLauncher, EngineProcess
 from rllm.experimental.fully_async.engines.client import EngineClient
@@ -57,16 +57,6 @@ def poll_until(supervisor: EngineSupervisor, done: Callable[[list], bool], timeo
         events += supervisor.poll()
         time.sleep(0.1)
     return events
-
-
-def restarted(launcher: EngineLauncher, index: int) -> EngineProcess:
-    """Restart slot `index` and wait until it is healthy (what the supervisor does over several polls)."""
-    launcher.restart(index)
-    deadline = time.monotonic() + 90
-    while not launcher.probe(index):
-        assert time.monotonic() < deadline, "restarted engine not healthy within 90 s"
-        time.sleep(0.1)
-    return launcher.processes[index]
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import httpx
 import pytest
 from engine_helpers import engine_command
 from omegaconf import OmegaConf
+from test_client import sync_weights
 
 from rllm.experimental.fully_async.engines import EngineLauncher, SGLangEngineCommand
 from rllm.experimental.fully_async.engines.client import EngineClient, EngineHTTPError, GenerationResult
@@ -136,10 +137,7 @@ def test_waiting_queue_aborts_are_resumed_as_unstarted_pieces(standin, models):
             while (await client.get_server_info(standin))["internal_states"][0]["num_waiting"] < 1:
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.02)
-            await client.pause_generation(standin, "abort")
-            await client.update_weights_from_disk(standin, str(models["a"][0]), weight_version="1")
-            await client.update_weight_version(standin, "1")
-            await client.continue_generation(standin)
+            await sync_weights(client, standin, models["a"][0], "1")
             results = await asyncio.gather(*tasks)
             await client.update_weight_version(standin, "0")
             return results
@@ -169,10 +167,7 @@ def test_a_batch_answers_a_list_and_its_waiting_prompts_are_resumed_as_unstarted
             while (await client.get_server_info(standin))["internal_states"][0]["num_waiting"] < 1:
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.02)
-            await client.pause_generation(standin, "abort")
-            await client.update_weights_from_disk(standin, str(models["a"][0]), weight_version="1")
-            await client.update_weight_version(standin, "1")
-            await client.continue_generation(standin)
+            await sync_weights(client, standin, models["a"][0], "1")
             results = await asyncio.wait_for(task, 60)
             await client.update_weight_version(standin, "0")
             return raw.json(), results

@@ -119,10 +119,6 @@ async def api_key_middleware(request: web.Request, handler: Any) -> web.StreamRe
     return await handler(request)
 
 
-def _none(value: Any) -> bool:
-    return value is None
-
-
 def _per_item(value: Any, n: int, is_single: Any) -> list[Any]:
     """GenerateReqInput.normalize_batch_and_arguments: one value is broadcast over the batch, a list must match it."""
     if is_single(value):
@@ -159,7 +155,7 @@ async def generate(request: web.Request) -> web.Response:
         elif isinstance(rid, str):
             rids = [f"{rid}_{i}" for i in range(n)]
         else:
-            rids = _per_item(rid, n, _none)
+            rids = _per_item(rid, n, lambda v: v is None)
         logprob = _per_item(body.get("return_logprob", False), n, lambda v: isinstance(v, bool))
     except (ValueError, TypeError) as exc:
         return web.json_response({"error": {"message": str(exc)}}, status=400)

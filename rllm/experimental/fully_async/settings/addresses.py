@@ -5,6 +5,7 @@ actor once it knows where rank 0 runs (Ray's node IPs).
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import re
 from collections.abc import Iterable
@@ -22,11 +23,9 @@ def check_master_address(value: str) -> str:
     text = str(value).strip()
     if text == "auto":
         return text
-    try:
+    with contextlib.suppress(ValueError):
         ipaddress.ip_address(text)
         return text
-    except ValueError:
-        pass
     if len(text) <= 253 and _HOSTNAME.match(text) and not text.replace(".", "").isdigit():
         return text
     raise ValueError(
