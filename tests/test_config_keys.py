@@ -44,11 +44,8 @@ PERTURB: dict[str, str] = {
     "trainer.validation_data_dir": "/tmp/val_dumps",
     "run.dir": "/tmp/run",
     "run.log_level": "INFO",
-    "data.train_files": "/tmp/other.parquet",
-    "data.val_files": "/tmp/other_val.parquet",
     "data.truncation": "left",
     "data.seed": "7",
-    "actor_rollout_ref.model.path": "/tmp/model",
     "actor_rollout_ref.rollout.name": "sglang",
     "actor_rollout_ref.rollout.top_p": "0.9",
     "actor_rollout_ref.rollout.top_k": "20",
@@ -114,6 +111,10 @@ REFUSED: dict[str, str] = {
         for key in ("min", "max", "step", "raise_after", "raise_margin", "min_ess", "max_kl", "max_cut")
     },
     "algorithm.gigpo": "read only with algorithm.adv_estimator=gigpo",
+    # a built-in task (the default) makes its own data and model: refused, never replaced (test_task.py)
+    "data.train_files": "task.name=addition makes its own data and model",
+    "data.val_files": "task.name=addition makes its own data and model",
+    "actor_rollout_ref.model.path": "task.name=addition makes its own data and model",
 }
 try:
     import torch

@@ -11,6 +11,9 @@ Composition, lowest priority first:
 3. the files named in the YAML's optional `defaults:` list (siblings, without `.yaml`), then the YAML itself;
 4. command-line `key=value` overrides.
 
+Then: rLLM's keys are mapped, verl keys nothing reads are refused, a built-in task's own keys set by the user are
+refused (tasks/__init__.py), `~` is expanded in every path (settings/paths.py), derived values are filled.
+
 Every merge is in struct mode, so an unknown key is an error; leaves of the verl part are type-checked against
 verl's default values, the typed sections by OmegaConf; `validate()` then checks ranges and cross-field rules.
 Any problem raises `ConfigError` whose message is one line naming the key and what would fix it.
@@ -120,9 +123,11 @@ def load_config(
     """Compose, merge and validate. Raises ConfigError (one line) on any problem. `check_host=False`: the config
     is for another machine (a GPU cluster being planned), so what this one lacks (CUDA) is not refused."""
     from rllm.experimental.fully_async.settings.derive import resolve_derived
+    from rllm.experimental.fully_async.settings.paths import expand_config_paths
     from rllm.experimental.fully_async.settings.rllm_yaml import apply_rllm_keys, extract_rllm_keys
     from rllm.experimental.fully_async.settings.validate import validate
     from rllm.experimental.fully_async.settings.verl_keys import refuse_unread_verl_keys
+    from rllm.experimental.fully_async.tasks import refuse_user_assets
 
     path = Path(config_file) if config_file is not None else DEFAULT_CONFIG
     chain = _file_chain(path)
@@ -145,6 +150,8 @@ def load_config(
     apply_rllm_keys(cfg, rllm_keys, base)
     # Before derived values: those write verl keys (optim.total_training_steps) the user did not set.
     refuse_unread_verl_keys(cfg, base)
+    refuse_user_assets(cfg, base)  # a task would replace the user's data or model: refused, never replaced
+    expand_config_paths(cfg)  # `~` once, here, so the launcher, the trainer and `plan` read one path
     resolve_derived(cfg)
     validate(cfg, check_host=check_host)
     return cfg
