@@ -147,9 +147,11 @@ def load_config(
         extract_rllm_keys(layer, rllm_keys)
         _merge_strict(cfg, layer, origin="the command line")
     base = base_config(megatron)
+    # rLLM's require_batches sizes the step from actor.ppo_mini_batch_size only when required_samples is null
+    step_from_mini_batch = "async_training.require_batches" in rllm_keys and cfg.async_training.required_samples is None
     apply_rllm_keys(cfg, rllm_keys, base)
     # Before derived values: those write verl keys (optim.total_training_steps) the user did not set.
-    refuse_unread_verl_keys(cfg, base)
+    refuse_unread_verl_keys(cfg, base, step_from_mini_batch=step_from_mini_batch)
     refuse_user_assets(cfg, base)  # a task would replace the user's data or model: refused, never replaced
     expand_config_paths(cfg)  # `~` once, here, so the launcher, the trainer and `plan` read one path
     resolve_derived(cfg)
@@ -303,6 +305,7 @@ def _lookup(cfg: DictConfig, dotted: str) -> Any:
 _FLOAT_KEYS_WITH_INT_DEFAULTS = frozenset(
     {
         "actor_rollout_ref.rollout.top_p",
+        "actor_rollout_ref.actor.entropy_coeff",  # verl writes 0; its dataclass field is a float
         "actor_rollout_ref.rollout.val_kwargs.top_p",
         "actor_rollout_ref.rollout.val_kwargs.temperature",
     }

@@ -60,11 +60,11 @@ def build_policy_backend(t: Any, correction: Any = None, ranks: dict | None = No
     """The policy backend a trainer spec (RunSpec.trainer) asks for, and its parameters' dtype (for param_sync).
 
     Megatron (CUDA only), N FSDP2 rank actors (`trainer.n_gpus_per_node x nnodes` > 1), or one in-process
-    FSDPPolicyBackend.
+    FSDPPolicyBackend; every kind gets the whole actor section and `model.enable_gradient_checkpointing`.
     `correction` (algorithms.corrections) may replace verl's loss with the decoupled one; `ranks`: a cluster
     placement's Ray options and devices for the rank actors.
     """
-    from rllm.experimental.fully_async.backends.fsdp import FSDPPolicyBackend
+    from rllm.experimental.fully_async.backends.fsdp import FSDPPolicyBackend, build_actor_config, model_dtype
     from rllm.experimental.fully_async.settings.spec import thaw
 
     actor_cfg = OmegaConf.create(thaw(t.actor))  # verl builds its own dataclasses from a mutable copy
@@ -95,8 +95,11 @@ def build_policy_backend(t: Any, correction: Any = None, ranks: dict | None = No
             rank_options=ranks["options"] if ranks else None,
             rank_devices=ranks["devices"] if ranks else None,
         )
-        return backend, "float32"  # the ranks hold fp32 parameters (FSDP2 mixed precision computes in bf16)
-    backend = FSDPPolicyBackend(t.model_path, actor_cfg, seed=t.seed)
+        # the ranks hold parameters in fsdp_config.model_dtype (verl's actor autocasts on GPU)
+        return backend, str(model_dtype(build_actor_config(actor_cfg)))
+    backend = FSDPPolicyBackend(
+        t.model_path, actor_cfg, seed=t.seed, enable_gradient_checkpointing=t.enable_gradient_checkpointing
+    )
     return backend, str(next(backend.model.parameters()).dtype)
 
 
