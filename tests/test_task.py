@@ -203,7 +203,7 @@ def test_an_unknown_task_name_lists_the_registered_ones_in_one_line():
 
 
 def test_a_registered_task_points_the_config_at_its_assets_and_a_users_reward_wins(tmp_path, capsys):
-    from rllm.experimental.fully_async.settings.loader import load_config
+    from rllm.experimental.fully_async.settings.loader import load_config, verl_base_config
     from rllm.experimental.fully_async.tasks import _REGISTRY, TaskAssets, apply_task, register_task
 
     seen = []
@@ -215,7 +215,7 @@ def test_a_registered_task_points_the_config_at_its_assets_and_a_users_reward_wi
     register_task("echo", prepare)
     try:
         cfg = load_config(None, ["task.name=echo", "task.seed=7"])  # validation asks the registry
-        apply_task(cfg)
+        apply_task(cfg, verl_base_config())
         assert seen == [7]
         assert cfg.data.train_files == str(tmp_path / "t.parquet") and cfg.data.val_files is None
         assert cfg.actor_rollout_ref.model.path == str(tmp_path / "model")
@@ -225,7 +225,7 @@ def test_a_registered_task_points_the_config_at_its_assets_and_a_users_reward_wi
         )
         assert "task echo ready in" in capsys.readouterr().out
         cfg = load_config(None, ["task.name=echo", "reward.custom_reward_function.path=mine.py"])
-        apply_task(cfg)
+        apply_task(cfg, verl_base_config())
         assert cfg.reward.custom_reward_function.path == "mine.py"
     finally:
         _REGISTRY.pop("echo")
@@ -257,7 +257,7 @@ def test_skipping_validation_with_a_task_is_pointed_at_the_keys_that_do_it():
 
 def test_apply_task_refuses_rather_than_replaces_a_value_set_after_loading(tmp_path):
     """A config edited in code after load_config reaches apply_task: it must not be silently overwritten."""
-    from rllm.experimental.fully_async.settings.loader import ConfigError, load_config
+    from rllm.experimental.fully_async.settings.loader import ConfigError, load_config, verl_base_config
     from rllm.experimental.fully_async.tasks import _REGISTRY, TaskAssets, apply_task, register_task
 
     prepared = []
@@ -271,7 +271,7 @@ def test_apply_task_refuses_rather_than_replaces_a_value_set_after_loading(tmp_p
         cfg = load_config(None, ["task.name=echo"])
         cfg.actor_rollout_ref.model.path = "/mine/m"
         with pytest.raises(ConfigError, match=r"'actor_rollout_ref\.model\.path' is set, but task\.name=echo"):
-            apply_task(cfg)
+            apply_task(cfg, verl_base_config())
         assert cfg.actor_rollout_ref.model.path == "/mine/m" and not prepared  # untouched, nothing prepared
     finally:
         _REGISTRY.pop("echo")

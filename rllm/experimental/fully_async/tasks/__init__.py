@@ -2,7 +2,7 @@
 
 A task is a function `prepare(task_cfg) -> TaskAssets`: given the config's `task` section (name, seed,
 cache_dir, warmup_steps, ...) it builds or reuses its cached data and model and says where they are and which
-reward function scores them. `apply_task(cfg)` runs the configured one and points the config at its assets.
+reward function scores them. `apply_task(cfg, defaults)` runs the configured one and points the config at its assets.
 
 - `addition`: the embedded default's 2-digit addition on a tiny Qwen2 (ENVIRONMENT.md, "Calibration of the
   embedded default");
@@ -129,20 +129,17 @@ def refuse_user_assets(cfg: Any, defaults: Any) -> None:
     )
 
 
-def apply_task(cfg: Any) -> TaskAssets | None:
+def apply_task(cfg: Any, defaults: Any) -> TaskAssets | None:
     """Prepare the configured task (nothing for task.name=null) and point the config at its assets.
 
     Sets data.train_files, data.val_files and actor_rollout_ref.model.path, after refusing (ConfigError) a config
-    that sets any of them itself; the reward function only when the config names none (a user's reward wins).
-    Prints one line with the time it took.
+    that sets any of them away from `defaults` (verl's: settings.loader.verl_base_config()); the reward function only
+    when the config names none (a user's reward wins). Prints one line with the time it took.
     """
     name = cfg.task.name
     if name is None:
         return None
-    from rllm.experimental.fully_async.settings.loader import verl_base_config
-
-    # load_config refused this already; a config changed after loading reaches here
-    refuse_user_assets(cfg, verl_base_config())
+    refuse_user_assets(cfg, defaults)  # load_config refused this already; a config changed after loading reaches here
     prepare = get_task(str(name))
     started = time.monotonic()
     assets = prepare(cfg.task)
