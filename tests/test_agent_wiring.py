@@ -188,7 +188,8 @@ def test_an_episode_longer_than_the_models_context_is_refused_before_start(tmp_p
     model_dir = tmp_path / "m"
     build_model().save_pretrained(model_dir)
     context = MODEL_CONFIG["max_position_embeddings"]
-    fits = _cfg(*AGENT[:-1], f"env.max_total_tokens={context}", f"actor_rollout_ref.model.path={model_dir}")
+    own = ("task.name=null", f"actor_rollout_ref.model.path={model_dir}", "data.train_files=unused.parquet")
+    fits = _cfg(*AGENT[:-1], f"env.max_total_tokens={context}", *own)
     check_agent_fits_model(fits)
     fits.env.max_total_tokens = context + 1
     with pytest.raises(ConfigError, match=rf"'env.max_total_tokens' \({context + 1}\) exceeds .* set env"):

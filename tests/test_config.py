@@ -278,7 +278,9 @@ def test_config_explain_gives_meaning_default_allowed_values_and_readers():
     assert "number of responses (i.e. num sample times)" in verl_key  # verl's own yaml comment
     assert "default:  8 (this project's; verl's is 1)" in verl_key and ">= 1" in verl_key
     unread = "\n".join(explain("actor_rollout_ref.ref.fsdp_config.param_offload"))
-    assert "not read by the fully-async trainer" in unread
+    assert "not read by the fully-async trainer" in unread and "no reference model" in unread
+    cuda_only = "\n".join(explain("actor_rollout_ref.actor.fsdp_config.param_offload"))
+    assert "read only with trainer.device=cuda" in cuda_only  # settings/verl_keys.py READ_ONLY_WHEN
     # verl's comments come through its defaults list: the actor's optimizer is optim/fsdp.yaml under actor.optim
     assert verl_comments()["actor_rollout_ref.actor.optim.lr"] == "Learning rate"
     assert "dual-clip" in verl_comments()["actor_rollout_ref.actor.clip_ratio_c"].lower()

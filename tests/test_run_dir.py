@@ -131,6 +131,20 @@ def test_resume_allows_safe_changes_and_saves_the_new_config(tmp_path):
     assert (saved.trainer.total_training_steps, saved.engines.num_engines, saved.run.log_level) == (20, 1, "DEBUG")
 
 
+def test_a_run_saved_with_unexpanded_paths_resumes_with_expanded_ones(tmp_path, monkeypatch):
+    """Runs saved before `~` was expanded at load time hold "~/..." paths; the same config now loads them expanded."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    run_dir = tmp_path / "run"
+    finished_run(run_dir, 1, "task.cache_dir=~/cache", "trainer.total_training_steps=3")
+    saved = OmegaConf.load(run_dir / "config.yaml")
+    assert saved.task.cache_dir == str(tmp_path / "home" / "cache")
+    saved.task.cache_dir = "~/cache"  # as an earlier version wrote it
+    OmegaConf.save(saved, run_dir / "config.yaml")
+    settle_run_dir(config(run_dir, "task.cache_dir=~/cache", "trainer.total_training_steps=3"))  # no refusal
+    with pytest.raises(ResumeConfigError, match=r"task\.cache_dir"):  # a real change is still refused
+        settle_run_dir(config(run_dir, "task.cache_dir=~/other", "trainer.total_training_steps=3"))
+
+
 def test_the_safe_list_is_the_documented_one():
     for key in ("trainer.total_training_steps", "trainer.logger", "engines.num_engines", "workflow.reward_timeout_s"):
         assert is_safe_key(key), key

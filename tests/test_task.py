@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from rllm.experimental.fully_async.tasks import addition
 from rllm.experimental.fully_async.tasks.addition import (
@@ -201,7 +203,7 @@ def test_an_unknown_task_name_lists_the_registered_ones_in_one_line():
 
 
 def test_a_registered_task_points_the_config_at_its_assets_and_a_users_reward_wins(tmp_path, capsys):
-    from rllm.experimental.fully_async.settings.loader import load_config
+    from rllm.experimental.fully_async.settings.loader import load_config, verl_base_config
     from rllm.experimental.fully_async.tasks import _REGISTRY, TaskAssets, apply_task, register_task
 
     seen = []
@@ -213,7 +215,7 @@ def test_a_registered_task_points_the_config_at_its_assets_and_a_users_reward_wi
     register_task("echo", prepare)
     try:
         cfg = load_config(None, ["task.name=echo", "task.seed=7"])  # validation asks the registry
-        apply_task(cfg)
+        apply_task(cfg, verl_base_config())
         assert seen == [7]
         assert cfg.data.train_files == str(tmp_path / "t.parquet") and cfg.data.val_files is None
         assert cfg.actor_rollout_ref.model.path == str(tmp_path / "model")
@@ -223,8 +225,54 @@ def test_a_registered_task_points_the_config_at_its_assets_and_a_users_reward_wi
         )
         assert "task echo ready in" in capsys.readouterr().out
         cfg = load_config(None, ["task.name=echo", "reward.custom_reward_function.path=mine.py"])
-        apply_task(cfg)
+        apply_task(cfg, verl_base_config())
         assert cfg.reward.custom_reward_function.path == "mine.py"
+    finally:
+        _REGISTRY.pop("echo")
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["data.train_files=/mine/t.parquet", "data.val_files=/mine/v.parquet", "actor_rollout_ref.model.path=/mine/m"],
+)
+def test_a_users_data_or_model_with_a_built_in_task_is_refused_in_one_line(override):
+    """The default config names the addition task; a user's own files or model must not be trained on addition."""
+    from rllm.experimental.fully_async.settings.loader import ConfigError, load_config
+
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"'{re.escape(key)}' is set, but task\.name=addition makes its own") as info:
+        load_config(None, [override])
+    assert "set task.name=null" in str(info.value) and "\n" not in str(info.value)
+    # with task.name=null the same value is the user's, untouched
+    cfg = load_config(None, ["task.name=null", "data.train_files=/mine/t.parquet", override])
+    assert OmegaConf.select(cfg, key) == override.split("=", 1)[1]
+
+
+def test_skipping_validation_with_a_task_is_pointed_at_the_keys_that_do_it():
+    from rllm.experimental.fully_async.settings.loader import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"trainer\.test_freq=0 trainer\.val_before_train=false"):
+        load_config(None, ["data.val_files=null"])
+
+
+def test_apply_task_refuses_rather_than_replaces_a_value_set_after_loading(tmp_path):
+    """A config edited in code after load_config reaches apply_task: it must not be silently overwritten."""
+    from rllm.experimental.fully_async.settings.loader import ConfigError, load_config, verl_base_config
+    from rllm.experimental.fully_async.tasks import _REGISTRY, TaskAssets, apply_task, register_task
+
+    prepared = []
+
+    def prepare(task_cfg):
+        prepared.append(True)
+        return TaskAssets(str(tmp_path / "t.parquet"), None, str(tmp_path / "model"), "my.rewards")
+
+    register_task("echo", prepare)
+    try:
+        cfg = load_config(None, ["task.name=echo"])
+        cfg.actor_rollout_ref.model.path = "/mine/m"
+        with pytest.raises(ConfigError, match=r"'actor_rollout_ref\.model\.path' is set, but task\.name=echo"):
+            apply_task(cfg, verl_base_config())
+        assert cfg.actor_rollout_ref.model.path == "/mine/m" and not prepared  # untouched, nothing prepared
     finally:
         _REGISTRY.pop("echo")
 

@@ -18,9 +18,14 @@ class FullyAsyncError(Exception):
 
 
 class ConfigError(FullyAsyncError, ValueError):
-    """A configuration problem; `str(error)` is one line that names the key and how to fix it."""
+    """A configuration problem; `str(error)` is one line that names the key and how to fix it. `key`, where one
+    key is refused, is that key (dotted), for callers that report it in their own terms (an rLLM program's runner)."""
 
     exit_code = EXIT_BAD_INPUT
+
+    def __init__(self, message: str, *, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 class DataError(FullyAsyncError, ValueError):

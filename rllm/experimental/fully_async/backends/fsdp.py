@@ -19,15 +19,23 @@ N > 1 (e.g. started by torchrun) the model is sharded with FSDP2 `fully_shard` o
 passing its own shard of the batch; FSDP2 averages gradients and the patch's `world_size` factor undoes that, so
 the step equals the one on the whole batch.
 
-Precision: on CPU the forward runs in fp32. verl's `fsdp_config.dtype` admits only bf16/fp16 (GPU autocast dtypes);
-bf16 matmuls on CPU are slow, and their rounding would show up as trainer-vs-engine log-prob gaps. On GPU
-the actor autocasts to `fsdp_config.dtype` over fp32 parameters, as verl does.
+Precision: the parameters are loaded in `fsdp_config.model_dtype` (verl's default fp32). On CPU the forward runs in
+that dtype: verl's `fsdp_config.dtype` admits only bf16/fp16 (GPU autocast dtypes); bf16 matmuls on CPU are slow,
+and their rounding would show up as trainer-vs-engine log-prob gaps (settings/verl_keys.py refuses the key there).
+On GPU the actor autocasts to `fsdp_config.dtype`, as verl does.
+
+Memory (CUDA only; refused on CPU, where everything is in CPU memory already), as verl's FSDP workers do it:
+`fsdp_config.param_offload` keeps the parameters on the CPU between calls and `optimizer_offload` the optimizer
+state between steps (verl's offload/load helpers around each call); `offload_policy` shards with FSDP2 and its
+`CPUOffloadPolicy` (also at world size 1), so parameters, gradients and the optimizer step live on the CPU.
+`model.enable_gradient_checkpointing` is applied to the module at every world size.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import io
 import logging
 import math
@@ -42,6 +50,12 @@ import torch.distributed as dist
 from torch import nn
 from verl import DataProto
 from verl.utils.device import get_device_name
+from verl.utils.fsdp_utils import (
+    load_fsdp_model_to_gpu,
+    load_fsdp_optimizer,
+    offload_fsdp_model_to_cpu,
+    offload_fsdp_optimizer,
+)
 from verl.utils.metric import reduce_metrics
 from verl.workers.actor.dp_actor import DataParallelPPOActor
 from verl.workers.config import FSDPActorConfig
@@ -58,7 +72,7 @@ from rllm.experimental.fully_async.backends import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FULLY_ASYNC_FLAG", "FSDPPolicyBackend", "build_actor_config"]
+__all__ = ["FULLY_ASYNC_FLAG", "FSDPPolicyBackend", "build_actor_config", "model_dtype"]
 
 # Batch keys update_policy needs ([B, P+R] for the first three, [B, R] for the rest); the optional ones are used
 # when present: rollout_is_weights multiplies the per-token loss, rollout_log_probs only feeds metrics.
@@ -76,6 +90,9 @@ _SECTION_TARGETS = {
 
 # Written next to torch.distributed.checkpoint's shards: what is not a tensor (LR schedule, steps taken).
 CHECKPOINT_EXTRA = "extra.pt"
+
+# fsdp_config keys that move tensors to the CPU: CUDA only (settings/verl_keys.py refuses them elsewhere).
+OFFLOAD_KEYS = ("param_offload", "optimizer_offload", "offload_policy")
 
 _CPU_AUTOCAST_WARNING = "In CPU autocast, but the target dtype is not supported"
 
@@ -107,21 +124,39 @@ def ensure_process_group(device_type: str) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
+def gradient_checkpointing_on(model: nn.Module) -> bool:
+    """Whether transformers' activation checkpointing is on for `model` (its 5.x name first, then 4.x's)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name) or hasattr(model, name):
+            return bool(getattr(model, name))
+    return False
+
+
+def model_dtype(config: FSDPActorConfig) -> torch.dtype:
+    """The dtype the policy's parameters are loaded in: `fsdp_config.model_dtype` (verl's default fp32)."""
+    from verl.utils.torch_dtypes import PrecisionType
+
+    return PrecisionType.to_dtype(config.fsdp_config.get("model_dtype") or "fp32")
+
+
 def _shard_fsdp2(model: nn.Module, config: FSDPActorConfig, device_type: str) -> nn.Module:
-    """FSDP2 over every rank: decoder layers and the root are `fully_shard`-ed by verl's apply_fsdp2."""
+    """FSDP2 over every rank: decoder layers and the root are `fully_shard`-ed by verl's apply_fsdp2, with
+    `fsdp_config.reshard_after_forward` and, with `fsdp_config.offload_policy`, FSDP2's CPUOffloadPolicy."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
     from verl.utils.fsdp_utils import apply_fsdp2
 
     mesh = init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("fsdp",))
-    # Gradients are reduced in fp32 so the data-parallel average is exact; parameters stay fp32 (verl's actor
-    # autocasts on GPU, and CPU runs in fp32).
-    mp_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    # Gradients are reduced in fp32 so the data-parallel average is exact; parameters compute in the dtype they are
+    # stored in (verl's actor autocasts on GPU, and CPU runs in fp32).
+    mp_policy = MixedPrecisionPolicy(param_dtype=model_dtype(config), reduce_dtype=torch.float32)
     fsdp_kwargs = {
         "mesh": mesh,
         "mp_policy": mp_policy,
         "reshard_after_forward": bool(config.fsdp_config.get("reshard_after_forward", True)),
     }
+    if config.fsdp_config.get("offload_policy", False):
+        fsdp_kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=True)  # as verl's FSDP workers
     # transformers 5 keeps _no_split_modules as a set, which verl's default lookup cannot index: name the layer
     # classes here unless the config does.
     wrap_policy = dict(config.fsdp_config.get("wrap_policy") or {})
@@ -129,6 +164,20 @@ def _shard_fsdp2(model: nn.Module, config: FSDPActorConfig, device_type: str) ->
         wrap_policy["transformer_layer_cls_to_wrap"] = sorted(getattr(model, "_no_split_modules", None) or [])
     apply_fsdp2(model, fsdp_kwargs, {"wrap_policy": wrap_policy})
     return model
+
+
+def _with_resident(optimizer: bool) -> Any:
+    """Decorate a backend method to run with its tensors on the device (`FSDPPolicyBackend._resident`)."""
+
+    def decorate(method: Any) -> Any:
+        @functools.wraps(method)
+        def wrapped(self: FSDPPolicyBackend, *args: Any, **kwargs: Any) -> Any:
+            with self._resident(optimizer=optimizer):
+                return method(self, *args, **kwargs)
+
+        return wrapped
+
+    return decorate
 
 
 class FSDPPolicyBackend:
@@ -157,14 +206,26 @@ class FSDPPolicyBackend:
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
 
+        fsdp = self.config.fsdp_config
+        offload = [key for key in OFFLOAD_KEYS if fsdp.get(key, False)]
+        if offload and self.device.type != "cuda":
+            raise ValueError(
+                f"actor_rollout_ref.actor.fsdp_config.{offload[0]} moves tensors off the GPU, and this trainer runs "
+                f"on {self.device.type}: remove it"
+            )
+        offload_policy = bool(fsdp.get("offload_policy", False))
+        # With CPUOffloadPolicy FSDP2 owns where the tensors are; verl's workers then switch the other two off.
+        self.offload_params = bool(fsdp.get("param_offload", False)) and not offload_policy
+        self.offload_optimizer = bool(fsdp.get("optimizer_offload", False)) and not offload_policy
+
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_pretrained(
-            self.model_path, dtype=torch.float32, attn_implementation=attn_implementation
+            self.model_path, dtype=model_dtype(self.config), attn_implementation=attn_implementation
         )
         if enable_gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.to(self.device)
-        if self.world_size > 1:
+        if self.world_size > 1 or offload_policy:
             model = _shard_fsdp2(model, self.config, self.device.type)
         self.model = model
 
@@ -178,8 +239,11 @@ class FSDPPolicyBackend:
         if printed.getvalue().strip():
             logger.debug("verl actor: %s", " ".join(printed.getvalue().split()))
         if self.device.type == "cpu":
-            self.actor.param_dtype = torch.float32  # see the module docstring: CPU computes in fp32
+            # see the module docstring: CPU computes in the parameters' own dtype (autocast to fp32 is a no-op)
+            self.actor.param_dtype = torch.float32
         self.optimizer_steps = 0  # steps actually taken; an all-masked batch takes none
+        if self.offload_params:
+            offload_fsdp_model_to_cpu(self.model)  # loaded back for each call (`_resident`)
         logger.info(
             "policy backend: %s on %s, world size %d, %d parameters",
             self.model_path,
@@ -187,6 +251,31 @@ class FSDPPolicyBackend:
             self.world_size,
             sum(p.numel() for p in self.model.parameters()),
         )
+
+    def describe(self) -> dict[str, Any]:
+        """What was built, read off the objects themselves (for the log line and for tests that check a key's
+        effect): parameter dtype and device, gradient checkpointing, FSDP2 sharding and its options, the optimizer,
+        verl's autocast dtype and entropy function."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+        param = next(self.model.parameters())
+        local = param.to_local() if hasattr(param, "to_local") else param
+        facts: dict[str, Any] = {
+            "param_dtype": str(param.dtype).removeprefix("torch."),
+            "param_device": local.device.type,
+            "gradient_checkpointing": gradient_checkpointing_on(self.model),
+            "fsdp2": isinstance(self.model, FSDPModule),
+            "optimizer": f"{type(self.optimizer).__module__}.{type(self.optimizer).__name__}",
+            "autocast_dtype": str(self.actor.param_dtype).removeprefix("torch."),
+            "entropy_fn": getattr(self.actor.compute_entropy_from_logits, "__name__", "?"),
+            "entropy_compiled": hasattr(self.actor.compute_entropy_from_logits, "_torchdynamo_orig_callable"),
+        }
+        layers = [m for m in self.model.modules() if isinstance(m, FSDPModule) and m is not self.model]
+        if layers:  # FSDP2's per-module state: private in torch, read here only to report what was applied
+            group = layers[0]._get_fsdp_state()._fsdp_param_group
+            facts["reshard_after_forward"] = group.post_forward_mesh_info is not None
+            facts["offload_policy"] = isinstance(group.offload_policy, CPUOffloadPolicy)
+        return facts
 
     # ------------------------------------------------------------------------------------------------------------
     # PPO
@@ -209,7 +298,7 @@ class FSDPPolicyBackend:
             **data.meta_info,
         }
         view = DataProto(batch=data.batch.select(*LOG_PROB_KEYS), meta_info=meta)
-        with self._quiet_cpu_autocast():
+        with self._resident(optimizer=False), self._quiet_cpu_autocast():
             out = self.actor.compute_log_prob(view, calculate_entropy=False)
         return out["log_probs"].float().cpu()
 
@@ -227,7 +316,7 @@ class FSDPPolicyBackend:
         keys = [*UPDATE_KEYS, *(k for k in OPTIONAL_UPDATE_KEYS if k in present)]
         view = DataProto(batch=data.batch.select(*keys), meta_info=dict(data.meta_info))
         lr = float(self.lr_scheduler.get_last_lr()[0])
-        with self._quiet_cpu_autocast():
+        with self._resident(optimizer=True), self._quiet_cpu_autocast():
             raw = self.actor.update_policy(view)
         metrics = {key: float(value) for key, value in reduce_metrics(raw).items()}
         # The patched actor leaves out grad_norm when it took no step; verl's _optimizer_step also skips the step
@@ -244,6 +333,7 @@ class FSDPPolicyBackend:
     # Weights out: HF folder for the engines, state dicts for checkpoints
     # ------------------------------------------------------------------------------------------------------------
 
+    @_with_resident(optimizer=False)
     def save_hf(self, path: str | os.PathLike[str], dtype: str | None = None) -> None:
         """Write the current weights as an HF safetensors folder (config, weights, tokenizer files if any), with
         floating-point tensors cast to `dtype` (e.g. "bfloat16", param_sync.dtype) when given.
@@ -265,6 +355,7 @@ class FSDPPolicyBackend:
         if self.world_size > 1:
             dist.barrier()
 
+    @_with_resident(optimizer=True)
     def state_dict(self) -> dict[str, Any]:
         """Model, optimizer and LR-schedule state for a checkpoint (tensors on CPU).
 
@@ -286,6 +377,7 @@ class FSDPPolicyBackend:
             "optimizer_steps": self.optimizer_steps,
         }
 
+    @_with_resident(optimizer=True)
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what `state_dict` returned (at world size > 1, rank 0's copy is broadcast; collective)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
@@ -305,6 +397,7 @@ class FSDPPolicyBackend:
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.optimizer_steps = int(state["optimizer_steps"])
 
+    @_with_resident(optimizer=True)
     def save_checkpoint(self, directory: str | os.PathLike[str]) -> None:
         """Write model and optimizer with torch.distributed.checkpoint, each rank its own shard; collective.
 
@@ -332,6 +425,7 @@ class FSDPPolicyBackend:
         if self.world_size > 1:
             dist.barrier()  # every file is on disk before any rank returns (and hashes its share of them)
 
+    @_with_resident(optimizer=True)
     def load_checkpoint(self, directory: str | os.PathLike[str]) -> None:
         """Restore what `save_checkpoint` wrote (possibly by another world size); collective."""
         import torch.distributed.checkpoint as dcp
@@ -348,6 +442,29 @@ class FSDPPolicyBackend:
         self.optimizer_steps = int(extra["optimizer_steps"])
 
     # ------------------------------------------------------------------------------------------------------------
+
+    def resident(self) -> contextlib.AbstractContextManager[None]:
+        """The parameters on the device for the block (with param_offload they live on the CPU between calls): for
+        code that reads `self.model` itself, e.g. the distributed weight transport gathering full tensors."""
+        return self._resident(optimizer=False)
+
+    @contextlib.contextmanager
+    def _resident(self, optimizer: bool) -> Iterator[None]:
+        """With param_offload (optimizer_offload), the parameters (optimizer state) on the GPU for the block and back
+        on the CPU after, as verl's FSDP workers do around each call."""
+        from verl.utils.device import get_device_id
+
+        if self.offload_params:
+            load_fsdp_model_to_gpu(self.model)
+        if optimizer and self.offload_optimizer:
+            load_fsdp_optimizer(self.optimizer, get_device_id())
+        try:
+            yield
+        finally:
+            if self.offload_params:
+                offload_fsdp_model_to_cpu(self.model)
+            if optimizer and self.offload_optimizer:
+                offload_fsdp_optimizer(self.optimizer)
 
     @contextlib.contextmanager
     def _quiet_cpu_autocast(self) -> Iterator[None]:

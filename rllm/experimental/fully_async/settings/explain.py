@@ -142,18 +142,20 @@ def _sources() -> dict[str, str]:
 
 def readers(key: str) -> list[str]:
     """What reads `key`: verl_keys.py's entry for a verl key, then the modules whose source names it."""
-    from rllm.experimental.fully_async.settings.verl_keys import VERL_ACTOR_KEYS_NOT_READ, VERL_KEYS_READ, is_read
+    from rllm.experimental.fully_async.settings.verl_keys import READ_ONLY_WHEN, VERL_KEYS_READ, is_read, refusal_reason
 
     out: list[str] = []
     section = key.split(".")[0]
     if section not in PROJECT_SECTIONS:
         entries = [(e, why) for e, why in VERL_KEYS_READ.items() if key == e or key.startswith(e.rstrip(".") + ".")]
-        refused = [why for e, why in VERL_ACTOR_KEYS_NOT_READ.items() if key.startswith(e.rstrip("."))]
         if not is_read(key):
-            reason = f" ({refused[0]})" if refused else ""
-            out.append(f"not read by the fully-async trainer{reason}: a value other than the default is refused")
+            why = refusal_reason(key)
+            out.append(f"not read by the fully-async trainer ({why}): a value other than the default is refused")
         elif entries:
             out.append(max(entries, key=lambda e: len(e[0]))[1] + " (settings/verl_keys.py)")
+            rule = READ_ONLY_WHEN.get(key)
+            if rule is not None:
+                out.append(f"read only {rule.condition}: set otherwise, it is refused")
     fields = spec_fields().get(key)
     if fields:
         out.append(f"settings/spec.py into the run spec: {', '.join(fields)}")

@@ -11,6 +11,9 @@ Composition, lowest priority first:
 3. the files named in the YAML's optional `defaults:` list (siblings, without `.yaml`), then the YAML itself;
 4. command-line `key=value` overrides.
 
+Then: rLLM's keys are mapped, verl keys nothing reads are refused, a built-in task's own keys set by the user are
+refused (tasks/__init__.py), `~` is expanded in every path (settings/paths.py), derived values are filled.
+
 Every merge is in struct mode, so an unknown key is an error; leaves of the verl part are type-checked against
 verl's default values, the typed sections by OmegaConf; `validate()` then checks ranges and cross-field rules.
 Any problem raises `ConfigError` whose message is one line naming the key and what would fix it.
@@ -131,9 +134,11 @@ def load_config(
     `program_layer`: what an rLLM program changed in the config it composed (settings/rllm_program.py), merged
     after the files and before the overrides."""
     from rllm.experimental.fully_async.settings.derive import resolve_derived
+    from rllm.experimental.fully_async.settings.paths import expand_config_paths
     from rllm.experimental.fully_async.settings.rllm_yaml import apply_rllm_keys, extract_rllm_keys
     from rllm.experimental.fully_async.settings.validate import validate
     from rllm.experimental.fully_async.settings.verl_keys import refuse_unread_verl_keys
+    from rllm.experimental.fully_async.tasks import refuse_user_assets
 
     path = Path(config_file) if config_file is not None else DEFAULT_CONFIG
     chain = _file_chain(path)
@@ -157,9 +162,13 @@ def load_config(
         extract_rllm_keys(layer, rllm_keys)
         _merge_strict(cfg, layer, origin="the command line")
     base = base_config(megatron)
+    # rLLM's require_batches sizes the step from actor.ppo_mini_batch_size only when required_samples is null
+    step_from_mini_batch = "async_training.require_batches" in rllm_keys and cfg.async_training.required_samples is None
     apply_rllm_keys(cfg, rllm_keys, base)
     # Before derived values: those write verl keys (optim.total_training_steps) the user did not set.
-    refuse_unread_verl_keys(cfg, base)
+    refuse_unread_verl_keys(cfg, base, step_from_mini_batch=step_from_mini_batch)
+    refuse_user_assets(cfg, base)  # a task would replace the user's data or model: refused, never replaced
+    expand_config_paths(cfg)  # `~` once, here, so the launcher, the trainer and `plan` read one path
     resolve_derived(cfg)
     validate(cfg, check_host=check_host)
     return cfg
@@ -313,6 +322,7 @@ def _lookup(cfg: DictConfig, dotted: str) -> Any:
 _FLOAT_KEYS_WITH_INT_DEFAULTS = frozenset(
     {
         "actor_rollout_ref.rollout.top_p",
+        "actor_rollout_ref.actor.entropy_coeff",  # verl writes 0; its dataclass field is a float
         "actor_rollout_ref.rollout.val_kwargs.top_p",
         "actor_rollout_ref.rollout.val_kwargs.temperature",
     }

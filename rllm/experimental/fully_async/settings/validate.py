@@ -181,6 +181,25 @@ def _refuse_unsupported_megatron(cfg: DictConfig, *, check_host: bool) -> None:
         )
     if cfg.algorithm.adv_estimator == "gae":
         raise ConfigError("'algorithm.adv_estimator=gae' needs the FSDP critic: use strategy: fsdp2 for GAE")
+    megatron = cfg.actor_rollout_ref.actor.megatron
+    for key in MEGATRON_PARALLEL_KEYS:
+        value = megatron.get(key)
+        if value not in (None, 1):
+            raise ConfigError(
+                f"'actor_rollout_ref.actor.megatron.{key}={value}': the Megatron trainer runs as one process on one "
+                "GPU here (no multi-GPU Megatron path yet); set it to 1, or use strategy: fsdp2 for several GPUs"
+            )
+
+
+# Megatron's model-parallel sizes: each above 1 needs that many GPUs in one Megatron process group.
+MEGATRON_PARALLEL_KEYS = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+)
 
 
 def _validate_algorithm(cfg: DictConfig) -> None:
@@ -211,6 +230,11 @@ def _validate_algorithm(cfg: DictConfig) -> None:
             validate_critic_section(cfg.critic)
         except ValueError as exc:
             raise ConfigError(_first_line(exc)) from exc
+        if cfg.critic.strategy != "fsdp2":
+            raise ConfigError(
+                f"'critic.strategy' must be fsdp2, got {cfg.critic.strategy!r}: the critic is built as the policy is "
+                "(one module at one rank: backends/critic.py)"
+            )
         if int(cfg.trainer.n_gpus_per_node) * int(cfg.trainer.nnodes) != 1:
             raise ConfigError(
                 "'trainer.n_gpus_per_node' x 'trainer.nnodes' must be 1 with algorithm.adv_estimator=gae "

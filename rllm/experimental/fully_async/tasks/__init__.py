@@ -2,7 +2,7 @@
 
 A task is a function `prepare(task_cfg) -> TaskAssets`: given the config's `task` section (name, seed,
 cache_dir, warmup_steps, ...) it builds or reuses its cached data and model and says where they are and which
-reward function scores them. `apply_task(cfg)` runs the configured one and points the config at its assets.
+reward function scores them. `apply_task(cfg, defaults)` runs the configured one and points the config at its assets.
 
 - `addition`: the embedded default's 2-digit addition on a tiny Qwen2 (ENVIRONMENT.md, "Calibration of the
   embedded default");
@@ -14,6 +14,13 @@ reward function scores them. `apply_task(cfg)` runs the configured one and point
 
 Entries are "module:function" strings resolved on first use, so that reading the registry (the config loader
 validates `task.name` against it) imports neither torch nor transformers. `register_task` adds one at run time.
+
+A task owns its data and model: `data.train_files`, `data.val_files` and `actor_rollout_ref.model.path`
+(`TASK_ASSET_KEYS`). A config that sets any of them away from verl's defaults while a task is named is refused in
+one line when it is loaded (settings/validate.py), and `apply_task` refuses it again rather than replace the
+user's value: the task never stands aside for part of its assets, because its reward function, tokenizer and
+warm-up are made for its own data and model. Train on your own files with `task.name=null`. The reward function is
+the one exception: a user's `reward.custom_reward_function.path` wins over the task's.
 """
 
 from __future__ import annotations
@@ -26,7 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rllm.experimental.fully_async.errors import EXIT_BAD_INPUT, FullyAsyncError
+from rllm.experimental.fully_async.errors import EXIT_BAD_INPUT, ConfigError, FullyAsyncError
+
+# What a task makes for itself and writes into the config; a user's value for any of them is refused, never replaced.
+TASK_ASSET_KEYS = ("data.train_files", "data.val_files", "actor_rollout_ref.model.path")
 
 
 @dataclass(frozen=True)
@@ -87,15 +97,49 @@ def get_task(name: str) -> TaskPrepare:
     return entry
 
 
-def apply_task(cfg: Any) -> TaskAssets | None:
+def user_asset_keys(cfg: Any, defaults: Any) -> list[str]:
+    """The TASK_ASSET_KEYS whose value in `cfg` differs from `defaults` (verl's): the ones a user set. Paths are
+    compared with `~` expanded (load_config expands them: settings/paths.py)."""
+    from omegaconf import OmegaConf
+
+    def value(tree: Any, key: str) -> Any:
+        node = OmegaConf.select(tree, key, default=None)
+        node = OmegaConf.to_container(node) if OmegaConf.is_config(node) else node
+        if isinstance(node, list):
+            return [os.path.expanduser(str(item)) for item in node]
+        return os.path.expanduser(node) if isinstance(node, str) else node
+
+    return [key for key in TASK_ASSET_KEYS if value(cfg, key) != value(defaults, key)]
+
+
+def refuse_user_assets(cfg: Any, defaults: Any) -> None:
+    """ConfigError (one line) when a task is named and the config sets one of its TASK_ASSET_KEYS itself."""
+    name = cfg.task.name
+    keys = user_asset_keys(cfg, defaults) if name is not None else []
+    if not keys:
+        return
+    key = keys[0]
+    hint = ""
+    if key == "data.val_files" and cfg.data.val_files is None:
+        hint = " (to skip validation keep the task's files and set trainer.test_freq=0 trainer.val_before_train=false)"
+    raise ConfigError(
+        f"'{key}' is set, but task.name={name} makes its own data and model and would replace it: set task.name=null "
+        f"to train on your own data.train_files and actor_rollout_ref.model.path, or remove {key}{hint}",
+        key=key,
+    )
+
+
+def apply_task(cfg: Any, defaults: Any) -> TaskAssets | None:
     """Prepare the configured task (nothing for task.name=null) and point the config at its assets.
 
-    Sets data.train_files, data.val_files and actor_rollout_ref.model.path; the reward function only when the
-    config names none (a user's reward wins). Prints one line with the time it took.
+    Sets data.train_files, data.val_files and actor_rollout_ref.model.path, after refusing (ConfigError) a config
+    that sets any of them away from `defaults` (verl's: settings.loader.verl_base_config()); the reward function only
+    when the config names none (a user's reward wins). Prints one line with the time it took.
     """
     name = cfg.task.name
     if name is None:
         return None
+    refuse_user_assets(cfg, defaults)  # load_config refused this already; a config changed after loading reaches here
     prepare = get_task(str(name))
     started = time.monotonic()
     assets = prepare(cfg.task)

@@ -49,9 +49,10 @@ def prepare_task(cfg: DictConfig) -> None:
 
 
 def _prepare_task(cfg: DictConfig) -> None:
+    from rllm.experimental.fully_async.settings.loader import verl_base_config
     from rllm.experimental.fully_async.tasks import apply_task
 
-    apply_task(cfg)
+    apply_task(cfg, verl_base_config())
 
 
 def check_data(cfg: DictConfig) -> int:

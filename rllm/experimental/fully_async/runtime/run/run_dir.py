@@ -235,7 +235,15 @@ def _container(cfg: Any) -> dict[str, Any]:
 
 
 def _load_saved(path: Path) -> dict[str, Any] | None:
-    return _container(OmegaConf.load(path)) if path.is_file() else None
+    """The saved config, its paths with `~` expanded as load_config now does (settings/paths.py): a run saved
+    before that must not read as a changed model or cache folder."""
+    if not path.is_file():
+        return None
+    from rllm.experimental.fully_async.settings.paths import home_expanded
+
+    saved = OmegaConf.load(path)
+    home_expanded(saved)
+    return _container(saved)
 
 
 def _read_marker(run_dir: Path) -> dict[str, Any]:

@@ -38,7 +38,7 @@ from rllm.experimental.fully_async.runtime.sync.sender import (
     GroupSender,
     LocalSender,
     Tensors,
-    module_tensors,
+    backend_tensors,
     plan_buckets,
 )
 
@@ -107,8 +107,7 @@ class DistributedTransport:
         if isinstance(backend, HFWeightStream):
             state_fn: Callable[[], Tensors] = backend.hf_weight_stream
         else:
-            model = backend.model
-            state_fn = lambda: module_tensors(model)  # noqa: E731
+            state_fn = lambda: backend_tensors(backend)  # noqa: E731
         return cls(state_fn, bucket_mb=bucket_mb, dtype=dtype, master_address=master_address)
 
     @property

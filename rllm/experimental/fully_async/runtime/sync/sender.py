@@ -24,6 +24,7 @@ being packed. A whole full state dict (FSDP2 `full_state_dict`) would hold a ful
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -49,6 +50,7 @@ __all__ = [
     "GroupSender",
     "LocalSender",
     "RankZeroSender",
+    "backend_tensors",
     "module_state",
     "module_tensors",
     "plan_buckets",
@@ -136,6 +138,14 @@ def module_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]
             continue
         seen.add(key)
         yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def backend_tensors(backend: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """`module_tensors(backend.model)` with the backend's parameters on the device while they are read (a policy
+    backend with fsdp_config.param_offload keeps them on the CPU between calls: FSDPPolicyBackend.resident)."""
+    resident = getattr(backend, "resident", None)
+    with resident() if resident is not None else contextlib.nullcontext():
+        yield from module_tensors(backend.model)
 
 
 def module_state(module: torch.nn.Module) -> Callable[[], dict[str, torch.Tensor]]:

@@ -56,6 +56,61 @@ class _RolloutServiceClient:
             raise TimeoutError(f"no answer from the rollout service's {name} within {timeout_s:g}s") from exc
 
 
+def build_policy_backend(t: Any, correction: Any = None, ranks: dict | None = None) -> tuple[Any, str]:
+    """The policy backend a trainer spec (RunSpec.trainer) asks for, and its parameters' dtype (for param_sync).
+
+    Megatron (CUDA only), N FSDP2 rank actors (`trainer.n_gpus_per_node x nnodes` > 1), or one in-process
+    FSDPPolicyBackend; every kind gets the whole actor section and `model.enable_gradient_checkpointing`.
+    `correction` (algorithms.corrections) may replace verl's loss with the decoupled one; `ranks`: a cluster
+    placement's Ray options and devices for the rank actors.
+    """
+    from rllm.experimental.fully_async.backends.fsdp import FSDPPolicyBackend, build_actor_config, model_dtype
+    from rllm.experimental.fully_async.settings.spec import thaw
+
+    actor_cfg = OmegaConf.create(thaw(t.actor))  # verl builds its own dataclasses from a mutable copy
+    if correction is not None and correction.policy_loss_mode is not None:
+        # decoupled PPO with the proximal policy from the update itself: its loss replaces verl's vanilla one
+        actor_cfg.policy_loss.loss_mode = correction.policy_loss_mode
+    if t.strategy == "megatron":  # verl's Megatron worker, CUDA only (backends/megatron.py)
+        from rllm.experimental.fully_async.backends.megatron import build_megatron_backend
+
+        rollout_ref = OmegaConf.create(thaw(t.actor_rollout_ref))
+        rollout_ref.actor = actor_cfg  # with the decoupled loss, if any
+        backend = build_megatron_backend(rollout_ref, seed=t.seed)
+        return backend, backend.param_dtype
+    if t.world_size > 1:
+        # N rank actors in one torch.distributed group (gloo on CPU, NCCL on GPU), each with its FSDP2 shard;
+        # one optimizer step per batch across them (runtime/trainer/ranks.py). verl counts trainer devices as
+        # n_gpus_per_node x nnodes: one rank per device.
+        from rllm.experimental.fully_async.runtime.trainer.ranks import DistributedPolicyBackend
+
+        backend: Any = DistributedPolicyBackend(
+            t.model_path,
+            actor_cfg,
+            world=t.world_size,
+            device=t.device,
+            nnodes=t.nnodes,
+            seed=t.seed,
+            enable_gradient_checkpointing=t.enable_gradient_checkpointing,
+            rank_options=ranks["options"] if ranks else None,
+            rank_devices=ranks["devices"] if ranks else None,
+        )
+        # the ranks hold parameters in fsdp_config.model_dtype (verl's actor autocasts on GPU)
+        return backend, str(model_dtype(build_actor_config(actor_cfg)))
+    backend = FSDPPolicyBackend(
+        t.model_path, actor_cfg, seed=t.seed, enable_gradient_checkpointing=t.enable_gradient_checkpointing
+    )
+    return backend, str(next(backend.model.parameters()).dtype)
+
+
+def build_critic_backend(t: Any) -> Any:
+    """The value model a trainer spec asks for (algorithm.adv_estimator=gae): verl's critic on the policy's folder."""
+    from rllm.experimental.fully_async.backends.critic import FSDPCriticBackend
+    from rllm.experimental.fully_async.settings.spec import thaw
+
+    return FSDPCriticBackend(t.model_path, OmegaConf.create(thaw(t.critic)), seed=t.seed)
+
+
 # `replace_engine` has a thread of its own: it must not wait behind a `train_step` that waits for rollouts from the
 # engine being replaced. Every other method stays in the default group, one at a time, so e.g. `write_checkpoint`
 # never runs beside an update.
@@ -70,7 +125,6 @@ class FullyAsyncTrainerActor:
         from transformers import AutoTokenizer
 
         from rllm.experimental.fully_async.algorithms.corrections import corrector_for
-        from rllm.experimental.fully_async.backends.fsdp import FSDPPolicyBackend
         from rllm.experimental.fully_async.backends.verl_patch import require_patched_verl
         from rllm.experimental.fully_async.core.adaptive_staleness import StalenessController
         from rllm.experimental.fully_async.runtime.sync.param_sync import (
@@ -79,45 +133,13 @@ class FullyAsyncTrainerActor:
             transport_from_config,
         )
         from rllm.experimental.fully_async.runtime.trainer.fully_async_trainer import FullyAsyncTrainer, TrainerSettings
-        from rllm.experimental.fully_async.settings.spec import thaw
 
         logging.basicConfig(level=os.environ.get("RLLM_LOG_LEVEL", "WARNING"))
         require_patched_verl()
         t, sync = spec.trainer, spec.param_sync
         tokenizer = AutoTokenizer.from_pretrained(t.model_path)
         correction = corrector_for(t.correction, compute_prox_log_prob=t.compute_prox_log_prob)
-        actor_cfg = OmegaConf.create(thaw(t.actor))  # verl builds its own dataclasses from a mutable copy
-        if correction is not None and correction.policy_loss_mode is not None:
-            # decoupled PPO with the proximal policy from the update itself: its loss replaces verl's vanilla one
-            actor_cfg.policy_loss.loss_mode = correction.policy_loss_mode
-        if t.strategy == "megatron":  # verl's Megatron worker, CUDA only (backends/megatron.py)
-            from rllm.experimental.fully_async.backends.megatron import build_megatron_backend
-
-            rollout_ref = OmegaConf.create(thaw(t.actor_rollout_ref))
-            rollout_ref.actor = actor_cfg  # with the decoupled loss, if any
-            backend = build_megatron_backend(rollout_ref, seed=t.seed)
-            param_dtype = backend.param_dtype
-        elif t.world_size > 1:
-            # N rank actors in one torch.distributed group (gloo on CPU, NCCL on GPU), each with its FSDP2 shard;
-            # one optimizer step per batch across them (runtime/trainer/ranks.py). verl counts trainer devices as
-            # n_gpus_per_node x nnodes: one rank per device.
-            from rllm.experimental.fully_async.runtime.trainer.ranks import DistributedPolicyBackend
-
-            backend: Any = DistributedPolicyBackend(
-                t.model_path,
-                actor_cfg,
-                world=t.world_size,
-                device=t.device,
-                nnodes=t.nnodes,
-                seed=t.seed,
-                enable_gradient_checkpointing=t.enable_gradient_checkpointing,
-                rank_options=ranks["options"] if ranks else None,
-                rank_devices=ranks["devices"] if ranks else None,
-            )
-            param_dtype = "float32"  # the ranks hold fp32 parameters (FSDP2 mixed precision computes in bf16)
-        else:
-            backend = FSDPPolicyBackend(t.model_path, actor_cfg, seed=t.seed)
-            param_dtype = str(next(backend.model.parameters()).dtype)
+        backend, param_dtype = build_policy_backend(t, correction, ranks)
         self.backend = backend
         dtype = resolve_sync_dtype(sync.dtype, t.device, param_dtype)
         # disk: an HF folder per version; distributed (or nccl): buckets broadcast by the process that holds full
@@ -144,11 +166,7 @@ class FullyAsyncTrainerActor:
             max_prompt_length=spec.executor.data.max_prompt_length,
             world_size=t.world_size,
         )
-        critic = None
-        if t.critic is not None:  # algorithm.adv_estimator=gae
-            from rllm.experimental.fully_async.backends.critic import FSDPCriticBackend
-
-            critic = FSDPCriticBackend(t.model_path, OmegaConf.create(thaw(t.critic)), seed=t.seed)
+        critic = build_critic_backend(t) if t.critic is not None else None  # algorithm.adv_estimator=gae
         adaptive = spec.schedule.adaptive
         self.trainer = FullyAsyncTrainer(
             settings,

@@ -145,11 +145,11 @@ class _PolicyRank:
     ) -> list[Any]:
         """Every rank gathers the full tensors one at a time (a collective); rank 0 keeps them as buckets and
         answers their headers (runtime/sync/sender.py)."""
-        from rllm.experimental.fully_async.runtime.sync.sender import LocalSender, module_tensors
+        from rllm.experimental.fully_async.runtime.sync.sender import LocalSender, backend_tensors
 
         if self.weights is None:
             self.weights = LocalSender(
-                lambda: module_tensors(self.backend.model),
+                lambda: backend_tensors(self.backend),
                 bucket_mb=bucket_mb,
                 dtype=dtype,
                 backend=backend,
@@ -275,6 +275,10 @@ class DistributedPolicyBackend:
         """Full HF weights written by rank 0 (every rank takes part in gathering them), floating-point tensors cast
         to `dtype` when given (param_sync.dtype), as FSDPPolicyBackend.save_hf."""
         self._fan_out("save_hf", [(str(path), dtype)] * self.world)
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Each rank's FSDPPolicyBackend.describe(), in rank order: what each rank actually built."""
+        return self._fan_out("describe", [()] * self.world)
 
     @property
     def world_size(self) -> int:
