@@ -15,9 +15,9 @@ from rllm.experimental.fully_async.core.adaptive_staleness import (
     OffPolicySignals,
     StalenessController,
 )
+from rllm.experimental.fully_async.run_spec import build_run_spec
 from rllm.experimental.fully_async.runtime.trainer.fully_async_trainer import offpolicy_signals
 from rllm.experimental.fully_async.settings.loader import ConfigError, load_config
-from rllm.experimental.fully_async.settings.spec import build_run_spec
 
 RULE = AdaptiveStalenessRule(min=1, max=5, raise_after=2, raise_margin=0.5, min_ess=0.8, max_kl=0.02, max_cut=0.02)
 INSIDE = OffPolicySignals(ess=0.95, kl=0.005, cut=0.01)  # clear: within half of every limit

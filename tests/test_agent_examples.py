@@ -10,8 +10,8 @@ import pytest
 from test_multi_turn import ScriptedClient, datum
 
 from rllm.experimental.fully_async.api.trajectory import TrajectoryStatus
+from rllm.experimental.fully_async.run_spec import build_run_spec
 from rllm.experimental.fully_async.settings.loader import load_config
-from rllm.experimental.fully_async.settings.spec import build_run_spec
 from rllm.experimental.fully_async.tasks.number_line import build_tokenizer
 from rllm.experimental.fully_async.workers import WorkerPool
 from rllm.experimental.fully_async.workflows import IsolatedReward, MultiTurnWorkflow, build_workflow, load_reward_fn

@@ -24,8 +24,8 @@ from rllm.experimental.fully_async.core.batch import groups_to_dataproto
 from rllm.experimental.fully_async.envs import EnvSpec
 from rllm.experimental.fully_async.observe import viewer
 from rllm.experimental.fully_async.observe.dumps import read_dump, write_training_batch
+from rllm.experimental.fully_async.run_spec import build_run_spec
 from rllm.experimental.fully_async.settings.loader import load_config
-from rllm.experimental.fully_async.settings.spec import build_run_spec
 from rllm.experimental.fully_async.tasks.number_line import build_tokenizer
 from rllm.experimental.fully_async.workers import WorkerPool
 from rllm.experimental.fully_async.workflows import (
@@ -275,7 +275,7 @@ def test_view_is_a_cli_command(tmp_path, tok):
 
 
 def test_validation_sampling_comes_from_val_kwargs():
-    from rllm.experimental.fully_async.settings.spec import validation_sampling_spec
+    from rllm.experimental.fully_async.run_spec import validation_sampling_spec
 
     cfg = _cfg(
         *AGENT,

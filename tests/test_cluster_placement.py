@@ -177,9 +177,9 @@ def test_a_cluster_run_needs_sglang_engines_and_cuda_ranks_and_says_so_before_jo
     from contextlib import ExitStack
 
     from rllm.experimental.fully_async.errors import ConfigError
+    from rllm.experimental.fully_async.run_spec import build_run_spec
     from rllm.experimental.fully_async.runtime.cluster.multi_node import start_on_cluster
     from rllm.experimental.fully_async.settings import load_config
-    from rllm.experimental.fully_async.settings.spec import build_run_spec
 
     cfg = load_config(None, ["trainer.nnodes=2", "trainer.device=cuda"], check_host=False)
     with ExitStack() as stack, pytest.raises(ConfigError) as caught:

@@ -74,8 +74,8 @@ def test_bad_settings_give_one_line_naming_the_key(override, named):
 
 
 def test_the_distributed_transport_is_honoured_for_one_and_several_ranks_and_a_bad_master_address_refused():
-    from rllm.experimental.fully_async.settings.addresses import resolve_master_address
-    from rllm.experimental.fully_async.settings.spec import build_run_spec
+    from rllm.experimental.fully_async.core.addresses import resolve_master_address
+    from rllm.experimental.fully_async.run_spec import build_run_spec
 
     for name in ("distributed", "nccl"):  # nccl: verl's and rLLM's name; gloo on CPU
         for ranks in ("1", "2"):
@@ -218,7 +218,7 @@ def test_command_line_rejects_a_bare_word_with_usage_exit_2():
 def test_run_spec_is_built_once_frozen_and_follows_the_config():
     import dataclasses
 
-    from rllm.experimental.fully_async.settings.spec import build_run_spec
+    from rllm.experimental.fully_async.run_spec import build_run_spec
 
     cfg = load_config(None, ["async_training.trigger_parameter_sync_step=2", "async_training.max_staleness=3"])
     spec = build_run_spec(cfg)
@@ -273,7 +273,7 @@ def test_config_explain_gives_meaning_default_allowed_values_and_readers():
     text = "\n".join(lines)
     assert "max policy versions (weight syncs, core/versions.py) a trained token may lag" in text  # schema.py's
     assert "default:  null" in text and "allowed:  an integer or null >= 0" in text and "now:      1" in text
-    assert "settings/spec.py into the run spec: ScheduleSpec.max_staleness" in text and "settings/derive.py" in text
+    assert "run_spec.py into the run spec: ScheduleSpec.max_staleness" in text and "settings/derive.py" in text
     verl_key = "\n".join(explain("actor_rollout_ref.rollout.n"))
     assert "number of responses (i.e. num sample times)" in verl_key  # verl's own yaml comment
     assert "default:  8 (this project's; verl's is 1)" in verl_key and ">= 1" in verl_key

@@ -29,9 +29,9 @@ import torch
 from config_effects import critic, policy
 from omegaconf import OmegaConf
 
+from rllm.experimental.fully_async.run_spec import build_run_spec
 from rllm.experimental.fully_async.settings.loader import ConfigError, base_config, load_config
 from rllm.experimental.fully_async.settings.schema import PROJECT_SECTIONS
-from rllm.experimental.fully_async.settings.spec import build_run_spec
 from rllm.experimental.fully_async.settings.verl_keys import (
     READ_ONLY_WHEN,
     VERL_KEYS_NOT_READ,

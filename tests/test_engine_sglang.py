@@ -21,7 +21,7 @@ from rllm.experimental.fully_async.engines import EngineLauncher, SGLangEngineCo
 from rllm.experimental.fully_async.engines.client import EngineClient, EngineHTTPError, GenerationResult
 from rllm.experimental.fully_async.engines.from_config import api_key_for, engine_launcher, sglang_extra_args
 from rllm.experimental.fully_async.engines.http import EngineHTTP
-from rllm.experimental.fully_async.settings.spec import EnginesSpec, engines_spec
+from rllm.experimental.fully_async.run_spec import EnginesSpec, engines_spec
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
 
@@ -215,7 +215,7 @@ def test_a_batch_answers_a_list_and_its_waiting_prompts_are_resumed_as_unstarted
 
 
 def sglang_cfg(**extra_args: object) -> EnginesSpec:
-    """The engines part of a run spec built from a config, as the run builds it (settings/spec.py)."""
+    """The engines part of a run spec built from a config, as the run builds it (run_spec.py)."""
     cfg = OmegaConf.create(
         {
             "engines": {

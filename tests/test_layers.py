@@ -34,6 +34,7 @@ LAYERS = (
     "message_utils",  # rLLM's generated-text -> assistant message (tool calls parsed): pure formatting
     "core",  # pure policy: staleness, ledger, batch assembly, versions, placement
     "algorithms",  # pure tensor math: advantages, corrections, filters
+    "run_spec",  # the frozen run spec every piece reads, built from a checked config (settings/ loads and checks)
     # the pieces, each a responsibility; where one uses another, the used one comes first
     "backends",  # verl's actors behind api.PolicyBackend
     "engines",  # the engine client, launcher, supervisor and the embedded CPU engine
@@ -45,7 +46,7 @@ LAYERS = (
     "workflows",  # single-turn and multi-turn rollouts, the rLLM adapter
     "tasks",  # built-in tasks
     "observe",  # what a run records: metrics sink, progress, dumps, wall time, end-of-run summary; the dump viewer
-    "settings",  # the config: loading, checking, the frozen run spec (it knows every section)
+    "settings",  # the config: loading and checking (it knows every section); explain, defaults, rLLM's keys
     "runtime",  # the Ray/asyncio shells that run the pieces: run, rollout, trainer, sync, checkpoints, cluster
     # the user-facing tools, on top
     "simulate",
@@ -57,14 +58,8 @@ LAYERS = (
 )
 
 # Imports against the order, allowed for now with the reason (importer module -> imported module, package-relative).
-# Phase 2 of issue 21 moves the run spec's types under api/, which empties this list.
-ORDER_ALLOWED: dict[tuple[str, str], str] = {
-    ("engines.from_config", "settings.spec"): "engines are built from the run spec's EnginesSpec (phase 2: api/)",
-    ("engines.from_config", "settings.addresses"): "is_loopback, the one address rule, lives with the config checks "
-    "that use it (phase 2: below both)",
-    ("workflows", "settings.spec"): "workflows are built from the run spec's sections (phase 2: api/)",
-    ("workflows.base", "settings.spec"): "load_reward_fn's type hint names the run spec's ExecutorSpec (phase 2: api/)",
-}
+# Empty: the run spec every piece reads sits below the pieces (run_spec.py), the address rule in core/.
+ORDER_ALLOWED: dict[tuple[str, str], str] = {}
 
 # Allowed for now, because another helper is rewriting the module (remove when merged):
 PURITY_ALLOWED: dict[str, str] = {}

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from rllm.experimental.fully_async.run_spec import build_run_spec
 from rllm.experimental.fully_async.settings.loader import ConfigError, load_config
-from rllm.experimental.fully_async.settings.spec import build_run_spec
 
 REPO = Path(__file__).resolve().parents[1]
 

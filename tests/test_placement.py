@@ -216,9 +216,9 @@ def test_ray_declaring_gpus_gives_each_rank_one_trainer_gpu_and_never_an_engine_
 
 
 def test_the_host_plan_follows_the_run_spec():
+    from rllm.experimental.fully_async.run_spec import build_run_spec
     from rllm.experimental.fully_async.runtime.cluster.one_host import host_gpu_plan, trainer_actor_gpus
     from rllm.experimental.fully_async.settings import load_config
-    from rllm.experimental.fully_async.settings.spec import build_run_spec
 
     cpu = build_run_spec(load_config(None, []))
     assert host_gpu_plan(cpu, gpus_on_host=8) is None and trainer_actor_gpus(cpu) == 0

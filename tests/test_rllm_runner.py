@@ -20,8 +20,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from rllm.data import DatasetRegistry
 from rllm.experimental.fully_async.api.rollout_functions import RolloutFunctions, with_rllm_functions
 from rllm.experimental.fully_async.errors import ConfigError
+from rllm.experimental.fully_async.run_spec import build_run_spec
 from rllm.experimental.fully_async.settings.rllm_program import program_config, program_layer
-from rllm.experimental.fully_async.settings.spec import build_run_spec
 from rllm.experimental.fully_async.workflows.rllm_metrics import (
     StaleCounts,
     batch_metadata_metrics,

@@ -212,9 +212,9 @@ def test_the_real_actor_takes_every_setting_from_the_run_spec(ray_session, tmp_p
     config file holds) is what the actor runs with."""
     import pandas as pd
 
+    from rllm.experimental.fully_async.run_spec import build_run_spec
     from rllm.experimental.fully_async.runtime.rollout.service import RolloutServiceActor
     from rllm.experimental.fully_async.settings.loader import load_config
-    from rllm.experimental.fully_async.settings.spec import build_run_spec
     from rllm.experimental.fully_async.tasks import addition
 
     train, _ = addition.write_addition_parquets(tmp_path, seed=0, num_train=12, num_val=4)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from rllm.experimental.fully_async.run_spec import build_run_spec
 from rllm.experimental.fully_async.runtime.checkpoints.store import CheckpointManager
 from rllm.experimental.fully_async.runtime.run.run_dir import (
     ResumeConfigError,
@@ -20,7 +21,6 @@ from rllm.experimental.fully_async.runtime.run.run_dir import (
     settle_run_dir,
 )
 from rllm.experimental.fully_async.settings.loader import load_config
-from rllm.experimental.fully_async.settings.spec import build_run_spec
 
 
 def config(run_dir, *overrides):

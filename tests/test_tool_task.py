@@ -14,8 +14,8 @@ from rllm.experimental.fully_async.api.trajectory import TrajectoryGroup, Trajec
 from rllm.experimental.fully_async.core.batch import groups_to_dataproto
 from rllm.experimental.fully_async.envs import EnvSpec
 from rllm.experimental.fully_async.envs.product import ProductEnv
+from rllm.experimental.fully_async.run_spec import build_run_spec
 from rllm.experimental.fully_async.settings.loader import load_config
-from rllm.experimental.fully_async.settings.spec import build_run_spec
 from rllm.experimental.fully_async.tasks import calculator as task
 from rllm.experimental.fully_async.workers import WorkerPool
 from rllm.experimental.fully_async.workflows import MultiTurnWorkflow, build_workflow

@@ -35,9 +35,9 @@ def user_model(tiny_model_dir) -> tuple[str, ...]:
 
 
 def _build(*overrides: str):
+    from rllm.experimental.fully_async.run_spec import build_run_spec
     from rllm.experimental.fully_async.runtime.trainer.actor import build_policy_backend
     from rllm.experimental.fully_async.settings.loader import load_config
-    from rllm.experimental.fully_async.settings.spec import build_run_spec
 
     backend, _ = build_policy_backend(build_run_spec(load_config(None, list(overrides))).trainer)
     return backend
@@ -118,9 +118,9 @@ def test_use_torch_compile_compiles_the_entropy_function(user_model):
 def test_the_one_gpu_fsdp_config_checkpoints_its_one_rank(tiny_model_dir):
     from config_effects import counting_layer_forwards
 
+    from rllm.experimental.fully_async.run_spec import build_run_spec
     from rllm.experimental.fully_async.runtime.trainer.actor import build_policy_backend
     from rllm.experimental.fully_async.settings.loader import load_config
-    from rllm.experimental.fully_async.settings.spec import build_run_spec
 
     path = REPO / "config" / "fully_async_ppo_trainer.yaml"
     overrides = [f"actor_rollout_ref.model.path={tiny_model_dir}", "data.train_files=unused.parquet"]

@@ -24,7 +24,7 @@ class RolloutFunctions:
 
 
 def with_rllm_functions(spec: Any, functions: RolloutFunctions | None) -> Any:
-    """`spec` (settings.spec.RunSpec) carrying `functions` to the rollout service; unchanged for None."""
+    """`spec` (run_spec.RunSpec) carrying `functions` to the rollout service; unchanged for None."""
     if functions is None:
         return spec
     return dataclasses.replace(spec, executor=dataclasses.replace(spec.executor, rllm_functions=functions))

@@ -63,7 +63,7 @@ def engine_lines(cfg: DictConfig, slots: list[tuple[int, int, dict[str, str]]], 
     """`engine i (node n): ENV argv` for each (index, node, environment), built by the runtime's `engine_command`.
     On several nodes an engine listens on its node's address and requires the run's secret (placeholders here)."""
     from rllm.experimental.fully_async.engines.from_config import engine_command
-    from rllm.experimental.fully_async.settings.spec import engines_spec
+    from rllm.experimental.fully_async.run_spec import engines_spec
 
     command = engine_command(engines_spec(cfg), PLACEHOLDER_SECRET if multi_node else None)
     lines = []

@@ -1,4 +1,4 @@
-"""Build the engine launcher a run's spec (`settings/spec.py`, EnginesSpec) asks for.
+"""Build the engine launcher a run's spec (`run_spec.py`, EnginesSpec) asks for.
 
 Keys honoured here, for `engines.backend=sglang`:
 - `actor_rollout_ref.rollout.tensor_model_parallel_size` -> `--tp-size` (GPUs per engine);
@@ -19,9 +19,9 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from rllm.experimental.fully_async.core.addresses import is_loopback
 from rllm.experimental.fully_async.engines.launcher import EmbeddedEngineCommand, EngineLauncher
-from rllm.experimental.fully_async.settings.addresses import is_loopback
-from rllm.experimental.fully_async.settings.spec import EnginesSpec, thaw
+from rllm.experimental.fully_async.run_spec import EnginesSpec, thaw
 
 # Flags the SGLang command sets from the config itself; extra_args may not set them a second time.
 MANAGED_SGLANG_FLAGS = frozenset(

@@ -158,7 +158,7 @@ def readers(key: str) -> list[str]:
                 out.append(f"read only {rule.condition}: set otherwise, it is refused")
     fields = spec_fields().get(key)
     if fields:
-        out.append(f"settings/spec.py into the run spec: {', '.join(fields)}")
+        out.append(f"run_spec.py into the run spec: {', '.join(fields)}")
     needle = re.compile(r"(?<![\w.])" + re.escape(key) + r"(?![\w])")
     found = [path for path, text in _sources().items() if needle.search(text) and not path.startswith(_NOT_READERS)]
     if found:
@@ -167,7 +167,7 @@ def readers(key: str) -> list[str]:
 
 
 # Modules that show a saved config or check it rather than run with it.
-_NOT_READERS = ("observe/", "simulate/", "settings/spec.py", "settings/verl_keys.py")
+_NOT_READERS = ("observe/", "simulate/", "run_spec.py", "settings/verl_keys.py")
 
 
 def _dotted(node: ast.AST) -> str | None:
@@ -180,10 +180,10 @@ def _dotted(node: ast.AST) -> str | None:
 
 @functools.cache
 def spec_fields() -> dict[str, list[str]]:
-    """Config key -> the run-spec fields built from it (`SpecClass.field`), read from settings/spec.py's source:
+    """Config key -> the run-spec fields built from it (`SpecClass.field`), read from run_spec.py's source:
     each keyword argument of a spec constructor and the `cfg.` keys its value names, through local aliases such
     as `at = cfg.async_training`."""
-    tree = ast.parse((PACKAGE / "settings" / "spec.py").read_text())
+    tree = ast.parse((PACKAGE / "run_spec.py").read_text())
     out: dict[str, list[str]] = {}
     for function in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
         aliases: dict[str, str] = {}

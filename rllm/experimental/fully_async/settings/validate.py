@@ -9,9 +9,9 @@ import logging
 
 from omegaconf import DictConfig, OmegaConf
 
+from rllm.experimental.fully_async.core.addresses import check_master_address
 from rllm.experimental.fully_async.errors import ConfigError
 from rllm.experimental.fully_async.errors import first_line as _first_line
-from rllm.experimental.fully_async.settings.addresses import check_master_address
 from rllm.experimental.fully_async.tasks import task_names, unknown_task_message
 
 logger = logging.getLogger(__name__)

@@ -378,7 +378,8 @@ def is_read(key: str) -> bool:
 
 def refusal_reason(key: str) -> str:
     """Why `key` is not read: the most specific entry (the longest that matches) of VERL_KEYS_NOT_READ or
-    VERL_KEYS_INSTEAD (what does that job here), else the general reason (verl reads it in a worker or loop this trainer does not run)."""
+    VERL_KEYS_INSTEAD (what does that job here), else the general reason (verl reads it in a worker or loop this
+    trainer does not run)."""
     reasons = {**VERL_KEYS_NOT_READ, **VERL_KEYS_INSTEAD}  # where a key has both, the one naming what to use
     entries = sorted((entry for entry in reasons if _matches(key, entry)), key=len, reverse=True)
     return reasons[entries[0]] if entries else "verl reads it in a worker or loop this trainer does not run"

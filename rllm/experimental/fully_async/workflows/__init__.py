@@ -1,6 +1,6 @@
 """Rollout workflows: `async run(client, tokenizer, datum, sample_index) -> VersionedTrajectory`, chosen by config.
 
-`build_workflow(spec.executor, reward_fn, pool)` picks one, from the run spec (settings/spec.py ExecutorSpec):
+`build_workflow(spec.executor, reward_fn, pool)` picks one, from the run spec (run_spec.py ExecutorSpec):
 - `workflow.name=rllm_runner`: the rollout function given to `runner.AsyncAgentTrainer`, shipped by value in the run
   spec (api/rollout_functions.py), its `val_rollout_fn` for validation.
 - `workflow.path` set: the object `workflow.name` in that file. An `async def fn(client, tokenizer, **datum)` is an
@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, Any
 from rllm.experimental.fully_async.api.rollout_functions import RUNNER_WORKFLOW
 from rllm.experimental.fully_async.api.workflow import Workflow
 from rllm.experimental.fully_async.envs.base import EnvSpec
-from rllm.experimental.fully_async.settings.spec import thaw
+from rllm.experimental.fully_async.run_spec import thaw
 from rllm.experimental.fully_async.workflows.base import IsolatedReward, load_reward_fn, score_safely
 from rllm.experimental.fully_async.workflows.multi_turn import MultiTurnWorkflow
 from rllm.experimental.fully_async.workflows.single_turn import SingleTurnWorkflow
 
 if TYPE_CHECKING:
-    from rllm.experimental.fully_async.settings.spec import AgentSpec, ExecutorSpec, SamplingSpec
+    from rllm.experimental.fully_async.run_spec import AgentSpec, ExecutorSpec, SamplingSpec
 
 __all__ = [
     "IsolatedReward",

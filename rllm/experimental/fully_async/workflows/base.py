@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from rllm.experimental.fully_async.settings.spec import ExecutorSpec
+    from rllm.experimental.fully_async.run_spec import ExecutorSpec
 
 logger = logging.getLogger(__name__)
 

@@ -50,7 +50,7 @@ class ExecutorSettings:
 
     @classmethod
     def from_spec(cls, spec: Any) -> ExecutorSettings:
-        """From the run spec (settings/spec.py): the schedule's η and B, the executor's sample counts."""
+        """From the run spec (run_spec.py): the schedule's η and B, the executor's sample counts."""
         s, ex = spec.schedule, spec.executor
         B = groups_per_version(s.required_samples, s.trigger_parameter_sync_step)
         return cls(ex.samples_per_prompt, s.max_staleness, B, ex.max_concurrent_rollouts)

@@ -15,7 +15,7 @@ Guarantees: a stale group never leaves this process; a request that times out ta
 rollouts end the last request gets what is left (fewer groups), the next one status "closed".
 
 `RolloutService` is the asyncio core (no Ray, so a test can drive it with a real executor); the actor builds it
-from the frozen run spec (settings/spec.py; it never reads the config tree) and adds validation and the checkpoint
+from the frozen run spec (run_spec.py; it never reads the config tree) and adds validation and the checkpoint
 part it writes itself.
 """
 
@@ -40,7 +40,7 @@ from rllm.experimental.fully_async.runtime.rollout.message_queue import MessageQ
 from rllm.experimental.fully_async.runtime.rollout.validation import SyncGate, pinned_version
 
 if TYPE_CHECKING:
-    from rllm.experimental.fully_async.settings.spec import ExecutorSpec, RunSpec
+    from rllm.experimental.fully_async.run_spec import ExecutorSpec, RunSpec
 
 logger = logging.getLogger(__name__)
 

@@ -33,6 +33,7 @@ from rllm.experimental.fully_async.observe.metrics_sink import (
     run_outputs,
 )
 from rllm.experimental.fully_async.observe.progress import Progress
+from rllm.experimental.fully_async.run_spec import build_run_spec
 from rllm.experimental.fully_async.runtime.cluster.multi_node import start_on_cluster
 from rllm.experimental.fully_async.runtime.cluster.one_host import (
     host_plan,
@@ -41,7 +42,6 @@ from rllm.experimental.fully_async.runtime.cluster.one_host import (
     trainer_actor_gpus,
 )
 from rllm.experimental.fully_async.runtime.run.prepare import check_data, init_ray, prepare_task
-from rllm.experimental.fully_async.settings.spec import build_run_spec
 
 __all__ = ["Run", "RunFailedError", "check_data", "init_ray", "prepare_task", "train"]
 

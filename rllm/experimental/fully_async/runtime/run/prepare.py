@@ -60,8 +60,8 @@ def check_data(cfg: DictConfig) -> int:
     (data.DataError) rather than an actor that dies during start-up. Returns the number of training prompts."""
     from transformers import AutoTokenizer
 
+    from rllm.experimental.fully_async.run_spec import data_spec
     from rllm.experimental.fully_async.runtime.trainer.actor import load_prompt_datasets
-    from rllm.experimental.fully_async.settings.spec import data_spec
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.path)
     train, val = load_prompt_datasets(data_spec(cfg), tokenizer)

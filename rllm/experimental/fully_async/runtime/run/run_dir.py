@@ -50,7 +50,7 @@ from omegaconf import DictConfig, OmegaConf
 from rllm.experimental.fully_async.settings.loader import ConfigError
 
 if TYPE_CHECKING:
-    from rllm.experimental.fully_async.settings.spec import RunSpec
+    from rllm.experimental.fully_async.run_spec import RunSpec
 
 logger = logging.getLogger(__name__)
 

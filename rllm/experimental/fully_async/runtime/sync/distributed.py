@@ -9,7 +9,7 @@ trainer process, in trainer rank 0's actor with several FSDP ranks (`RankZeroSen
 Why buckets and not one broadcast per tensor (SGLang's default load format): one collective and one HTTP call per
 bucket instead of per tensor (a Qwen2 layer has ~12 tensors) keeps the per-call overhead out of the pause window.
 
-`master_address` is the address the engines reach rank 0's store and group at: `settings/addresses.py` turns
+`master_address` is the address the engines reach rank 0's store and group at: `core/addresses.py` turns
 `param_sync.master_address` (auto or an address) into it.
 """
 

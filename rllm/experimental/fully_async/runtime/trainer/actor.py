@@ -2,7 +2,7 @@
 
 - `FullyAsyncTrainerActor`: owns the policy backend (patched verl actor), ParamSync and the `FullyAsyncTrainer`;
   it reaches the rollout side through one call per step (`runtime/rollout/service.py`).
-Settings cross the process boundary as the frozen RunSpec (settings/spec.py); verl's sections in it are rebuilt
+Settings cross the process boundary as the frozen RunSpec (run_spec.py); verl's sections in it are rebuilt
 with OmegaConf inside.
 """
 
@@ -17,7 +17,7 @@ import ray
 from omegaconf import OmegaConf
 
 if TYPE_CHECKING:
-    from rllm.experimental.fully_async.settings.spec import DataSpec
+    from rllm.experimental.fully_async.run_spec import DataSpec
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def build_policy_backend(t: Any, correction: Any = None, ranks: dict | None = No
     placement's Ray options and devices for the rank actors.
     """
     from rllm.experimental.fully_async.backends.fsdp import FSDPPolicyBackend, build_actor_config, model_dtype
-    from rllm.experimental.fully_async.settings.spec import thaw
+    from rllm.experimental.fully_async.run_spec import thaw
 
     actor_cfg = OmegaConf.create(thaw(t.actor))  # verl builds its own dataclasses from a mutable copy
     if correction is not None and correction.policy_loss_mode is not None:
@@ -106,7 +106,7 @@ def build_policy_backend(t: Any, correction: Any = None, ranks: dict | None = No
 def build_critic_backend(t: Any) -> Any:
     """The value model a trainer spec asks for (algorithm.adv_estimator=gae): verl's critic on the policy's folder."""
     from rllm.experimental.fully_async.backends.critic import FSDPCriticBackend
-    from rllm.experimental.fully_async.settings.spec import thaw
+    from rllm.experimental.fully_async.run_spec import thaw
 
     return FSDPCriticBackend(t.model_path, OmegaConf.create(thaw(t.critic)), seed=t.seed)
 
@@ -119,7 +119,7 @@ class FullyAsyncTrainerActor:
     def __init__(
         self, spec: Any, engine_urls: list[str], rollouts: Any, api_key: str | None = None, ranks: dict | None = None
     ) -> None:
-        """`spec` is the run's frozen RunSpec (settings/spec.py), built once by the driver: every setting this actor
+        """`spec` is the run's frozen RunSpec (run_spec.py), built once by the driver: every setting this actor
         honours is read from it. `api_key`: the engines' per-run secret (None on loopback); `ranks`: the trainer
         ranks' Ray options and devices from a cluster placement ({"options", "devices"}; None on one host)."""
         from transformers import AutoTokenizer
@@ -222,9 +222,9 @@ class FullyAsyncTrainerActor:
 
 
 def _master_address(sync: Any, backend: Any, engine_urls: list[str]) -> str:
-    """param_sync.master_address resolved (settings/addresses.py): rank 0 is this process, or the worker group's
+    """param_sync.master_address resolved (core/addresses.py): rank 0 is this process, or the worker group's
     rank 0 actor, which may run on another node."""
-    from rllm.experimental.fully_async.settings.addresses import resolve_master_address
+    from rllm.experimental.fully_async.core.addresses import resolve_master_address
 
     if sync.transport == "disk":
         return "127.0.0.1"  # unused
