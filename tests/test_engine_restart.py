@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import re
 import shutil
@@ -28,6 +29,7 @@ from engine_helpers import max_abs_diff, reference_logprobs, restarted, wait_for
 
 from rllm.experimental.fully_async.engines import EmbeddedEngineCommand, EngineLauncher, EngineProcess
 from rllm.experimental.fully_async.engines.client import EngineClient
+from rllm.experimental.fully_async.engines.pool import EnginePool
 from rllm.experimental.fully_async.engines.supervisor import (
     EngineDiedError,
     EngineLost,
@@ -306,3 +308,28 @@ def test_training_goes_on_after_an_engine_is_killed_and_its_restart_serves_the_c
     ended = sum(last[f"ledger/{k}"] for k in ("in_flight", "trained", "filtered", "dropped_stale", "failed"))
     assert last["ledger/issued"] == ended
     assert leftover_processes(proc.pid, str(addition_cache)) == []
+
+
+def test_an_outage_is_reported_once_however_many_requests_wait(caplog):
+    """Requests finding no live engine wait for a restart; the outage is one warning, not one per request (with
+    hundreds in flight, or engines stopped under them by Ctrl-C, per-request lines buried the log), and a later
+    outage, after an engine came back, is reported again."""
+
+    async def outage(pool: EnginePool) -> None:
+        waiters = [asyncio.create_task(pool.pick(set())) for _ in range(20)]
+        await asyncio.sleep(0.05)
+        pool.replace_engine(pool.urls[0], "http://127.0.0.1:9")  # a restarted engine: every waiter goes on
+        picked = await asyncio.gather(*waiters)
+        assert {engine.url for engine in picked} == {"http://127.0.0.1:9"}
+
+    async def main() -> None:
+        pool = EnginePool(["http://127.0.0.1:8"], wait_for_engine_s=30)
+        pool.engine("http://127.0.0.1:8").dead = True
+        await outage(pool)
+        pool.engine("http://127.0.0.1:9").dead = True
+        await outage(pool)
+
+    with caplog.at_level(logging.WARNING, logger="rllm.experimental.fully_async.engines.pool"):
+        asyncio.run(main())
+    warnings = [r.getMessage() for r in caplog.records if "no live inference engine" in r.getMessage()]
+    assert len(warnings) == 2, warnings

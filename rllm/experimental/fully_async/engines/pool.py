@@ -109,6 +109,9 @@ class EnginePool:
         # Set whenever an engine becomes usable (replaced, or found alive again): wakes requests waiting for one.
         # Created lazily, in the event loop that uses the pool.
         self._engine_usable: asyncio.Event | None = None
+        # An outage is reported once, by the first request that finds no live engine: with hundreds of requests in
+        # flight (or the engines stopped under them by Ctrl-C) one line per request buried the log.
+        self._outage_reported = False
         self._session: aiohttp.ClientSession | None = None
         self._tie_breaker = itertools.count()
 
@@ -181,6 +184,7 @@ class EnginePool:
 
     # ---------------------------------------------------------------- health bookkeeping
     def _signal_engine_usable(self) -> None:
+        self._outage_reported = False
         if self._engine_usable is not None:
             self._engine_usable.set()
 
@@ -234,7 +238,9 @@ class EnginePool:
             self._engine_usable = asyncio.Event()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.wait_for_engine_s
-        logger.warning("no live inference engine; waiting up to %.0fs for a restarted one", self.wait_for_engine_s)
+        if not self._outage_reported:
+            self._outage_reported = True
+            logger.warning("no live inference engine; waiting up to %.0fs for a restarted one", self.wait_for_engine_s)
         while not alive and (remaining := deadline - loop.time()) > 0:
             self._engine_usable.clear()
             try:
