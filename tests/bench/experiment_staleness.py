@@ -242,12 +242,13 @@ def table_lines(rows: dict[str, Any], seeds: Sequence[int], threshold: float, ma
     ]
     body = []
     for arm, row in rows.items():
-        finals = [row["final_accuracy"].get(str(s)) for s in seeds]
+        ran = row["final_accuracy"]  # seeds that ran (None: the run failed); a seed not in it has not run yet
+        finals = [fmt(ran[str(s)], ".1%", missing="failed") if str(s) in ran else "not run" for s in seeds]
         etas = row["eta_final"]
         body.append(
             [
                 arm,
-                *[fmt(a, ".1%", missing="failed") for a in finals],
+                *finals,
                 _pm(row["mean"], row["std"], ".1%"),
                 "-" if arm == "sync" else _pm(row["delta_vs_sync_mean"], row["delta_vs_sync_std"], "+.1f", 100),
                 f"{fmt(row['time_to_accuracy_s_mean'], '.0f')} ({row['time_to_accuracy_reached']})",
