@@ -114,6 +114,8 @@ def test_the_trainers_statistics_come_from_verls_update_metrics_in_any_correctio
     assert ppo == OffPolicySignals(ess=pytest.approx(0.8), kl=0.01, cut=0.03)
     m2po = offpolicy_signals({"rollout_corr/chi2_token": 0.0, "off_policy/masked_token_fraction": 0.1})
     assert m2po == OffPolicySignals(ess=1.0, kl=None, cut=0.1)
+    areal_m2po = offpolicy_signals({"actor/pg_clipfrac": 0.02, "off_policy/m2_masked_token_fraction": 0.07})
+    assert areal_m2po == OffPolicySignals(cut=0.07)  # the larger of the clipped and the masked fraction
     assert offpolicy_signals({}) == OffPolicySignals()
 
 

@@ -103,6 +103,70 @@ def test_decoupled_loss_through_verl_matches_the_reference_objective(cap_mode):
     assert abs(got - vanilla_loss(prox, new, adv, mask)) > 1e-3
 
 
+def reference_second_moment_keep(prox, behav, mask, tau: float) -> set[tuple[int, int]]:
+    """AReaL's M2PO mask in plain Python: drop the token of largest (log pi_prox - log pi_behav)^2, one at a time,
+    until the mean over the rest is under tau; the tokens kept."""
+    kept = sorted(
+        (float(prox[i, t] - behav[i, t]) ** 2, (i, t))
+        for i in range(mask.shape[0])
+        for t in range(mask.shape[1])
+        if mask[i, t]
+    )
+    while kept and sum(m2 for m2, _ in kept) / len(kept) >= tau:
+        kept.pop()
+    return {index for _, index in kept}
+
+
+@pytest.mark.parametrize("cap_mode", ["truncate", "mask"])
+def test_decoupled_with_m2_threshold_is_areals_m2po_the_mask_then_the_clipped_weighted_loss(cap_mode):
+    shape = (5, 7)
+    mask = make_mask([7, 4, 0, 2, 6], 7)
+    behav = random_log_probs(shape, 30)
+    prox = behav + 0.4 * torch.randn(shape, generator=torch.Generator().manual_seed(31))
+    new = prox + 0.3 * torch.randn(shape, generator=torch.Generator().manual_seed(32))
+    adv = torch.randn(shape, generator=torch.Generator().manual_seed(33))
+    tau = 0.05
+    config = CorrectionConfig(mode="decoupled", cap_mode=cap_mode, cap=2.0, m2_threshold=tau)
+    out = apply_off_policy_correction(behav, mask, config, recomputed_log_probs=prox)
+    keep = reference_second_moment_keep(prox, behav, mask, tau)
+    m2_mask = torch.zeros(shape)
+    for i, t in keep:
+        m2_mask[i, t] = 1.0
+    got = vanilla_loss(out.old_log_probs, new, adv, out.response_mask, out.rollout_is_weights)
+    expected = reference_decoupled_loss(prox, behav, new, adv, m2_mask, cap=2.0, mode=cap_mode)
+    assert got == pytest.approx(expected, rel=1e-5)
+    assert out.stats.m2_masked_token_fraction == pytest.approx(1 - len(keep) / int(mask.sum()))
+    # The mask must bind on this batch (some tokens dropped, not all), or the test proves nothing.
+    assert 0 < len(keep) < int(mask.sum())
+    unmasked = apply_off_policy_correction(
+        behav, mask, CorrectionConfig(mode="decoupled", cap_mode=cap_mode, cap=2.0), recomputed_log_probs=prox
+    )
+    without = vanilla_loss(unmasked.old_log_probs, new, adv, unmasked.response_mask, unmasked.rollout_is_weights)
+    assert abs(got - without) > 1e-3
+
+
+def test_update_time_decoupled_loss_with_m2_threshold_masks_on_the_proximal_to_behaviour_ratio():
+    """prox_log_probs=loglinear at prox_lag 0 takes the mask inside the update, on log pi_theta (detached, = pi_prox
+    there) - log pi_behav; masked tokens get no gradient and stay in the token mean's denominator."""
+    from rllm.experimental.fully_async.algorithms.decoupled_loss import decoupled_update_time_loss
+
+    log_prob = torch.tensor([[-1.0, -1.0, -1.0, -1.0, -1.0]], requires_grad=True)
+    behav = torch.tensor([[-1.0, -1.1, -0.9, -2.5, -1.05]])  # squared log-ratios 0, .01, .01, 2.25, .0025
+    mask = torch.ones(1, 5)
+    correction = CorrectionConfig(prox_log_probs="loglinear", cap=2.0, m2_threshold=0.04)
+    loss, metrics = decoupled_update_time_loss(
+        behav, log_prob, torch.ones(1, 5), mask, config=actor_config(), correction=correction
+    )
+    loss.backward()
+    assert set(reference_second_moment_keep(log_prob.detach(), behav, mask, 0.04)) == {(0, 0), (0, 1), (0, 2), (0, 4)}
+    gradient = log_prob.grad[0]
+    assert gradient[3] == 0  # the outlier, masked
+    weights = [math.exp(float(-1.0 - b)) for b in behav[0]]
+    for t in (0, 1, 2, 4):
+        assert gradient[t] == pytest.approx(-min(weights[t], 2.0) / 5)
+    assert metrics["off_policy/m2_masked_token_fraction"] == pytest.approx(0.2)
+
+
 def test_gradient_flows_through_the_current_policy_only():
     shape = (2, 3)
     mask = torch.ones(shape)
@@ -467,6 +531,11 @@ def test_batch_function_needs_the_recomputed_and_rollout_log_probs():
         ({"mode": "m2po", "cap": 3.0}, "cap"),
         ({"mode": "m2po", "cap_mode": "mask"}, "cap_mode"),
         ({"mode": "m2po", "level": "sequence"}, "level"),
+        ({"mode": "m2po", "m2_threshold": 0.04}, "m2_threshold"),  # m2po bounds its second moment with tau
+        ({"mode": "tis", "m2_threshold": 0.04}, "m2_threshold"),
+        ({"m2_threshold": 0.0}, "m2_threshold"),
+        ({"m2_threshold": float("inf")}, "m2_threshold"),
+        ({"m2_threshold": True}, "m2_threshold"),
     ],
 )
 def test_config_errors_name_the_key(kwargs, key):

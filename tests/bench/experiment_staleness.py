@@ -10,6 +10,8 @@ each η in `--etas` and each method in `--methods`, the arm `eta<η>-<method>`:
 - lag1:     decoupled PPO with the proximal policy one version back (log-linear, A-3PO; behaviour weight capped
             at 2): `algorithm.off_policy_correction={mode: decoupled, prox_log_probs: loglinear, prox_lag: 1}`;
 - m2po:     the second-moment trust region (M2PO; algorithms/second_moment.py): `{mode: m2po}` (tau 0.04);
+- lag1-m2:  lag1 with AReaL's form of M2PO: the second-moment mask on log pi_prox - log pi_behav before the clipped
+            loss (`m2_threshold: 0.04`; not in the default grid);
 - adaptive: lag1 with adaptive staleness starting at η (`async_training.adaptive_staleness`, [min, max] =
             [1, max(16, η)], the rule's default thresholds; core/adaptive_staleness.py);
 - naive:    PPO against the rollout log-probs, no correction; decoupled: decoupled PPO with the proximal policy
@@ -69,6 +71,13 @@ METHODS: dict[str, tuple[str, tuple[str, ...]]] = {
     "lag1": ("decoupled PPO, proximal policy one version back (A-3PO log-linear), w capped at 2", (LAG1,)),
     "m2po": ("second-moment trust region (M2PO, tau 0.04)", ("algorithm.off_policy_correction={mode: m2po}",)),
     "adaptive": ("lag1 with adaptive staleness starting at η", (LAG1, "async_training.adaptive_staleness.enable=true")),
+    "lag1-m2": (
+        "lag1 with AReaL's M2PO mask on log pi_prox - log pi_behav (m2_threshold 0.04), the clip kept",
+        (
+            "algorithm.off_policy_correction={mode: decoupled, prox_log_probs: loglinear, prox_lag: 1, "
+            "m2_threshold: 0.04}",
+        ),
+    ),
     "naive": (
         "naive PPO (rollout log-probs as old, no correction)",
         (

@@ -27,6 +27,9 @@ When to use which (``algorithm.off_policy_correction.mode``):
   ``off_policy/masked_token_fraction`` (the paper reports 0.06% at 256 stale updates of 1.7-32B models). On the
   tiny default task, whose policy moves ~0.3 nats per token over 8 versions, it masked 15-26% early and collapsed
   at η=2 and η=8 (tests/bench/README.md): prefer decoupled with prox_lag there.
+- decoupled with ``m2_threshold``: AReaL's form of M2PO (its ``actor.m2_threshold``): the second-moment mask is
+  taken on the behaviour-to-proximal log-ratio, (log pi_prox - log pi_behav)^2, before the decoupled loss, whose
+  clip and capped weight stay. The mask removes the most stale outliers; the clip still bounds the step.
 - tis: synchronous or near-synchronous runs (staleness 0) whose rollout engine differs numerically from the trainer
   (bf16 SGLang vs fp32 FSDP, other kernels). C = 2 (verl's default).
 - bypass: the cheapest; no forward pass before the step, the PPO clip is centred on pi_behav. Fine at staleness
@@ -69,6 +72,10 @@ class CorrectionConfig:
         clip of pi_theta / pi_prox binds only when L >= 1 (at L = 0 that ratio is 1 at the step).
     tau: m2po only: the bound on the mean squared log-ratio log(pi_theta / pi_behav)^2 of the tokens kept (M2PO's
         tau_M2; > 0). Smaller masks more tokens; AReaL's example uses 0.04.
+    m2_threshold: decoupled only, off (None) by default: mask the tokens with the largest
+        (log pi_prox - log pi_behav)^2 until the kept tokens' mean is under it, before the decoupled loss (AReaL's
+        ``actor.m2_threshold``; > 0). Masked tokens leave the token mean's denominator, except with
+        prox_log_probs=loglinear at prox_lag 0, where the mask is taken inside the update (as cap_mode=mask).
     """
 
     mode: CorrectionMode = "decoupled"
@@ -78,6 +85,7 @@ class CorrectionConfig:
     cap: float = 2.0
     prox_lag: int = 0
     tau: float = 0.04
+    m2_threshold: float | None = None
 
     def __post_init__(self) -> None:
         key = "algorithm.off_policy_correction"
@@ -103,6 +111,18 @@ class CorrectionConfig:
             )
         if not (math.isfinite(self.tau) and self.tau > 0):
             raise ValueError(f"{key}.tau must be a finite number > 0, got {self.tau}")
+        if self.m2_threshold is not None:
+            if self.mode != "decoupled":
+                raise ValueError(
+                    f"{key}.m2_threshold applies only to mode=decoupled (mode=m2po bounds the second moment with "
+                    f"tau), got mode={self.mode!r}; remove it"
+                )
+            if isinstance(self.m2_threshold, bool) or not (
+                isinstance(self.m2_threshold, int | float)
+                and math.isfinite(self.m2_threshold)
+                and self.m2_threshold > 0
+            ):
+                raise ValueError(f"{key}.m2_threshold must be a finite number > 0 or null, got {self.m2_threshold!r}")
         defaults = CorrectionConfig.__dataclass_fields__
         if self.mode == "m2po":
             for name in ("level", "cap_mode", "cap", "prox_lag"):

@@ -26,6 +26,11 @@ The weight, at token level (w_t) or sequence level (w = prod_t w_t, verl's seque
     mask       keep iff 1/C <= w <= C, else the token (or sequence) leaves response_mask
                (masked IS / rejection; verl rollout_rs "token_k1" / "seq_sum_k1")
 
+Decoupled with ``m2_threshold`` tau (AReaL's form of M2PO, `_apply_m2po_masking` in areal/trainer/ppo/actor.py):
+before the weights, the tokens with the largest d_t^2, d_t = log pi_prox,t - log pi_behav,t, leave response_mask,
+as few as needed for the kept tokens' mean d^2 to fall under tau (`second_moment.second_moment_mask`); the clip and
+the capped weight then apply as above.
+
 Both run through verl's `rollout_corr_helper` (`compute_rollout_correction_weights`,
 `compute_rollout_rejection_mask`, `compute_offpolicy_metrics`). AReaL's own "mask" drops only w > C and its
 sequence level uses the geometric mean of token ratios; here the bounds are two-sided and the sequence weight is
@@ -69,8 +74,6 @@ from rllm.experimental.fully_async.algorithms.correction_config import (
     WeightLevel,
     correction_config_from,
 )
-
-# The weight helpers are re-exported: callers (and tests) import them from here.
 from rllm.experimental.fully_async.algorithms.importance_weights import (
     BehaviourWeights,
     approx_error_stats,
@@ -81,6 +84,9 @@ from rllm.experimental.fully_async.algorithms.importance_weights import (
     verl_diagnostics,
     weight_stats,
 )
+
+# The weight helpers are re-exported: callers (and tests) import them from here.
+from rllm.experimental.fully_async.algorithms.second_moment import second_moment_mask
 
 __all__ = [
     "BehaviourWeights",
@@ -115,6 +121,7 @@ class CorrectionStats:
     capped_seq_fraction: float | None = None
     masked_token_fraction: float | None = None  # mask: tokens removed from response_mask
     masked_seq_fraction: float | None = None  # sequences that lost at least one token
+    m2_masked_token_fraction: float | None = None  # decoupled + m2_threshold: tokens the second-moment mask removed
     log_prob_gap_mean: float | None = None  # mean of log pi_trainer - log pi_behav over tokens
     log_prob_gap_abs_mean: float | None = None
     log_prob_gap_abs_max: float | None = None
@@ -195,14 +202,20 @@ def apply_off_policy_correction(
     weight_fields: dict[str, float | None] = {}
     if mode in ("tis", "decoupled"):
         cap_mode: CapMode = "truncate" if mode == "tis" else config.cap_mode
-        if num_tokens == 0:  # verl's helpers raise on an empty mask; there is nothing to weight
-            weights = torch.zeros_like(rollout_log_probs)
+        weighted_mask = response_mask
+        if mode == "decoupled" and config.m2_threshold is not None and num_tokens > 0:
+            # AReaL's M2PO: drop the most stale outliers of log pi_prox - log pi_behav before weighting
+            keep = second_moment_mask(old_log_probs - rollout_log_probs, response_mask, config.m2_threshold)
+            weighted_mask = response_mask * keep.to(response_mask.dtype)
+            weight_fields["m2_masked_token_fraction"] = 1.0 - float(keep.sum()) / num_tokens
+        if not bool(weighted_mask.bool().any()):  # verl's helpers raise on an empty mask; there is nothing to weight
+            weights, new_mask = torch.zeros_like(rollout_log_probs), weighted_mask
         else:
             computed = behaviour_weights(
-                old_log_probs, rollout_log_probs, response_mask, level=config.level, cap_mode=cap_mode, cap=config.cap
+                old_log_probs, rollout_log_probs, weighted_mask, level=config.level, cap_mode=cap_mode, cap=config.cap
             )
             weights, new_mask = computed.weights, computed.response_mask
-            weight_fields = weight_stats(computed, response_mask, cap_mode=cap_mode, cap=config.cap)
+            weight_fields |= weight_stats(computed, weighted_mask, cap_mode=cap_mode, cap=config.cap)
 
     stats = CorrectionStats(
         mode=mode,

@@ -38,13 +38,16 @@ from verl.trainer.ppo.core_algos import compute_policy_loss_vanilla, register_po
 
 from rllm.experimental.fully_async.algorithms.correction_config import CorrectionConfig
 from rllm.experimental.fully_async.algorithms.importance_weights import behaviour_weights, weight_stats
+from rllm.experimental.fully_async.algorithms.second_moment import second_moment_mask
 
 LOSS_MODE_PREFIX = "fully_async_decoupled_loglinear"
 
 
 def update_time_loss_mode(config: CorrectionConfig) -> str:
-    """The loss-mode name for `config`: one registered loss per (level, cap_mode, cap), so no setting is global."""
-    return f"{LOSS_MODE_PREFIX}/{config.level}/{config.cap_mode}/{config.cap:g}"
+    """The loss-mode name for `config`: one registered loss per (level, cap_mode, cap, m2_threshold), so no setting
+    is global."""
+    m2 = "" if config.m2_threshold is None else f"/m2_{config.m2_threshold:g}"
+    return f"{LOSS_MODE_PREFIX}/{config.level}/{config.cap_mode}/{config.cap:g}{m2}"
 
 
 def register_update_time_decoupled_loss(config: CorrectionConfig) -> str:
@@ -85,13 +88,19 @@ def decoupled_update_time_loss(
     """
     prox = log_prob.detach()
     metrics: dict[str, Any] = {}
-    if bool(response_mask.bool().any()):
+    weighted_mask = response_mask
+    if correction.m2_threshold is not None and bool(response_mask.bool().any()):
+        # AReaL's M2PO mask on log pi_prox - log pi_behav; masked tokens keep their place in the token mean
+        keep = second_moment_mask(prox - old_log_prob, response_mask, correction.m2_threshold)
+        weighted_mask = response_mask * keep.to(response_mask.dtype)
+        metrics["off_policy/m2_masked_token_fraction"] = 1.0 - float(keep.sum()) / float(response_mask.bool().sum())
+    if bool(weighted_mask.bool().any()):
         computed = behaviour_weights(
-            prox, old_log_prob, response_mask, level=correction.level, cap_mode=correction.cap_mode, cap=correction.cap
+            prox, old_log_prob, weighted_mask, level=correction.level, cap_mode=correction.cap_mode, cap=correction.cap
         )
         weights = computed.weights
-        stats = weight_stats(computed, response_mask, cap_mode=correction.cap_mode, cap=correction.cap)
-        metrics = {f"off_policy/{name}": value for name, value in stats.items() if value is not None}
+        stats = weight_stats(computed, weighted_mask, cap_mode=correction.cap_mode, cap=correction.cap)
+        metrics |= {f"off_policy/{name}": value for name, value in stats.items() if value is not None}
     else:  # verl's weight helpers raise on an empty mask; an empty micro-batch contributes nothing anyway
         weights = torch.zeros_like(prox)
     if rollout_is_weights is not None:

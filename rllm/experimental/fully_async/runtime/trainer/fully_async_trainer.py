@@ -339,10 +339,12 @@ def offpolicy_signals(metrics: dict[str, float]) -> OffPolicySignals:
     verl's actor reports `rollout_corr/*` (pi_theta of the update's forward pass, i.e. the weights at the step,
     against the rollout log-probs) in every correction mode: ess ~= 1 / (1 + chi2_token) (exact when the weights
     average 1, as they do in expectation under pi_behav), kl = `rollout_corr/k3_kl`; cut = the larger of PPO's
-    clipped fraction and a masking correction's masked fraction. A statistic the step lacks stays None.
+    clipped fraction and a masking correction's masked fraction (cap_mode=mask, m2po, or decoupled's m2_threshold).
+    A statistic the step lacks stays None.
     """
     chi2 = metrics.get("rollout_corr/chi2_token")
-    cuts = [metrics[k] for k in ("actor/pg_clipfrac", "off_policy/masked_token_fraction") if k in metrics]
+    cut_keys = ("actor/pg_clipfrac", "off_policy/masked_token_fraction", "off_policy/m2_masked_token_fraction")
+    cuts = [metrics[k] for k in cut_keys if k in metrics]
     return OffPolicySignals(
         ess=1.0 / (1.0 + max(0.0, float(chi2))) if chi2 is not None else None,
         kl=float(metrics["rollout_corr/k3_kl"]) if "rollout_corr/k3_kl" in metrics else None,
