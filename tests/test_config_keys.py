@@ -423,6 +423,7 @@ SPEC_LEVEL: dict[str, str] = {
     "env.": "the multi_turn environment (test_agent_wiring)",
     "tools.": "the multi_turn tools (test_tool_task)",
     "run.dir": "the run directory (test_run_dir)",
+    "run.record_batches": "the trainer's batch record, read by replay (test_replay)",
     "data.": "the prompt data (test_data)",
     "algorithm.": "advantages, corrections, filters (test_advantages, test_corrections, test_filters)",
     "trainer.": "the driver's schedule, resume, metrics sink, trainer ranks (test_e2e, test_resume, test_run_dir)",

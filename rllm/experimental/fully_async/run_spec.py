@@ -193,6 +193,7 @@ class RunSectionSpec:
     task: TaskSpec
     rollout_data_dir: str | None = None  # trainer.rollout_data_dir: each step's trajectories as {step}.jsonl
     validation_data_dir: str | None = None  # trainer.validation_data_dir: each validation's episodes
+    record_batches: bool = False  # run.record_batches: RUN_DIR/record/ for replay (runtime/trainer/record.py)
 
 
 @dataclass(frozen=True)
@@ -292,6 +293,7 @@ def build_run_spec(cfg: DictConfig) -> RunSpec:
         ),
         rollout_data_dir=None if t.rollout_data_dir is None else str(t.rollout_data_dir),
         validation_data_dir=None if t.validation_data_dir is None else str(t.validation_data_dir),
+        record_batches=bool(cfg.run.record_batches),
     )
     return RunSpec(
         schedule=schedule, executor=executor, trainer=trainer, engines=engines, param_sync=param_sync, run=run

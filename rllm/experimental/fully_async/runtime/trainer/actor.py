@@ -2,8 +2,8 @@
 
 - `FullyAsyncTrainerActor`: owns the policy backend (patched verl actor), ParamSync and the `FullyAsyncTrainer`;
   it reaches the rollout side through one call per step (`runtime/rollout/service.py`).
-- `build_trainer`: the `FullyAsyncTrainer` from the run spec (the actor's construction, as a function a second
-  caller can use).
+- `build_trainer`: the `FullyAsyncTrainer` from the run spec, for this actor and for `replay` (runtime/trainer/
+  replay.py), so a replay runs the training code the run ran.
 Settings cross the process boundary as the frozen RunSpec (run_spec.py); verl's sections in it are rebuilt
 with OmegaConf inside.
 """
@@ -119,11 +119,18 @@ def build_critic_backend(t: Any) -> Any:
 @ray.remote(num_cpus=1, concurrency_groups={"engines": 1})
 class FullyAsyncTrainerActor:
     def __init__(
-        self, spec: Any, engine_urls: list[str], rollouts: Any, api_key: str | None = None, ranks: dict | None = None
+        self,
+        spec: Any,
+        engine_urls: list[str],
+        rollouts: Any,
+        api_key: str | None = None,
+        ranks: dict | None = None,
+        record: Any = None,
     ) -> None:
         """`spec` is the run's frozen RunSpec (run_spec.py), built once by the driver: every setting this actor
         honours is read from it. `api_key`: the engines' per-run secret (None on loopback); `ranks`: the trainer
-        ranks' Ray options and devices from a cluster placement ({"options", "devices"}; None on one host)."""
+        ranks' Ray options and devices from a cluster placement ({"options", "devices"}; None on one host);
+        `record`: where this trainer writes the batch record (run.record_batches; runtime/trainer/record.py)."""
         from rllm.experimental.fully_async.runtime.sync.param_sync import (
             ParamSync,
             resolve_sync_dtype,
@@ -152,6 +159,7 @@ class FullyAsyncTrainerActor:
             _RolloutServiceClient(rollouts, sync_gate_timeout_s=sync.timeout_s),
             param_sync_for,
             ranks=ranks,
+            record=record,
         )
         self.backend = self.trainer.backend
         self.param_sync = self.trainer.param_sync
@@ -211,13 +219,16 @@ def _master_address(sync: Any, backend: Any, engine_urls: list[str]) -> str:
     return address
 
 
-def build_trainer(spec: Any, rollouts: Any, param_sync_for: Any = None, *, ranks: dict | None = None) -> Any:
+def build_trainer(
+    spec: Any, rollouts: Any, param_sync_for: Any = None, *, ranks: dict | None = None, record: Any = None
+) -> Any:
     """The run's FullyAsyncTrainer from its frozen RunSpec: the policy backend (`build_policy_backend`), the
-    correction, the critic (GAE), the adaptive staleness controller and the trajectory dump. The trainer actor and
-    `replay` both build it here, so a replay runs the training code the run ran.
+    correction, the critic (GAE), the adaptive staleness controller, the trajectory dump and the batch recorder. The
+    trainer actor and `replay` both build it here, so a replay runs the training code the run ran.
 
     `rollouts`: an api.step_messages.RolloutSource; `param_sync_for(backend, param_dtype)`: the ParamSync of a run
-    (None: no engines; a sync then only bumps the version, as in replay).
+    (None: no engines; a sync then only bumps the version, as in replay); `record`: a RecordTarget
+    (runtime/trainer/record.py) or None.
     """
     from transformers import AutoTokenizer
 
@@ -247,6 +258,11 @@ def build_trainer(spec: Any, rollouts: Any, param_sync_for: Any = None, *, ranks
     )
     critic = build_critic_backend(t) if t.critic is not None else None  # algorithm.adv_estimator=gae
     adaptive = spec.schedule.adaptive
+    recorder = None
+    if record is not None:
+        from rllm.experimental.fully_async.runtime.trainer.record import BatchRecorder
+
+        recorder = BatchRecorder(record, backend)
     return FullyAsyncTrainer(
         settings,
         backend,
@@ -257,6 +273,7 @@ def build_trainer(spec: Any, rollouts: Any, param_sync_for: Any = None, *, ranks
         critic=critic,
         dump=_training_dump(spec.run.rollout_data_dir, tokenizer),
         staleness=StalenessController(adaptive, spec.schedule.max_staleness) if adaptive is not None else None,
+        recorder=recorder,
     )
 
 
