@@ -402,10 +402,13 @@ def _load(trainer: Any, directory: Path, state: Mapping[str, Any]) -> None:
 def _build(segment: Segment, source: RecordedBatches) -> Any:
     from omegaconf import OmegaConf
 
-    from rllm.experimental.fully_async.runtime.trainer.actor import build_trainer
     from rllm.experimental.fully_async.run_spec import build_run_spec
+    from rllm.experimental.fully_async.runtime.trainer.actor import build_trainer
+    from rllm.experimental.fully_async.settings.loader import base_config
 
-    spec = build_run_spec(OmegaConf.create(segment.config))
+    # Onto today's defaults: a key this build added since the run was recorded takes its default, as it would have
+    megatron = segment.config.get("actor_rollout_ref", {}).get("actor", {}).get("strategy") == "megatron"
+    spec = build_run_spec(OmegaConf.merge(base_config(megatron), OmegaConf.create(segment.config)))
     if spec.trainer.world_size > 1:
         _ensure_ray()
     trainer = build_trainer(spec, source)
