@@ -153,6 +153,8 @@ class EnginesSpec:
     gpu_memory_utilization: float  # sglang only
     seed: int
     log_level: str
+    sampling_seed: int | None = None  # engines.sampling_seed: per-request seeds (engines/client.py)
+    deterministic_inference: bool = False  # engines.deterministic_inference
 
 
 @dataclass(frozen=True)
@@ -326,6 +328,8 @@ def engines_spec(cfg: DictConfig) -> EnginesSpec:
         gpu_memory_utilization=float(rollout.gpu_memory_utilization),
         seed=int(cfg.run.seed),
         log_level=str(cfg.run.log_level),
+        sampling_seed=None if e.sampling_seed is None else int(e.sampling_seed),
+        deterministic_inference=bool(e.deterministic_inference),
     )
 
 
