@@ -138,6 +138,14 @@ def test_sglangs_seeded_rule_is_reproduced_for_the_standin_and_it_is_biased():
     drawn = sglang_seeded_choice(probs.expand(n, 4), torch.full((n,), 7, dtype=torch.int32), torch.arange(n))
     frequencies = torch.bincount(drawn, minlength=4).double() / n
     assert abs(frequencies[2] - 0.2) > 0.1, f"SGLang's rule draws {frequencies.tolist()} for [0.5, 0.3, 0.2, 0]"
+    # on a 1000-token softmax (the README's figure): far from the distribution where the exact draw is within noise
+    wide = torch.softmax(2 * torch.randn(1, 1000, generator=torch.Generator().manual_seed(0)), dim=-1)
+    seeds, at = torch.full((n,), 7, dtype=torch.int32), torch.arange(n)
+    sglang_tv, exact_tv = (
+        0.5 * float((torch.bincount(rule(wide.expand(n, 1000), seeds, at), minlength=1000) / n - wide[0]).abs().sum())
+        for rule in (sglang_seeded_choice, seeded_draw)
+    )
+    assert exact_tv < 0.06 < 0.15 < sglang_tv, (exact_tv, sglang_tv)  # sampling noise alone: ~0.04 at n = 20000
 
 
 # ---------------------------------------------------------------- the SGLang stand-in and the client

@@ -95,10 +95,10 @@ class EnginesConfig:
     extra_args: dict[str, Any] = field(default_factory=dict)  # passed through to sglang.launch_server
     # Per-request sampling seeds (SGLang 0.5.6's sampling_params.sampling_seed): null = off (each engine's own
     # generator: tokens depend on arrival order and batch makeup); an integer S = every generation request carries
-    # sampling_seed = core/ids.sampling_seed_for(S, request id), the request id being the sample's
-    # (e<epoch>/<row>/<index>, /turn<k> for an agent's turns), so a sample draws the same tokens from the same
-    # weights whatever else an engine runs, and a resumed generation continues as it would have. SGLang reads it
-    # only with deterministic_inference=true.
+    # sampling_seed = core/ids.sampling_seed_for(S, request id), the request id being the sample's (e<epoch>/<row>/
+    # <index>; /turn<k> for an agent's turns, -c<k> for an rLLM program's calls), so a sample draws the same tokens
+    # from the same weights whatever else an engine runs, and a resumed generation continues as it would have.
+    # SGLang reads it only with deterministic_inference=true.
     sampling_seed: int | None = None
     # --enable-deterministic-inference on every engine: SGLang's batch-invariant kernels (slower) and seeded sampling;
     # the embedded engine runs one request at a time, so log-probs too are bit-identical whatever the load. Needs
