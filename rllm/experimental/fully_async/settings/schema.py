@@ -192,7 +192,7 @@ class RunConfig:
     log_level: str = "WARNING"  # for library loggers; the progress line is always printed
     # Keep RUN_DIR/record/: every step's batch as the trainer took it, its policy version and RNG states, so
     # `python -m rllm.experimental.fully_async replay RUN_DIR` can re-run the training and check it bit for bit
-    # (runtime/trainer/record.py; ~70 KB a step on the embedded default). Safe to turn on or off at a resume.
+    # (runtime/trainer/record.py; ~140 KB a step on the embedded default). Safe to turn on or off at a resume.
     record_batches: bool = False
 
 
