@@ -313,8 +313,8 @@ def test_an_unknown_command_gets_the_nearest_one():
         proc.stderr.strip()
         .splitlines()[-1]
         .endswith(
-            "error: unknown command 'repot': did you mean 'report'? commands: train, doctor, config, plan, report, "
-            "view, simulate (overrides are key=value)"
+            "error: unknown command 'repot': did you mean 'report' or 'replay'? commands: train, doctor, config, plan, "
+            "report, view, simulate, replay (overrides are key=value)"
         )
     )
     missing_value = _cli("trainer.total_training_steps")

@@ -354,6 +354,7 @@ def _engine_view(cfg) -> dict:
 
 
 SGLANG = ("engines.backend=sglang", "actor_rollout_ref.rollout.name=sglang")
+SEEDED = ("engines.sampling_seed=7",)
 ENGINE_CASES: dict[str, Case] = {
     "engines.backend": case(*SGLANG),
     "actor_rollout_ref.rollout.name": case(*SGLANG),
@@ -363,6 +364,8 @@ ENGINE_CASES: dict[str, Case] = {
     "engines.dtype": case("engines.dtype=bfloat16"),
     "engines.torch_threads": case("engines.torch_threads=2"),
     "engines.extra_args": case("engines.extra_args={enable_metrics: true}", context=SGLANG),
+    # alone it is refused (n identical samples): with per-request seeds (test_sampling_seed)
+    "engines.deterministic_inference": case("engines.deterministic_inference=true", context=SEEDED),
     "actor_rollout_ref.rollout.tensor_model_parallel_size": case(
         "actor_rollout_ref.rollout.tensor_model_parallel_size=4", context=SGLANG
     ),
@@ -418,11 +421,13 @@ SPEC_LEVEL: dict[str, str] = {
     "engines.request_timeout_s": "the engine client (test_client)",
     "engines.on_engine_failure": "the engine supervisor (test_engine_restart)",
     "engines.max_restarts": "the engine supervisor (test_engine_restart)",
+    "engines.sampling_seed": "the engine client's per-request sampling seeds (test_sampling_seed)",
     "task.": "the built-in task (test_task)",
     "workflow.": "the rollout workflow (test_agent_wiring, test_multi_turn)",
     "env.": "the multi_turn environment (test_agent_wiring)",
     "tools.": "the multi_turn tools (test_tool_task)",
     "run.dir": "the run directory (test_run_dir)",
+    "run.record_batches": "the trainer's batch record, read by replay (test_replay)",
     "data.": "the prompt data (test_data)",
     "algorithm.": "advantages, corrections, filters (test_advantages, test_corrections, test_filters)",
     "trainer.": "the driver's schedule, resume, metrics sink, trainer ranks (test_e2e, test_resume, test_run_dir)",
@@ -436,6 +441,7 @@ SPEC_LEVEL: dict[str, str] = {
 PERTURB: dict[str, str] = {
     "async_training.staleness_threshold": "0.5",
     "async_training.use_rollout_log_probs": "false",
+    "engines.sampling_seed": "7",
     "param_sync.transport": "distributed",
     "param_sync.weights_dir": "/tmp/elsewhere",
     "param_sync.dtype": "bfloat16",

@@ -229,6 +229,8 @@ def sglang_cfg(**extra_args: object) -> EnginesSpec:
                 "on_engine_failure": "fail",
                 "max_restarts": 0,
                 "extra_args": extra_args,
+                "sampling_seed": None,
+                "deterministic_inference": False,
             },
             "actor_rollout_ref": {
                 "model": {"path": "/models/qwen"},
@@ -306,10 +308,11 @@ def test_every_flag_the_launcher_emits_exists_in_sglangs_server_args(sglang_whee
     known = {n.value for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
     cmd = SGLangEngineCommand(
         "/m", max_running_requests=8, context_length=512, skip_server_warmup=True, api_key="k",
+        deterministic_inference=True,
         extra_args=sglang_extra_args({"enable_torch_compile": True, "chunked_prefill_size": 4096}),
     ).build("127.0.0.1", 30000, 0)  # fmt: skip
     flags = [a.split("=")[0] for a in cmd if a.startswith("--")]
-    assert len(flags) >= 14
+    assert len(flags) >= 15 and "--enable-deterministic-inference" in flags
     assert [f for f in flags if f not in known] == []
 
 
@@ -363,5 +366,7 @@ def test_every_json_key_the_client_and_param_sync_send_exists_in_io_struct(sglan
         assert fields, f"{request_class[path]} not found in io_struct.py"
         assert set(payload) <= fields, f"{path} sends {sorted(set(payload) - fields)} unknown to SGLang 0.5.6"
     sampling = sglang_wheel_source["sampling/sampling_params.py"]
-    for key in ("max_new_tokens", "temperature", "top_p", "top_k", "ignore_eos", "stop_token_ids"):
+    # sampling_seed: engines.sampling_seed (engines/resumable.py), an int32 with SGLang's default 42
+    assert "sampling_seed: int = 42" in sampling
+    for key in ("max_new_tokens", "temperature", "top_p", "top_k", "ignore_eos", "stop_token_ids", "sampling_seed"):
         assert f"{key}:" in sampling or f"self.{key} =" in sampling, key

@@ -21,6 +21,11 @@ against this server. Its HTTP layer reproduces what `sglang/srt/entrypoints/http
   `{"error": {"message"}}`; failed weight loads 400 with `success: false`; `/abort_request` 200 with an empty body;
   `/flush_cache` 400 while requests run; with `--api-key`, every path but /health* and /metrics needs
   `Authorization: Bearer <key>` or gets 401 `{"error": "Unauthorized"}` (`add_api_key_middleware`).
+- `sampling_params.sampling_seed` is accepted on every request and read only under `--enable-deterministic-inference`
+  (`SamplingBatchInfo.from_schedule_batch` builds the seed tensor only then), where a request without one draws
+  with the default 42 (`SamplingParams.__init__`) and the kernels are batch-invariant (here: each request runs
+  alone, the embedded scheduler's deterministic mode); without the flag the seed is ignored. A seeded request draws
+  with SGLang's own rule (`multinomial_with_seed`), which is biased (engines/embedded/sampling.py).
 The distributed weight-update routes are in `distributed_routes.py`. `/get_server_info` carries
 `internal_states: [<embedded scheduler stats>]` (SGLang's shape; the keys inside are the embedded engine's, which
 the tests read).
@@ -31,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -156,6 +162,8 @@ async def generate(request: web.Request) -> web.Response:
     try:
         raw_params = _per_item(body.get("sampling_params"), n, lambda v: v is None or isinstance(v, dict))
         params = [SamplingParams.from_json(p) for p in raw_params]
+        if not st.args.enable_deterministic_inference:  # accepted, then unused (module docstring)
+            params = [dataclasses.replace(p, sampling_seed=None) for p in params]
         rid = body.get("rid")
         # _normalize_rid: one string rid over a batch becomes rid_0, rid_1, ...; a list must match the batch.
         if single:
@@ -374,6 +382,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--skip-server-warmup", action="store_true")
     p.add_argument("--api-key", default=None)
+    p.add_argument("--enable-deterministic-inference", action="store_true")
     args = p.parse_args(argv)
     if args.tp_size != 1:
         p.error("the CPU stand-in runs tp_size 1 only")
@@ -385,9 +394,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 async def serve(args: argparse.Namespace) -> None:
     dtype = SGLANG_DTYPES[args.dtype]
     model, info = await asyncio.to_thread(load_model, args.model_path, dtype)
-    runner = ModelRunner(model, info, seed=args.random_seed or 0)
+    runner = ModelRunner(model, info, seed=args.random_seed or 0, seeded_rule="sglang-0.5.6")  # its biased rule
     scheduler = Scheduler(
-        runner, max_running_requests=args.max_running_requests or 256, weight_loader=WeightLoader(dtype)
+        runner,
+        max_running_requests=args.max_running_requests or 256,
+        weight_loader=WeightLoader(dtype),
+        deterministic=args.enable_deterministic_inference,
     )
     scheduler.start()
     app_runner = web.AppRunner(build_app(scheduler, args), handler_cancellation=True, access_log=None)

@@ -230,5 +230,12 @@ def _simulate(argv: list[str]) -> int:
     return simulate_main(argv)
 
 
+@command("replay", "re-run a run's training from its batch record (run.record_batches) and check it bit for bit", True)
+def _replay(argv: list[str]) -> int:
+    from rllm.experimental.fully_async.cli.replay import main as replay_main
+
+    return replay_main(argv)
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -153,6 +153,8 @@ class EnginesSpec:
     gpu_memory_utilization: float  # sglang only
     seed: int
     log_level: str
+    sampling_seed: int | None = None  # engines.sampling_seed: per-request seeds (engines/client.py)
+    deterministic_inference: bool = False  # engines.deterministic_inference
 
 
 @dataclass(frozen=True)
@@ -193,6 +195,7 @@ class RunSectionSpec:
     task: TaskSpec
     rollout_data_dir: str | None = None  # trainer.rollout_data_dir: each step's trajectories as {step}.jsonl
     validation_data_dir: str | None = None  # trainer.validation_data_dir: each validation's episodes
+    record_batches: bool = False  # run.record_batches: RUN_DIR/record/ for replay (runtime/trainer/record.py)
 
 
 @dataclass(frozen=True)
@@ -292,6 +295,7 @@ def build_run_spec(cfg: DictConfig) -> RunSpec:
         ),
         rollout_data_dir=None if t.rollout_data_dir is None else str(t.rollout_data_dir),
         validation_data_dir=None if t.validation_data_dir is None else str(t.validation_data_dir),
+        record_batches=bool(cfg.run.record_batches),
     )
     return RunSpec(
         schedule=schedule, executor=executor, trainer=trainer, engines=engines, param_sync=param_sync, run=run
@@ -324,6 +328,8 @@ def engines_spec(cfg: DictConfig) -> EnginesSpec:
         gpu_memory_utilization=float(rollout.gpu_memory_utilization),
         seed=int(cfg.run.seed),
         log_level=str(cfg.run.log_level),
+        sampling_seed=None if e.sampling_seed is None else int(e.sampling_seed),
+        deterministic_inference=bool(e.deterministic_inference),
     )
 
 

@@ -2,11 +2,14 @@
 
 A prompt drawn from the PromptIterator in epoch e from source row r is the prompt `e{e}/{r}`; its i-th sample
 is `e{e}/{r}/{i}`. A prompt left out before any rollout (too long, filtered at load) is ledgered as
-`prompt/{r}`: it was never drawn in an epoch.
+`prompt/{r}`: it was never drawn in an epoch. A generation request's id is its sample's (an agent's turn k:
+`e{e}/{r}/{i}/turn{k}`), and with engines.sampling_seed its SGLang `sampling_seed` is a function of that id
+(`sampling_seed_for`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import NamedTuple
 
@@ -53,3 +56,11 @@ class SampleId(NamedTuple):
         if match is None:
             raise ValueError(f"{text!r} is not a sample id of the form e<epoch>/<record>/<index>")
         return cls(int(match.group(1)), int(match.group(2)), int(match.group(3)))
+
+
+def sampling_seed_for(run_seed: int, request_id: str) -> int:
+    """A request's SGLang `sampling_seed` from the run's generation seed (engines.sampling_seed) and its id: the
+    first four bytes of sha256(f"{run_seed}:{request_id}") as a non-negative int32 (SGLang keeps seeds in an int32
+    tensor). Distinct ids draw independently; the same id draws the same tokens from the same weights."""
+    digest = hashlib.sha256(f"{run_seed}:{request_id}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF

@@ -50,6 +50,8 @@ class EngineClient:
     timeout, so the executor waits that long when `engines.on_engine_failure=restart`).
     `api_key`: sent as `Authorization: Bearer` (engines started with `--api-key`). `partial_rollout`: continue
     generations interrupted by a weight sync (True) or regenerate them from the prompt (False; `resumable.py`).
+    `sampling_seed` (engines.sampling_seed): every generation that sets no `sampling_seed` of its own gets
+    `core.ids.sampling_seed_for(sampling_seed, rid)`, kept across its resumed pieces; None: none is added.
     """
 
     def __init__(
@@ -68,6 +70,7 @@ class EngineClient:
         wait_for_engine_s: float = 0.0,
         api_key: str | None = None,
         partial_rollout: bool = True,
+        sampling_seed: int | None = None,
     ) -> None:
         if not urls:
             raise ValueError("EngineClient needs at least one engine URL")
@@ -86,6 +89,7 @@ class EngineClient:
         self.admin_timeout_s = admin_timeout_s
         self.max_resumes = max_resumes
         self.partial_rollout = partial_rollout
+        self.sampling_seed = sampling_seed
 
     # ---------------------------------------------------------------- pool state
     @property
@@ -127,6 +131,7 @@ class EngineClient:
             request_timeout_s=self.request_timeout_s,
             max_resumes=self.max_resumes,
             partial_rollout=self.partial_rollout,
+            run_seed=self.sampling_seed,
         )
 
     async def generate_batch(
@@ -142,6 +147,7 @@ class EngineClient:
             request_timeout_s=self.request_timeout_s,
             max_resumes=self.max_resumes,
             partial_rollout=self.partial_rollout,
+            run_seed=self.sampling_seed,
         )
 
     # ---------------------------------------------------------------- health and admin (one engine each)

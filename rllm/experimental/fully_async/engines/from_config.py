@@ -4,6 +4,7 @@ Keys honoured here, for `engines.backend=sglang`:
 - `actor_rollout_ref.rollout.tensor_model_parallel_size` -> `--tp-size` (GPUs per engine);
 - `actor_rollout_ref.rollout.gpu_memory_utilization` -> `--mem-fraction-static`;
 - `engines.dtype`, `engines.max_running_requests`, `run.seed` (engine i samples with seed + i);
+- `engines.deterministic_inference` -> `--enable-deterministic-inference` (both backends);
 - `engines.extra_args` -> extra `sglang.launch_server` flags: `{enable_foo: true}` becomes the bare `--enable-foo`
   (SGLang's argparse rejects `--enable-foo=True`), false or null omits the flag, a list becomes
   `--flag v1 v2`, anything else `--flag=value`. A flag this module already sets is refused.
@@ -38,6 +39,7 @@ MANAGED_SGLANG_FLAGS = frozenset(
         "mem-fraction-static",
         "max-running-requests",
         "api-key",
+        "enable-deterministic-inference",
     }
 )
 
@@ -77,6 +79,7 @@ def engine_command(engines: EnginesSpec, api_key: str | None = None) -> Any:
             seed=engines.seed,
             num_threads=engines.torch_threads,
             log_level=engines.log_level,
+            deterministic_inference=engines.deterministic_inference,
             extra_args=("--api-key", api_key) if api_key else (),
         )
     from rllm.experimental.fully_async.engines.sglang import SGLangEngineCommand
@@ -89,6 +92,7 @@ def engine_command(engines: EnginesSpec, api_key: str | None = None) -> Any:
         max_running_requests=engines.max_running_requests,
         seed=engines.seed,
         api_key=api_key,
+        deterministic_inference=engines.deterministic_inference,
         extra_args=sglang_extra_args(thaw(engines.extra_args)),
     )
 

@@ -71,10 +71,13 @@ class EmbeddedEngineCommand:
     weight_version: str = "0"
     num_threads: int = 0  # torch threads per engine; 0 = torch default. On a small CPU, cores / engines.
     log_level: str = "INFO"
+    # --enable-deterministic-inference: seeded draws, one request at a time (engines/embedded/scheduler.py)
+    deterministic_inference: bool = False
     extra_args: tuple[str, ...] = ()
     python: str = sys.executable
 
     def build(self, host: str, port: int, index: int) -> list[str]:
+        deterministic = ["--enable-deterministic-inference"] if self.deterministic_inference else []
         return [
             self.python,
             "-m",
@@ -99,6 +102,7 @@ class EmbeddedEngineCommand:
             str(self.num_threads),
             "--log-level",
             self.log_level,
+            *deterministic,
             *self.extra_args,
         ]
 

@@ -20,6 +20,10 @@ together, the prompts a sync interrupted, each from its own tokens so far.
 sync is not continued with the new weights. Its tokens are discarded and it is regenerated from the prompt (held
 by the paused engine, so it starts on the new weights); every finished sequence therefore carries exactly one
 weight version. The discarded tokens are counted in `GenerationResult.discarded_tokens`.
+
+`run_seed` (engines.sampling_seed): each sequence carries SGLang's `sampling_seed`, derived from the run seed and its
+rid (`core.ids.sampling_seed_for`), in every piece; the engine keys a draw by the token's position, so a resumed
+piece continues the draws where the interrupted one stopped (the same tokens, if the weights did not change).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rllm.experimental.fully_async.api.trajectory import Sequence
+from rllm.experimental.fully_async.core.ids import sampling_seed_for
 from rllm.experimental.fully_async.engines.http import EngineError
 from rllm.experimental.fully_async.engines.pool import EnginePool
 
@@ -112,9 +117,18 @@ class _Resumption:
     """One sequence's state across its pieces: what to send next, and what each returned piece means."""
 
     def __init__(
-        self, input_ids: list[int], params: dict[str, Any], rid: str, max_resumes: int, partial_rollout: bool
+        self,
+        input_ids: list[int],
+        params: dict[str, Any],
+        rid: str,
+        max_resumes: int,
+        partial_rollout: bool,
+        run_seed: int | None = None,
     ) -> None:
         self.prompt = list(input_ids)
+        if run_seed is not None and params.get("sampling_seed") is None:
+            # its own draws, the same in every piece: a resumed piece continues at its positions (SGLang's rule)
+            params = {**params, "sampling_seed": sampling_seed_for(run_seed, rid)}
         self.params = params
         self.max_new = int(params.get("max_new_tokens", SGLANG_DEFAULT_MAX_NEW_TOKENS))
         self.rid = rid
@@ -185,13 +199,15 @@ async def generate_resumable(
     request_timeout_s: float = 600.0,
     max_resumes: int = 64,
     partial_rollout: bool = True,
+    run_seed: int | None = None,
 ) -> GenerationResult:
     """Generate from `input_ids` on `pool`, resuming across weight updates; see the module docstring.
 
     `partial_rollout=False`: an interrupted generation restarts from the prompt instead of being continued.
+    `run_seed`: add `sampling_seed = core.ids.sampling_seed_for(run_seed, rid)` unless the params carry one.
     """
     params = dict(sampling_params or {})
-    state = _Resumption(input_ids, params, rid or uuid.uuid4().hex, max_resumes, partial_rollout)
+    state = _Resumption(input_ids, params, rid or uuid.uuid4().hex, max_resumes, partial_rollout, run_seed)
     for piece_index in itertools.count():
         prompt, piece_params = state.next_input()
         payload = {"input_ids": prompt, "sampling_params": piece_params, "return_logprob": True}
@@ -211,6 +227,7 @@ async def generate_resumable_batch(
     request_timeout_s: float = 600.0,
     max_resumes: int = 64,
     partial_rollout: bool = True,
+    run_seed: int | None = None,
 ) -> list[GenerationResult]:
     """`generate_resumable` for several prompts sent as SGLang batched requests (one /generate per round).
 
@@ -223,7 +240,9 @@ async def generate_resumable_batch(
     if len(rids) != len(prompts):
         raise ValueError(f"generate_resumable_batch: {len(prompts)} prompts but {len(rids)} rids")
     params = dict(sampling_params or {})
-    states = [_Resumption(p, params, r, max_resumes, partial_rollout) for p, r in zip(prompts, rids, strict=True)]
+    states = [
+        _Resumption(p, params, r, max_resumes, partial_rollout, run_seed) for p, r in zip(prompts, rids, strict=True)
+    ]
     pending = list(states)
     for piece_index in itertools.count():
         if not pending:

@@ -10,6 +10,8 @@ Choices that matter for fully-async RL:
 - Each engine gets its own contiguous block of `tp_size` GPUs through `CUDA_VISIBLE_DEVICES`, so N engines on one
   host never share a device.
 - `--random-seed` differs per engine (seed + index), so replicas do not sample identical streams.
+- `--enable-deterministic-inference` (engines.deterministic_inference): batch-invariant kernels, the pytorch sampling
+  backend and each request's `sampling_seed` (default 42); without it SGLang 0.5.6 ignores `sampling_seed`.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class SGLangEngineCommand:
     log_level: str = "info"
     skip_server_warmup: bool = False
     api_key: str | None = None  # per-run secret for engines reachable beyond loopback (`--api-key`)
+    deterministic_inference: bool = False  # `--enable-deterministic-inference` (module docstring)
     extra_args: tuple[str, ...] = ()  # anything else, passed through verbatim
     python: str = sys.executable
 
@@ -75,6 +78,8 @@ class SGLangEngineCommand:
             cmd.append("--skip-server-warmup")
         if self.api_key:
             cmd += ["--api-key", self.api_key]
+        if self.deterministic_inference:
+            cmd.append("--enable-deterministic-inference")
         return cmd + list(self.extra_args)
 
     def gpus_for(self, index: int) -> list[int]:

@@ -93,6 +93,17 @@ class EnginesConfig:
     # `continue`. Bounds a crash loop (an engine that dies at every start would otherwise restart forever).
     max_restarts: int = 3
     extra_args: dict[str, Any] = field(default_factory=dict)  # passed through to sglang.launch_server
+    # Per-request sampling seeds (SGLang 0.5.6's sampling_params.sampling_seed): null = off (each engine's own
+    # generator: tokens depend on arrival order and batch makeup); an integer S = every generation request carries
+    # sampling_seed = core/ids.sampling_seed_for(S, request id), the request id being the sample's (e<epoch>/<row>/
+    # <index>; /turn<k> for an agent's turns, -c<k> for an rLLM program's calls), so a sample draws the same tokens
+    # from the same weights whatever else an engine runs, and a resumed generation continues as it would have.
+    # SGLang reads it only with deterministic_inference=true.
+    sampling_seed: int | None = None
+    # --enable-deterministic-inference on every engine: SGLang's batch-invariant kernels (slower) and seeded sampling;
+    # the embedded engine runs one request at a time, so log-probs too are bit-identical whatever the load. Needs
+    # sampling_seed (else every sample of a prompt draws with SGLang's default seed 42: n identical samples).
+    deterministic_inference: bool = False
 
 
 @dataclass
@@ -179,6 +190,10 @@ class RunConfig:
     dir: str | None = None  # RUN_DIR: metrics.jsonl, checkpoints, weights; null: runs/<experiment_name>
     seed: int = 0  # trainer RNG (model init is the model folder's)
     log_level: str = "WARNING"  # for library loggers; the progress line is always printed
+    # Keep RUN_DIR/record/: every step's batch as the trainer took it, its policy version and RNG states, so
+    # `python -m rllm.experimental.fully_async replay RUN_DIR` can re-run the training and check it bit for bit
+    # (runtime/trainer/record.py; ~140 KB a step on the embedded default). Safe to turn on or off at a resume.
+    record_batches: bool = False
 
 
 PROJECT_SECTIONS: dict[str, type] = {

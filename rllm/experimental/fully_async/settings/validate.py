@@ -283,6 +283,7 @@ def _validate_cross_fields(cfg: DictConfig) -> None:
             "'actor_rollout_ref.actor.ppo_epochs' must be 1: the fully-async trainer makes exactly one optimizer "
             "step per batch (raise async_training.required_samples for larger steps)"
         )
+    _validate_sampling_seed(cfg.engines)
     if cfg.engines.backend != cfg.actor_rollout_ref.rollout.name:
         raise ConfigError(
             f"'engines.backend' ({cfg.engines.backend}) and 'actor_rollout_ref.rollout.name' "
@@ -317,6 +318,24 @@ def _validate_cross_fields(cfg: DictConfig) -> None:
     total = cfg.trainer.total_training_steps
     if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 1):
         raise ConfigError(f"'trainer.total_training_steps' must be a positive integer or null, got {total!r}")
+
+
+def _validate_sampling_seed(engines: DictConfig) -> None:
+    """engines.sampling_seed and deterministic_inference: each needs the other where the engine would not honour
+    it alone (settings/schema.py EnginesConfig)."""
+    seed = engines.sampling_seed
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ConfigError(f"'engines.sampling_seed' must be an integer or null, got {seed!r}")
+    if engines.deterministic_inference and seed is None:
+        raise ConfigError(
+            "'engines.deterministic_inference' gives every request SGLang's default sampling_seed 42, so the n "
+            "samples of a prompt would be identical: set engines.sampling_seed too (each sample then has its own)"
+        )
+    if seed is not None and engines.backend == "sglang" and not engines.deterministic_inference:
+        raise ConfigError(
+            "'engines.sampling_seed' is ignored by SGLang 0.5.6 unless it runs with --enable-deterministic-inference: "
+            "set engines.deterministic_inference=true too, or remove engines.sampling_seed"
+        )
 
 
 def _validate_adaptive_staleness(at: DictConfig) -> None:

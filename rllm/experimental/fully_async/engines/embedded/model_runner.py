@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
-from rllm.experimental.fully_async.engines.embedded.sampling import SampleOutput, SamplingParams, sample
+from rllm.experimental.fully_async.engines.embedded.sampling import SEEDED_RULES, SampleOutput, SamplingParams, sample
 
 logger = logging.getLogger(__name__)
 
@@ -113,10 +113,13 @@ class ModelRunner:
     row order, `retain` keeps a subset in the given order.
     """
 
-    def __init__(self, model: PreTrainedModel, info: ModelInfo, *, seed: int = 0) -> None:
+    def __init__(self, model: PreTrainedModel, info: ModelInfo, *, seed: int = 0, seeded_rule: str = "exact") -> None:
         self.model = model
         self.info = info
         self.generator = torch.Generator().manual_seed(seed)
+        if seeded_rule not in SEEDED_RULES:
+            raise ValueError(f"seeded_rule must be one of {SEEDED_RULES}, got {seeded_rule!r}")
+        self.seeded_rule = seeded_rule  # how a request with a sampling_seed draws (sampling.py; the stand-in: SGLang's)
         self.forward_passes = 0
         self.prefill_passes = 0
         self._cache: DynamicCache | None = None
@@ -164,7 +167,9 @@ class ModelRunner:
         self.forward_passes += 1
         self.prefill_passes += 1
         self._merge(cache, [len(p) for p in prompts])
-        return sample(out.logits[:, -1, :], params, self.generator)
+        # a seeded row's draw is keyed by the position of the token it fed: here each prompt's last
+        positions = [len(p) - 1 for p in prompts]
+        return sample(out.logits[:, -1, :], params, self.generator, positions, self.seeded_rule)
 
     @torch.inference_mode()
     def decode(self, last_tokens: list[int], params: list[SamplingParams]) -> SampleOutput:
@@ -184,8 +189,9 @@ class ModelRunner:
             use_cache=True,
         )
         self.forward_passes += 1
+        fed_at = list(self._lengths)  # the position of each row's fed token (its position_ids above)
         self._lengths = [n + 1 for n in self._lengths]
-        return sample(out.logits[:, -1, :], params, self.generator)
+        return sample(out.logits[:, -1, :], params, self.generator, fed_at, self.seeded_rule)
 
     def retain(self, keep: list[int]) -> None:
         """Keep only rows `keep` (in that order) and trim padding columns no remaining row uses."""

@@ -19,13 +19,20 @@ Guarantees the HTTP layer and the client rely on (they mirror SGLang 0.5.6):
   admission. Each response therefore carries the single `weight_version` that produced all its tokens. That
   protocol lives in `weights.py` (`Scheduler.swaps`); this loop only applies the pending swap (step 1).
 - Every request's tokens, log-probs and version come from one model; the version is the one at its prefill.
-- Sampling uses one seeded generator: results are reproducible for the same arrival order and batch makeup.
+- A request with a `sampling_seed` draws its tokens from its seed and positions alone (sampling.py); the others
+  share one seeded generator, reproducible for the same arrival order and batch makeup. Its log-probs still depend
+  on the batch in the last bits (a CPU matmul rounds differently for another number of rows, ~1e-6 here).
+- `deterministic=True` (SGLang's `--enable-deterministic-inference`): every request has a seed (SGLang's default,
+  42, when it sends none) and runs alone, one at a time, so its tokens and log-probs are bit-identical whatever
+  else was sent; SGLang gets there with batch-invariant kernels, which a CPU matmul does not offer. Throughput is
+  one request's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -34,7 +41,11 @@ from typing import Any, TypeVar
 
 from rllm.experimental.fully_async.engines.embedded.model_runner import ModelRunner
 from rllm.experimental.fully_async.engines.embedded.requests import GenerateOutput, WeightUpdateError, _Request
-from rllm.experimental.fully_async.engines.embedded.sampling import SampleOutput, SamplingParams
+from rllm.experimental.fully_async.engines.embedded.sampling import (
+    DEFAULT_SAMPLING_SEED,
+    SampleOutput,
+    SamplingParams,
+)
 from rllm.experimental.fully_async.engines.embedded.weights import WeightLoader, WeightSwaps
 
 # WeightUpdateError is re-exported: the HTTP layers catch it from here.
@@ -57,12 +68,14 @@ class Scheduler:
         max_prefill_tokens: int = 16384,
         weight_version: str = "0",
         weight_loader: WeightLoader,
+        deterministic: bool = False,
     ) -> None:
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
         self.runner = runner
         self.max_running_requests = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
+        self.deterministic = deterministic
         self.weight_version = weight_version
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []  # row order of runner's KV cache
@@ -129,12 +142,15 @@ class Scheduler:
             "paused": self._paused_mode,
             "weight_version": self.weight_version,
             "kv_cache_columns": self.runner.cache_columns,
+            "deterministic": self.deterministic,
         }
 
     # ---------------------------------------------------------------- requests
     async def generate(self, input_ids: list[int], params: SamplingParams, rid: str) -> GenerateOutput:
         """Queue one request and wait for it; holds while paused. Raises ValueError for invalid input."""
         self._validate(input_ids, rid)
+        if self.deterministic and params.sampling_seed is None:
+            params = dataclasses.replace(params, sampling_seed=DEFAULT_SAMPLING_SEED)  # as SGLang's default
         loop = asyncio.get_running_loop()
         max_new = min(params.max_new_tokens, self.runner.info.context_length - len(input_ids))
         req = _Request(rid, list(input_ids), params, max_new, loop.create_future())
@@ -323,7 +339,8 @@ class Scheduler:
             return []
         admitted: list[_Request] = []
         budget = self.max_prefill_tokens
-        while self._waiting and len(self._running) + len(admitted) < self.max_running_requests:
+        limit = 1 if self.deterministic else self.max_running_requests  # alone: nothing else in its batch
+        while self._waiting and len(self._running) + len(admitted) < limit:
             req = self._waiting[0]
             if req.done:
                 self._waiting.popleft()

@@ -324,6 +324,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-prefill-tokens", type=int, default=16384, help="prompt tokens per prefill pass")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampler's generator")
+    parser.add_argument(
+        "--enable-deterministic-inference",
+        action="store_true",
+        help="SGLang's flag: every request draws from its sampling_seed (default 42) and runs alone, so its tokens "
+        "and log-probs do not depend on what else is sent (one request at a time)",
+    )
     parser.add_argument("--weight-version", default="0", help="weight_version reported before any update")
     # How long an update waits for running requests (and a weight-update group for its peers) before failing.
     parser.add_argument("--weight-update-timeout-s", type=float, default=600.0)
@@ -346,6 +352,7 @@ async def serve(args: argparse.Namespace) -> None:
         max_prefill_tokens=args.max_prefill_tokens,
         weight_version=str(args.weight_version),
         weight_loader=WeightLoader(args.dtype),
+        deterministic=args.enable_deterministic_inference,
     )
     scheduler.start()
     # handler_cancellation: a client that disconnects (timeout, crash) cancels its handler, which frees its rows.

@@ -219,6 +219,7 @@ class RolloutServiceActor:
             partial_rollout=ex.partial_rollout,
             wait_for_engine_s=spec.engines.startup_timeout_s + 30.0 if restarting else 0.0,
             api_key=api_key or None,
+            sampling_seed=spec.engines.sampling_seed,
         )
         # The journal (every sample's issue and end, for the exactly-once audit) lives in the run dir. A relative
         # run.dir is resolved against this worker's cwd, which Ray gives the driver's. A fresh run starts it empty

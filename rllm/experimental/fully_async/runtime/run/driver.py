@@ -138,6 +138,17 @@ class Run:
             start_ray = functools.partial(init_ray, num_gpus=ray_num_gpus(self.gpu_plan))
             if not on_cluster:
                 self._stack.enter_context(ray_lifetime(start_ray))  # also stops a half-started Ray (processes.py)
+        record = None  # run.record_batches: a new segment of RUN_DIR/record/, cut at the step resumed from
+        if self.spec.run.record_batches:
+            from rllm.experimental.fully_async.runtime.trainer.record import open_record
+
+            record = open_record(
+                self.run_dir,
+                self.container,
+                start_step=self.step_count,
+                resumed_from=resumed.path.resolve() if resumed is not None else None,
+                model_path=self.spec.trainer.model_path,
+            )
         # One rollout service (executor, queue, budget, ledger) and the trainer, which takes a batch from it with
         # one call per step; a resume hands each its own part of the checkpoint.
         # An interrupt inside Ray's actor creation could leave a half-registered actor that crashes Ray's shutdown
@@ -151,7 +162,7 @@ class Run:
                 api_key=engines.api_key,
             )
             self.trainer = FullyAsyncTrainerActor.options(num_gpus=trainer_actor_gpus(self.spec)).remote(
-                self.spec, engines.urls, self.rollouts, api_key=engines.api_key, ranks=ranks
+                self.spec, engines.urls, self.rollouts, api_key=engines.api_key, ranks=ranks, record=record
             )
             self._stack.callback(_stop_actors, self.rollouts, self.trainer)
             self._stack.callback(_shutdown_trainer, self.trainer)  # first (LIFO): a multi-rank trainer's ranks

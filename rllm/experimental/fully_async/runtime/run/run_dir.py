@@ -24,7 +24,8 @@ trained step or a queued sample means):
 - trainer.n_gpus_per_node and trainer.nnodes (the trainer's world size): the policy's torch.distributed.checkpoint
   shards reshard onto the new ranks, and a step does not depend on how many ranks share it
   (runtime/checkpoints/trainer_state.py; a checkpoint of the first format that cannot reshard is refused there);
-- run.log_level, run.dir; param_sync.weights_dir (a scratch folder);
+- run.log_level, run.dir; param_sync.weights_dir (a scratch folder); run.record_batches (the record then starts or
+  stops at the resume: a replay needs the checkpoint a record starts from);
 - engines.* (backend, count, threads, restarts: the weights and their version come from the checkpoint);
 - data.val_files and task.val_size (what validation measures, not what trains);
 - every timeout: a key whose last part ends in `timeout_s` or `_timeout`.
@@ -57,7 +58,16 @@ logger = logging.getLogger(__name__)
 CONFIG_FILE = "config.yaml"
 FINISHED_FILE = "finished.json"
 # What a run writes into its run dir; `previous-*` folders and anything else stay where they are.
-RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "ledger.jsonl", CONFIG_FILE, FINISHED_FILE, "engines", "weights")
+RUN_OUTPUTS = (
+    "checkpoints",
+    "metrics.jsonl",
+    "ledger.jsonl",
+    CONFIG_FILE,
+    FINISHED_FILE,
+    "engines",
+    "weights",
+    "record",  # run.record_batches (runtime/trainer/record.py)
+)
 
 SAFE_KEYS = frozenset(
     {
@@ -81,6 +91,7 @@ SAFE_KEYS = frozenset(
         "critic.optim.total_training_steps",
         "run.log_level",
         "run.dir",
+        "run.record_batches",
         "param_sync.weights_dir",
         "data.val_files",
         "task.val_size",

@@ -2,6 +2,8 @@
 
 - `FullyAsyncTrainerActor`: owns the policy backend (patched verl actor), ParamSync and the `FullyAsyncTrainer`;
   it reaches the rollout side through one call per step (`runtime/rollout/service.py`).
+- `build_trainer`: the `FullyAsyncTrainer` from the run spec, for this actor and for `replay` (runtime/trainer/
+  replay.py), so a replay runs the training code the run ran.
 Settings cross the process boundary as the frozen RunSpec (run_spec.py); verl's sections in it are rebuilt
 with OmegaConf inside.
 """
@@ -117,68 +119,50 @@ def build_critic_backend(t: Any) -> Any:
 @ray.remote(num_cpus=1, concurrency_groups={"engines": 1})
 class FullyAsyncTrainerActor:
     def __init__(
-        self, spec: Any, engine_urls: list[str], rollouts: Any, api_key: str | None = None, ranks: dict | None = None
+        self,
+        spec: Any,
+        engine_urls: list[str],
+        rollouts: Any,
+        api_key: str | None = None,
+        ranks: dict | None = None,
+        record: Any = None,
     ) -> None:
         """`spec` is the run's frozen RunSpec (run_spec.py), built once by the driver: every setting this actor
         honours is read from it. `api_key`: the engines' per-run secret (None on loopback); `ranks`: the trainer
-        ranks' Ray options and devices from a cluster placement ({"options", "devices"}; None on one host)."""
-        from transformers import AutoTokenizer
-
-        from rllm.experimental.fully_async.algorithms.corrections import corrector_for
-        from rllm.experimental.fully_async.backends.verl_patch import require_patched_verl
-        from rllm.experimental.fully_async.core.adaptive_staleness import StalenessController
+        ranks' Ray options and devices from a cluster placement ({"options", "devices"}; None on one host);
+        `record`: where this trainer writes the batch record (run.record_batches; runtime/trainer/record.py)."""
         from rllm.experimental.fully_async.runtime.sync.param_sync import (
             ParamSync,
             resolve_sync_dtype,
             transport_from_config,
         )
-        from rllm.experimental.fully_async.runtime.trainer.fully_async_trainer import FullyAsyncTrainer, TrainerSettings
 
         logging.basicConfig(level=os.environ.get("RLLM_LOG_LEVEL", "WARNING"))
-        require_patched_verl()
-        t, sync = spec.trainer, spec.param_sync
-        tokenizer = AutoTokenizer.from_pretrained(t.model_path)
-        correction = corrector_for(t.correction, compute_prox_log_prob=t.compute_prox_log_prob)
-        backend, param_dtype = build_policy_backend(t, correction, ranks)
-        self.backend = backend
-        dtype = resolve_sync_dtype(sync.dtype, t.device, param_dtype)
-        # disk: an HF folder per version; distributed (or nccl): buckets broadcast by the process that holds full
-        # parameters (this one, or trainer rank 0 with several ranks), reached by the engines at master_address.
-        self.param_sync = ParamSync(
-            engine_urls,
-            transport_from_config(sync, backend, dtype, master_address=_master_address(sync, backend, engine_urls)),
-            pause_timeout_s=sync.timeout_s,
-            update_timeout_s=sync.timeout_s,
-            continue_timeout_s=sync.timeout_s,
-            weights_dtype=dtype,
-            api_key=api_key,
-        )
-        settings = TrainerSettings(
-            required_samples=spec.schedule.required_samples,
-            trigger_parameter_sync_step=spec.schedule.trigger_parameter_sync_step,
-            use_rollout_log_probs=t.use_rollout_log_probs,
-            compute_prox_log_prob=t.compute_prox_log_prob,
-            temperature=t.temperature,
-            pad_token_id=int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0),
-            queue_get_timeout_s=t.queue_get_timeout_s,
-            on_engine_failure=spec.engines.on_engine_failure,
-            max_response_length=t.max_response_length,
-            max_prompt_length=spec.executor.data.max_prompt_length,
-            world_size=t.world_size,
-        )
-        critic = build_critic_backend(t) if t.critic is not None else None  # algorithm.adv_estimator=gae
-        adaptive = spec.schedule.adaptive
-        self.trainer = FullyAsyncTrainer(
-            settings,
-            backend,
+        sync = spec.param_sync
+
+        def param_sync_for(backend: Any, param_dtype: str) -> Any:
+            # disk: an HF folder per version; distributed (or nccl): buckets broadcast by the process that holds full
+            # parameters (this one, or trainer rank 0 with several ranks), reached by the engines at master_address.
+            dtype = resolve_sync_dtype(sync.dtype, spec.trainer.device, param_dtype)
+            return ParamSync(
+                engine_urls,
+                transport_from_config(sync, backend, dtype, master_address=_master_address(sync, backend, engine_urls)),
+                pause_timeout_s=sync.timeout_s,
+                update_timeout_s=sync.timeout_s,
+                continue_timeout_s=sync.timeout_s,
+                weights_dtype=dtype,
+                api_key=api_key,
+            )
+
+        self.trainer = build_trainer(
+            spec,
             _RolloutServiceClient(rollouts, sync_gate_timeout_s=sync.timeout_s),
-            self.param_sync,
-            advantages=t.advantages,
-            correction=correction,
-            critic=critic,
-            dump=_training_dump(spec.run.rollout_data_dir, tokenizer),
-            staleness=StalenessController(adaptive, spec.schedule.max_staleness) if adaptive is not None else None,
+            param_sync_for,
+            ranks=ranks,
+            record=record,
         )
+        self.backend = self.trainer.backend
+        self.param_sync = self.trainer.param_sync
 
     def train_step(self) -> dict | None:
         return self.trainer.train_step()
@@ -233,6 +217,64 @@ def _master_address(sync: Any, backend: Any, engine_urls: list[str]) -> str:
     address = resolve_master_address(sync.master_address, rank0, engine_urls, here)
     logger.info("weight-update group: engines reach trainer rank 0 (node %s) at %s", rank0, address)
     return address
+
+
+def build_trainer(
+    spec: Any, rollouts: Any, param_sync_for: Any = None, *, ranks: dict | None = None, record: Any = None
+) -> Any:
+    """The run's FullyAsyncTrainer from its frozen RunSpec: the policy backend (`build_policy_backend`), the
+    correction, the critic (GAE), the adaptive staleness controller, the trajectory dump and the batch recorder. The
+    trainer actor and `replay` both build it here, so a replay runs the training code the run ran.
+
+    `rollouts`: an api.step_messages.RolloutSource; `param_sync_for(backend, param_dtype)`: the ParamSync of a run
+    (None: no engines; a sync then only bumps the version, as in replay); `record`: a RecordTarget
+    (runtime/trainer/record.py) or None.
+    """
+    from transformers import AutoTokenizer
+
+    from rllm.experimental.fully_async.algorithms.corrections import corrector_for
+    from rllm.experimental.fully_async.backends.verl_patch import require_patched_verl
+    from rllm.experimental.fully_async.core.adaptive_staleness import StalenessController
+    from rllm.experimental.fully_async.runtime.trainer.fully_async_trainer import FullyAsyncTrainer, TrainerSettings
+
+    require_patched_verl()
+    t = spec.trainer
+    tokenizer = AutoTokenizer.from_pretrained(t.model_path)
+    correction = corrector_for(t.correction, compute_prox_log_prob=t.compute_prox_log_prob)
+    backend, param_dtype = build_policy_backend(t, correction, ranks)
+    param_sync = param_sync_for(backend, param_dtype) if param_sync_for is not None else None
+    settings = TrainerSettings(
+        required_samples=spec.schedule.required_samples,
+        trigger_parameter_sync_step=spec.schedule.trigger_parameter_sync_step,
+        use_rollout_log_probs=t.use_rollout_log_probs,
+        compute_prox_log_prob=t.compute_prox_log_prob,
+        temperature=t.temperature,
+        pad_token_id=int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0),
+        queue_get_timeout_s=t.queue_get_timeout_s,
+        on_engine_failure=spec.engines.on_engine_failure,
+        max_response_length=t.max_response_length,
+        max_prompt_length=spec.executor.data.max_prompt_length,
+        world_size=t.world_size,
+    )
+    critic = build_critic_backend(t) if t.critic is not None else None  # algorithm.adv_estimator=gae
+    adaptive = spec.schedule.adaptive
+    recorder = None
+    if record is not None:
+        from rllm.experimental.fully_async.runtime.trainer.record import BatchRecorder
+
+        recorder = BatchRecorder(record, backend)
+    return FullyAsyncTrainer(
+        settings,
+        backend,
+        rollouts,
+        param_sync,
+        advantages=t.advantages,
+        correction=correction,
+        critic=critic,
+        dump=_training_dump(spec.run.rollout_data_dir, tokenizer),
+        staleness=StalenessController(adaptive, spec.schedule.max_staleness) if adaptive is not None else None,
+        recorder=recorder,
+    )
 
 
 def _training_dump(directory: str | None, tokenizer: Any) -> Any:

@@ -16,7 +16,9 @@ one mini-batch). Its guarantees:
 - with adaptive staleness (a `StalenessController`, core/adaptive_staleness.py) each batch's off-policy statistics
   feed the controller, which moves η at each sync; every request carries the η in force, so the rollout service's
   budget follows it from the request after the sync;
-- every wait (the batch, Ray calls, sync) has a timeout whose error says what was waited for.
+- every wait (the batch, Ray calls, sync) has a timeout whose error says what was waited for;
+- with a recorder (run.record_batches), each step's batch, version and RNG states are written before the step runs,
+  so `replay` can re-run the training (runtime/trainer/record.py, replay.py).
 With max_staleness 0 and trigger 1 this is exactly synchronous on-policy training.
 """
 
@@ -86,6 +88,7 @@ class FullyAsyncTrainer:
         step: int = 0,
         dump: Any | None = None,  # (step, groups, data) -> None: trainer.rollout_data_dir (observe/dumps.py)
         staleness: StalenessController | None = None,  # async_training.adaptive_staleness; None: η fixed
+        recorder: Any | None = None,  # run.record_batches: runtime/trainer/record.py BatchRecorder; None: off
     ) -> None:
         self.settings = settings
         self.backend = backend
@@ -102,6 +105,7 @@ class FullyAsyncTrainer:
         self.dump = dump
         self.staleness = staleness
         self._stale_counts = StaleCounts()  # rLLM's cumulative fully_async/count/* (not checkpointed, as in rLLM)
+        self.recorder = recorder
 
     # ------------------------------------------------------------------------------------------------------
 
@@ -149,6 +153,9 @@ class FullyAsyncTrainer:
         if not groups:
             return None
         clock = _Stopwatch()
+        if self.recorder is not None:  # the step's inputs, before anything of it runs (replay: record.py)
+            self.recorder.write(self.step + 1, self.version, groups)
+            metrics["timing/record_s"] = clock.lap()
         cpu_started = time.process_time()
         data = groups_to_dataproto(
             groups,

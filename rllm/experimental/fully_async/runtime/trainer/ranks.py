@@ -132,6 +132,17 @@ class _PolicyRank:
     def call(self, method: str, *args: Any) -> Any:
         return getattr(self.backend, method)(*args)
 
+    def rng_state(self) -> dict[str, Any]:
+        """This rank's python, numpy and torch RNG states (the batch record keeps them for replay)."""
+        from rllm.experimental.fully_async.runtime.checkpoints.store import capture_rng_state
+
+        return capture_rng_state()
+
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        from rllm.experimental.fully_async.runtime.checkpoints.store import restore_rng_state
+
+        restore_rng_state(state)
+
     def save_checkpoint(self, directory: str) -> dict[str, dict[str, Any]]:
         """This rank's shard (a collective: every rank's files are on disk when it returns), then the manifest
         entries of this rank's share of the folder's files, so the ranks hash in parallel."""
@@ -305,6 +316,14 @@ class DistributedPolicyBackend:
     def load_checkpoint(self, directory: str | os.PathLike[str]) -> None:
         """Each rank reads its shard of a `save_checkpoint` folder written by any world size."""
         self._fan_out("load_checkpoint", [(str(directory),)] * self.world)
+
+    def rng_states(self) -> list[dict[str, Any]]:
+        """Every rank's RNG states, in rank order (runtime/trainer/record.py keeps them for replay)."""
+        return self._fan_out("rng_state", [()] * self.world, on_rank=True)
+
+    def set_rng_states(self, states: list[dict[str, Any]]) -> None:
+        """Put back what `rng_states` returned, rank by rank."""
+        self._fan_out("set_rng_state", [(state,) for state in states], on_rank=True)
 
     # ------------------------------------------------------------------------------------------------------------
     # The distributed weight transport (runtime/sync/sender.py)
