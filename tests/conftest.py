@@ -87,6 +87,16 @@ def addition_cache(tmp_path_factory) -> Path:
 QUICK_WARMUP_STEPS = 60
 
 
+@pytest.fixture(scope="session")
+def number_line_cache(tmp_path_factory) -> Path:
+    """A task cache holding the number-line agent task with the same short warm-up, built once per session."""
+    from rllm.experimental.fully_async.tasks.number_line import prepare_number_line_assets
+
+    cache = tmp_path_factory.mktemp("number_line_cache")
+    prepare_number_line_assets(cache, seed=0, warmup_steps=QUICK_WARMUP_STEPS)
+    return cache
+
+
 def addition_run_command(run_dir: Path, addition_cache: Path, *overrides: str) -> list[str]:
     """The CLI on the addition task from the session's cache (quick warm-up), writing to `run_dir`."""
     return [
