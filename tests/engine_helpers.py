@@ -9,13 +9,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 LOGPROB_TOL = 1e-4
 
 
-ENGINE_KINDS = ["embedded", "sglang_standin"]
+# Every client and ParamSync test runs against both; the inner loop (-m "not slow") against the embedded engine only,
+# since each kind costs two engine starts per module (test_engine_sglang checks the stand-in's own protocol there).
+ENGINE_KINDS = ["embedded", pytest.param("sglang_standin", marks=pytest.mark.slow)]
 
 
 def engine_command(kind: str, model_path: Path, *, max_running_requests: int = 64, api_key: str | None = None) -> Any:

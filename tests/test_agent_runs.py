@@ -19,7 +19,7 @@ from conftest import QUICK_WARMUP_STEPS
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 4
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # CLI runs end to end
 
 USER_REWARD = """
 import time

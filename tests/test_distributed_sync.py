@@ -166,6 +166,7 @@ def test_the_engines_apply_weight_version_as_sglang_does(engines, models, reques
     assert status_missing == (422 if standin else 400)
 
 
+@pytest.mark.slow  # waits out a broadcast timeout and an engine restart (~25 s on a busy 2-core machine)
 def test_an_engine_killed_mid_broadcast_fails_the_sync_in_time_and_its_restart_rejoins_through_a_new_group(
     models, tmp_path, monkeypatch
 ):
