@@ -18,6 +18,21 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # ignored, and an ignored signal stays ignored through exec: the runs would never see it. Restore the default here,
 # before any test starts a child.
 signal.signal(signal.SIGINT, signal.default_int_handler)
+_SESSION_PID = os.getpid()
+
+
+def _sigterm_unwinds_like_ctrl_c(signum: int, frame: object) -> None:
+    """SIGTERM stops the session as Ctrl-C does, through the fixtures' teardown: the session's Ray is stopped like
+    a run's (every process it started, by pid) instead of being left to Python's default exit, which runs no
+    teardown and left gcs_server running. A process forked from this one (a worker pool's) ends as SIGTERM asks."""
+    if os.getpid() != _SESSION_PID:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+signal.signal(signal.SIGTERM, _sigterm_unwinds_like_ctrl_c)
 
 TINY_VOCAB_SIZE = 32
 TINY_EOS_TOKEN_ID = 1
@@ -26,19 +41,25 @@ TINY_PAD_TOKEN_ID = 0
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """Start Ray once per test session (about 3 s) with the small, loopback-only settings."""
+    """Start Ray once per test session (about 3 s) with the small, loopback-only settings, under a run's guard
+    (runtime/run/processes.py): at the session's end, even one ended by SIGTERM or Ctrl-C, every process it started
+    is stopped by pid."""
     import ray
 
-    if not ray.is_initialized():
-        ray.init(
-            address="local",  # never another session's Ray (address=None joins whatever runs on the machine)
-            num_cpus=4,  # logical slots, so several small actors fit on a 2-core machine
-            include_dashboard=False,
-            object_store_memory=1_000_000_000,
-            configure_logging=False,
-        )
-    yield ray
-    ray.shutdown()
+    from rllm.experimental.fully_async.runtime.run.processes import ray_lifetime
+
+    def init() -> None:
+        if not ray.is_initialized():
+            ray.init(
+                address="local",  # never another session's Ray (address=None joins whatever runs on the machine)
+                num_cpus=4,  # logical slots, so several small actors fit on a 2-core machine
+                include_dashboard=False,
+                object_store_memory=1_000_000_000,
+                configure_logging=False,
+            )
+
+    with ray_lifetime(init):
+        yield ray
 
 
 def build_tiny_qwen2(path: Path, seed: int = 0) -> Path:
@@ -85,6 +106,16 @@ def addition_cache(tmp_path_factory) -> Path:
 
 
 QUICK_WARMUP_STEPS = 60
+
+
+@pytest.fixture(scope="session")
+def number_line_cache(tmp_path_factory) -> Path:
+    """A task cache holding the number-line agent task with the same short warm-up, built once per session."""
+    from rllm.experimental.fully_async.tasks.number_line import prepare_number_line_assets
+
+    cache = tmp_path_factory.mktemp("number_line_cache")
+    prepare_number_line_assets(cache, seed=0, warmup_steps=QUICK_WARMUP_STEPS)
+    return cache
 
 
 def addition_run_command(run_dir: Path, addition_cache: Path, *overrides: str) -> list[str]:

@@ -1,19 +1,24 @@
-"""Helpers shared by the engine, client and ParamSync tests: distinct test models and reference log-probs."""
+"""Helpers shared by the engine, client and ParamSync tests: distinct test models, reference log-probs, and the
+generate-while-syncing scenario both weight transports are held to."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 LOGPROB_TOL = 1e-4
 
 
-ENGINE_KINDS = ["embedded", "sglang_standin"]
+# Every client and ParamSync test runs against both; the inner loop (-m "not slow") against the embedded engine only,
+# since each kind costs two engine starts per module (test_engine_sglang checks the stand-in's own protocol there).
+ENGINE_KINDS = ["embedded", pytest.param("sglang_standin", marks=pytest.mark.slow)]
 
 
 def engine_command(kind: str, model_path: Path, *, max_running_requests: int = 64, api_key: str | None = None) -> Any:
@@ -78,3 +83,57 @@ def restarted(launcher: Any, index: int) -> Any:
         assert time.monotonic() < deadline, "restarted engine not healthy within 90 s"
         time.sleep(0.1)
     return launcher.processes[index]
+
+
+def generate_while_syncing(
+    urls: list[str], push: Callable[[int], None], versions: range, *, workers: int
+) -> list[tuple[list[int], Any]]:
+    """`workers` clients sample one-token-prompt completions of varied lengths on `urls` without pause while
+    `push(version)` (a weight sync, run in a thread) runs for each of `versions` in turn; each worker finishes at
+    least one request. Returns (prompt, GenerationResult) for every completion."""
+    from rllm.experimental.fully_async.engines.client import EngineClient
+
+    async def scenario() -> list[tuple[list[int], Any]]:
+        results: list[tuple[list[int], Any]] = []
+        done = asyncio.Event()
+        async with EngineClient(urls) as client:
+
+            async def worker(i: int) -> None:
+                n = 0
+                while not done.is_set() or n == 0:
+                    prompt = [2 + (i + n) % 29]
+                    params = {"temperature": 1.0, "max_new_tokens": 40 + 13 * i % 60, "ignore_eos": True}
+                    results.append((prompt, await client.generate(prompt, params)))
+                    n += 1
+
+            async def syncs() -> None:
+                try:
+                    for version in versions:
+                        await asyncio.to_thread(push, version)
+                finally:
+                    done.set()
+
+            await asyncio.gather(syncs(), *(worker(i) for i in range(workers)))
+        return results
+
+    return asyncio.run(scenario())
+
+
+def assert_each_piece_has_one_versions_logprobs(
+    results: list[tuple[list[int], Any]], model_for: Callable[[int], PreTrainedModel]
+) -> None:
+    """Every completion's tokens carry non-decreasing versions, and each run of one version has that version's
+    log-probs (`model_for(version)` recomputes them); at least one completion was interrupted by a sync and
+    resumed, so the check saw a piece boundary."""
+    resumed = 0
+    for prompt, result in results:
+        assert len(result.output_ids) == len(result.logprobs) == len(result.versions)
+        assert result.versions == sorted(result.versions), "versions never go backwards within a sequence"
+        resumed += result.num_resumes
+        start = 0
+        for version in sorted(set(result.versions)):
+            end = start + result.versions.count(version)
+            expected = reference_logprobs(model_for(version), prompt, result.output_ids)[start:end]
+            assert max_abs_diff(result.logprobs[start:end], expected) < LOGPROB_TOL, f"version {version} piece"
+            start = end
+    assert resumed >= 1, "some generation should have been interrupted by a sync and resumed"

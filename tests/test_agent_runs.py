@@ -15,10 +15,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import QUICK_WARMUP_STEPS
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 4
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # CLI runs end to end
 
 USER_REWARD = """
 import time
@@ -32,15 +33,6 @@ def shaped(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
-@pytest.fixture(scope="session")
-def number_line_cache(tmp_path_factory) -> Path:
-    from rllm.experimental.fully_async.tasks.number_line import prepare_number_line_assets
-
-    cache = tmp_path_factory.mktemp("number_line_cache")
-    prepare_number_line_assets(cache, seed=0, warmup_steps=60)
-    return cache
-
-
 def _run(root: Path, cache: Path, *overrides: str, config: Path = REPO / "config" / "agent_cpu.yaml"):
     command = [
         sys.executable,
@@ -50,7 +42,7 @@ def _run(root: Path, cache: Path, *overrides: str, config: Path = REPO / "config
         str(config),
         f"run.dir={root / 'run'}",
         f"task.cache_dir={cache}",
-        "task.warmup_steps=60",
+        f"task.warmup_steps={QUICK_WARMUP_STEPS}",
         f"trainer.total_training_steps={STEPS}",
         "trainer.test_freq=2",
         "async_training.required_samples=4",

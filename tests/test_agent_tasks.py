@@ -7,6 +7,7 @@ import asyncio
 
 import numpy as np
 import pytest
+from conftest import QUICK_WARMUP_STEPS
 from engine_helpers import wait_for_decoding
 from transformers import AutoTokenizer
 
@@ -26,8 +27,8 @@ GROUP = 8
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    return prepare_number_line_assets(tmp_path_factory.mktemp("number_line_cache"), seed=0, warmup_steps=60)
+def assets(number_line_cache):
+    return prepare_number_line_assets(number_line_cache, seed=0, warmup_steps=QUICK_WARMUP_STEPS)  # the session's
 
 
 @pytest.fixture(scope="module")

@@ -125,6 +125,7 @@ finally:
 """
 
 
+@pytest.mark.slow  # a two-node Ray cluster with real engines and rank actors (~100 s on 2 cores)
 def test_a_two_node_cluster_runs_every_process_on_its_planned_node_and_gpus(tmp_path, tiny_model_dir):
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     env.pop("CUDA_VISIBLE_DEVICES", None)

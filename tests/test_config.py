@@ -171,6 +171,7 @@ _BAD_VALUES = st.one_of(
 )
 
 
+@pytest.mark.slow  # 60 config loads (~80 s on a busy 2-core machine)
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(key=st.sampled_from(_KEYS), value=_BAD_VALUES)
 def test_fuzzed_bad_values_always_raise_config_error_naming_the_key(key, value):
@@ -180,6 +181,7 @@ def test_fuzzed_bad_values_always_raise_config_error_naming_the_key(key, value):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.slow  # 40 config loads (~60-160 s on a busy 2-core machine)
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     section=st.sampled_from(["async_training", "engines", "trainer", "actor_rollout_ref.actor"]),

@@ -109,6 +109,7 @@ def test_vf_loss_is_the_clipped_value_loss_of_the_docstring_over_the_whole_batch
     assert 0 < metrics["critic/vf_clipfrac"] < 1
 
 
+@pytest.mark.slow  # hundreds of critic updates (~17 s on a busy 2-core machine)
 def test_update_critic_fits_fixed_returns(tiny_model_dir):
     backend = FSDPCriticBackend(tiny_model_dir, critic_cfg(ppo_micro_batch_size_per_gpu=4))
     data = critic_batch(seed=1)

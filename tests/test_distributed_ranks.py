@@ -61,6 +61,7 @@ def two_ranks(ray_session, models):
     group.shutdown()
 
 
+@pytest.mark.slow  # two gloo rank actors and two engines (~40 s on a busy 2-core machine)
 def test_two_ranks_broadcast_what_a_disk_sync_of_the_same_weights_gives(two_ranks, models, tmp_path):
     cmd = EmbeddedEngineCommand(str(models["a"][0]), num_threads=1)
     with EngineLauncher(cmd, 2, log_dir=tmp_path / "logs") as launcher:
@@ -92,6 +93,7 @@ def test_two_ranks_broadcast_what_a_disk_sync_of_the_same_weights_gives(two_rank
         assert max_abs_diff(wire.logprobs, reference_logprobs(trained, prompt, wire.output_ids)) < 1e-4
 
 
+@pytest.mark.slow  # two gloo rank actors, an engine killed and restarted (~30 s on a busy 2-core machine)
 def test_an_engine_killed_mid_broadcast_leaves_no_rank_waiting(two_ranks, models, tmp_path, monkeypatch):
     """Rank 0 broadcasts in its own actor, so the kill happens from the engine's side: SIGKILL once its second
     bucket's call is in flight. The sync fails in time naming it; the next sync (the survivor alone) and a training
@@ -190,6 +192,7 @@ def test_the_transport_takes_each_backends_own_source_of_full_tensors(models):
     assert megatron.drained == len(state_b)
 
 
+@pytest.mark.slow  # a CLI run end to end
 def test_a_short_cli_run_with_two_trainer_ranks_syncs_by_broadcast(tmp_path, addition_cache):
     run_dir = tmp_path / "run"
     command = addition_run_command(

@@ -59,6 +59,7 @@ def report_lines(stdout: str) -> dict[str, str]:
     return lines
 
 
+@pytest.mark.slow  # two doctor processes, each starting Ray (~30 s on a busy 2-core machine)
 def test_doctor_passes_here_and_reports_versions_patch_devices_and_ray(doctor_runs):
     result = doctor_runs["here"]
     assert result.returncode == 0, result.stdout + result.stderr
@@ -74,6 +75,7 @@ def test_doctor_passes_here_and_reports_versions_patch_devices_and_ray(doctor_ru
     assert result.stdout.strip().endswith("all checks passed")
 
 
+@pytest.mark.slow  # two doctor processes, each starting Ray (~30 s on a busy 2-core machine)
 def test_doctor_fails_on_unpatched_verl_and_says_how_to_fix_it(doctor_runs):
     result = doctor_runs["unpatched"]
     assert result.returncode == 1, result.stdout

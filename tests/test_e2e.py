@@ -16,6 +16,7 @@ import pytest
 from conftest import addition_run_command, leftover_processes
 
 STEPS = 8
+pytestmark = pytest.mark.slow  # one CLI run end to end, read by every test
 MAX_STALENESS = 1
 
 

@@ -494,6 +494,7 @@ def test_sglang_command_line_has_the_flags_fully_async_needs():
         cmd.env(2)
 
 
+@pytest.mark.slow  # converts SmolLM2-135M from its GGUF wheel (~20-30 s) and serves it
 def test_engine_serves_a_real_pretrained_model_like_transformers(tmp_path, real_model_dir):
     model_dir = real_model_dir
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()

@@ -122,6 +122,7 @@ def test_a_killed_engine_is_restarted_on_a_new_port_and_reported_once_healthy(en
         assert supervisor.poll() == [], "a replacement is reported once"
 
 
+@pytest.mark.slow  # engines killed past their restart budget (~15 s on a busy 2-core machine)
 def test_past_the_restart_budget_an_engine_is_lost_and_losing_all_stops_the_run(engine_cmd, tmp_path):
     with EngineLauncher(engine_cmd, 2, log_dir=tmp_path) as launcher:
         supervisor = EngineSupervisor(launcher, "restart", max_restarts=0)
@@ -167,6 +168,7 @@ def test_a_restart_that_never_gets_healthy_uses_up_the_budget_and_leaves_no_proc
 # --- the client and ParamSync take the replacement in --------------------------------------------------------------
 
 
+@pytest.mark.slow  # an engine killed mid-request and restarted (~20 s on a busy 2-core machine)
 def test_a_request_on_the_only_engine_waits_for_its_restart_and_finishes_there(engine_cmd, tmp_path):
     max_new = 200
     with EngineLauncher(engine_cmd, 1, log_dir=tmp_path) as launcher:
@@ -189,6 +191,7 @@ def test_a_request_on_the_only_engine_waits_for_its_restart_and_finishes_there(e
     assert result.num_retries >= 1 and new.url != old.url
 
 
+@pytest.mark.slow  # two engine restarts and syncs (~17 s on a busy 2-core machine)
 def test_a_restarted_engine_gets_the_last_synced_weights_and_every_later_sync(engine_cmd, models, tmp_path):
     def writer(name: str) -> Callable[[str], None]:
         return lambda path: shutil.copytree(models[name][0], path, dirs_exist_ok=True)

@@ -13,7 +13,7 @@ from conftest import addition_run_command
 from sglang_standin import standin_pythonpath
 
 STEPS = 3
-pytestmark = pytest.mark.timeout(660)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(660)]  # a CLI run end to end
 
 
 def test_cli_trains_against_the_sglang_standin_and_engine_versions_advance(tmp_path, addition_cache):

@@ -113,6 +113,7 @@ def example_run(tmp_path_factory, addition_cache):
     return root
 
 
+@pytest.mark.slow  # reads a CLI run end to end (example_run)
 def test_example_reward_function_scored_the_rollouts_of_our_parquet(example_run):
     calls = [json.loads(line) for line in (example_run / "calls.jsonl").read_text().splitlines()]
     assert len(calls) >= STEPS * 16 * 4  # required_samples x n per step, from examples/own_data/config.yaml
@@ -126,6 +127,7 @@ def test_example_reward_function_scored_the_rollouts_of_our_parquet(example_run)
     assert any(score == 0.1 for *_, score in calls)  # the example's format bonus, which no built-in reward gives
 
 
+@pytest.mark.slow  # reads a CLI run end to end (example_run)
 def test_tensorboard_event_files_hold_the_runs_scalars(example_run):
     scalars = read_scalars.read_scalars(example_run / "tb")
     metrics = [json.loads(line) for line in (example_run / "run/metrics.jsonl").read_text().splitlines()]

@@ -364,6 +364,7 @@ class RetryCountingClient:
         return results
 
 
+@pytest.mark.slow  # two engines killed under load (~15 s on a busy 2-core machine)
 def test_a_killed_engine_has_its_requests_resent_and_losing_the_last_engine_stops_the_run(
     model_dir, dataset, tokenizer, tmp_path
 ):

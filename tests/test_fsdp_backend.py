@@ -263,6 +263,7 @@ def _assert_same_step(single: FSDPPolicyBackend, single_metrics: dict, sharded: 
         torch.testing.assert_close(sharded[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow  # two gloo ranks in their own processes (~40-60 s on a busy 2-core machine)
 def test_fsdp2_world_of_two_takes_the_same_step_as_one_process(model_dir, tmp_path):
     """Half the batch on each of two ranks (FSDP2, gloo) must give the whole-batch step of a single process."""
     single, old, _, single_metrics = _single_process_step(model_dir)
@@ -278,6 +279,7 @@ UNBALANCED_ROWS = [[0, 3, 5], [1, 2, 4]]
 DYNAMIC = {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 9, "ppo_infer_max_token_len_per_gpu": 9}
 
 
+@pytest.mark.slow  # two gloo ranks in their own processes (~40-60 s on a busy 2-core machine)
 def test_fsdp2_dynamic_micro_batches_with_unbalanced_tokens_finish_and_match(model_dir, tmp_path):
     """use_dynamic_bsz on two FSDP2 ranks whose token counts differ: the patch agrees the micro-batch count, so
     every forward/backward has its partner on the other rank; the step and the log-probs equal one process's."""
@@ -322,6 +324,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow  # two gloo ranks in their own processes (~40-60 s on a busy 2-core machine)
 def test_dynamic_micro_batch_counts_agree_across_ranks_only_with_the_patch(tmp_path, tiny_model_dir):
     """The same two unbalanced ranks against a patched and a pristine copy of verl: pristine verl cuts 3 and 2
     micro-batches (under FSDP the rank with 2 would leave the other's third all-gather waiting forever)."""

@@ -347,6 +347,7 @@ def iterator_observations(tmp_path_factory) -> dict[str, dict[str, Any]]:
     return results
 
 
+@pytest.mark.slow  # verl Megatron workers in four processes (~20 s on a busy 2-core machine)
 def test_patched_iterator_yields_the_whole_batch_once(iterator_observations):
     patched = iterator_observations["patched"]
     assert patched["fully_async"] == {"batches": 1, "rows": [ROWS], "whole_batch_unchanged": True}
@@ -357,6 +358,7 @@ def test_patched_iterator_yields_the_whole_batch_once(iterator_observations):
     assert pristine["fully_async"] == pristine["ordinary"] == patched["ordinary"]
 
 
+@pytest.mark.slow  # verl Megatron workers in four processes (~20 s on a busy 2-core machine)
 def test_patched_update_policy_skips_a_batch_without_response_tokens(iterator_observations):
     patched = iterator_observations["patched"]["empty_batch"]
     assert patched.get("metrics") == {} and "forward" not in patched["calls"] and "step" not in patched["calls"]

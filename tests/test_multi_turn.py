@@ -3,55 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
-from typing import Any
 
 import pytest
+from workflow_helpers import Datum, ScriptedClient
 
 from rllm.experimental.fully_async.api.trajectory import TrajectoryGroup, TrajectoryStatus
 from rllm.experimental.fully_async.core.batch import groups_to_dataproto
-from rllm.experimental.fully_async.engines.client import GenerationResult
 from rllm.experimental.fully_async.envs import EnvSpec, state_hash
-from rllm.experimental.fully_async.tasks.number_line import VOCAB, build_tokenizer
+from rllm.experimental.fully_async.tasks.number_line import build_tokenizer
 from rllm.experimental.fully_async.workers import WorkerPool
 from rllm.experimental.fully_async.workflows.multi_turn import MultiTurnWorkflow
 from rllm.experimental.fully_async.workflows.tools import ToolBox, calculator, parse_tool_call
-
-EOS = VOCAB["<eos>"]
-
-
-@dataclass
-class Datum:
-    prompt_uid: str
-    prompt_ids: list[int]
-    extra_info: dict[str, Any]
-    ground_truth: Any = "7"
-    data_source: str = "test"
-
-
-@dataclass
-class ScriptedClient:
-    """Answers each generate with the next scripted action text; `versions` gives per-token versions."""
-
-    tokenizer: Any
-    actions: list[str]
-    versions: list[list[int]] | None = None
-    calls: list[list[int]] = field(default_factory=list)
-
-    async def generate(self, input_ids, sampling_params, *, rid=None) -> GenerationResult:
-        turn = len(self.calls)
-        self.calls.append(list(input_ids))
-        ids = [*self.tokenizer.encode(self.actions[turn], add_special_tokens=False), EOS]
-        ids = ids[: sampling_params["max_new_tokens"]]
-        versions = self.versions[turn] if self.versions else [0] * len(ids)
-        return GenerationResult(
-            output_ids=ids,
-            logprobs=[-0.1 * (i + 1) for i in range(len(ids))],
-            versions=versions,
-            finish_reason="stop" if ids[-1] == EOS else "length",
-            num_resumes=len(set(versions)) - 1,
-            prompt_tokens=len(input_ids),
-        )
 
 
 @pytest.fixture(scope="module")

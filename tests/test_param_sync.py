@@ -8,7 +8,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from engine_helpers import ENGINE_KINDS, LOGPROB_TOL, engine_command, max_abs_diff, reference_logprobs
+from engine_helpers import (
+    ENGINE_KINDS,
+    assert_each_piece_has_one_versions_logprobs,
+    engine_command,
+    generate_while_syncing,
+    max_abs_diff,
+    reference_logprobs,
+)
 
 from rllm.experimental.fully_async.engines import EngineLauncher, free_port
 from rllm.experimental.fully_async.engines.client import EngineClient, GenerationResult
@@ -102,47 +109,13 @@ def test_a_failed_load_raises_and_leaves_engines_resumed_on_the_old_version(engi
 
 def test_updates_under_concurrent_load_give_each_piece_exactly_one_versions_weights(engines, models, tmp_path):
     """Repeated syncs while generating: each resumed piece's log-probs are one version's, stitched in order."""
-    model_for = {v: models["b"][1] if v % 2 else models["a"][1] for v in range(0, 7)}
     path_for = {v: models["b"][0] if v % 2 else models["a"][0] for v in range(0, 7)}
-
-    async def scenario(sync: ParamSync) -> list[tuple[list[int], GenerationResult]]:
-        results: list[tuple[list[int], GenerationResult]] = []
-        syncing_done = asyncio.Event()
-        async with EngineClient(engines) as client:
-
-            async def worker(i: int) -> None:
-                n = 0
-                while not syncing_done.is_set() or n == 0:
-                    prompt = [2 + (i + n) % 29]
-                    params = {"temperature": 1.0, "max_new_tokens": 40 + 13 * i % 60, "ignore_eos": True}
-                    results.append((prompt, await client.generate(prompt, params)))
-                    n += 1
-
-            async def syncs() -> None:
-                try:
-                    for version in range(3, 7):
-                        await asyncio.to_thread(sync.sync, writer(path_for[version]), version)
-                finally:
-                    syncing_done.set()
-
-            await asyncio.gather(syncs(), *(worker(i) for i in range(12)))
-        return results
-
     with ParamSync(engines, DiskTransport(tmp_path / "weights")) as sync:
         sync.sync(writer(path_for[2]), 2)  # a known starting version on both engines
-        results = asyncio.run(scenario(sync))
-    resumed = 0
-    for prompt, result in results:
-        assert len(result.output_ids) == len(result.logprobs) == len(result.versions)
-        assert result.versions == sorted(result.versions), "versions never go backwards within a sequence"
-        resumed += result.num_resumes
-        start = 0
-        for version in sorted(set(result.versions)):
-            end = start + result.versions.count(version)
-            expected = reference_logprobs(model_for[version], prompt, result.output_ids)[start:end]
-            assert max_abs_diff(result.logprobs[start:end], expected) < LOGPROB_TOL, f"version {version} piece"
-            start = end
-    assert resumed >= 1, "some generation should have been interrupted by a sync and resumed"
+        results = generate_while_syncing(
+            engines, lambda version: sync.sync(writer(path_for[version]), version), range(3, 7), workers=12
+        )
+    assert_each_piece_has_one_versions_logprobs(results, lambda v: models["b"][1] if v % 2 else models["a"][1])
 
 
 def test_an_engine_that_does_not_read_back_the_pushed_version_fails_the_sync_naming_it(engines, models, tmp_path):

@@ -196,6 +196,7 @@ ray.shutdown()
 """
 
 
+@pytest.mark.slow  # its own Ray instance declaring 8 GPUs (~12 s on a busy 2-core machine)
 def test_ray_declaring_gpus_gives_each_rank_one_trainer_gpu_and_never_an_engine_gpu(tmp_path):
     """Ray declares 8 GPUs this machine does not have: 2 engines of tp 2 keep GPUs 0-3, the 4 ranks get 4-7."""
     import json

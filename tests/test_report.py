@@ -385,6 +385,7 @@ def _browser(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=180)
 
 
+@pytest.mark.slow  # a headless browser renders every figure (~12 s on a busy 2-core machine)
 @pytest.mark.skipif(_chromium() is None, reason="no chromium on PATH (Debian: apt-get install -y chromium)")
 def test_every_figure_renders_in_headless_chromium(tmp_path):
     """The written page (the real run beside a synchronous one) loaded in a real browser: plotly drew traces in

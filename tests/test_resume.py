@@ -95,6 +95,7 @@ def _sigkill_tree(proc: subprocess.Popen) -> None:
 # Two trainer ranks (gloo, one rank actor each) take the same path: each rank writes its own shard of the policy
 # through torch.distributed.checkpoint into the checkpoint being saved, and the resumed group reads them back. The
 # last case resumes the two ranks' checkpoint with one rank (DCP reshards; runtime/checkpoints/trainer_state.py).
+@pytest.mark.slow  # CLI runs end to end
 @pytest.mark.parametrize(
     ("ranks", "resume_ranks"), [(1, 1), (2, 2), (2, 1)], ids=["one-rank", "two-ranks", "two-ranks-resumed-by-one"]
 )
@@ -142,6 +143,7 @@ def test_sigkill_then_resume_trains_every_prompt_of_the_epoch_exactly_once(small
     assert counts["issued"] == counts["trained"] == ledger_state["issued"] == len(expected)
 
 
+@pytest.mark.slow  # a CLI run end to end
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_interrupt_checkpoints_and_stops_everything_within_30s(small_task, tmp_path, sig):
     model_dir, train, val = small_task

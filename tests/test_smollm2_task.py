@@ -176,6 +176,7 @@ def smollm2_cache(tmp_path_factory) -> Path:
 
 
 @needs_smollm2
+@pytest.mark.slow  # the real SmolLM2-135M (its conversion takes ~20-30 s)
 def test_converted_model_is_a_plain_hf_folder_and_is_reused(smollm2_cache, monkeypatch):
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
@@ -200,6 +201,7 @@ def test_converted_model_is_a_plain_hf_folder_and_is_reused(smollm2_cache, monke
 
 
 @needs_smollm2
+@pytest.mark.slow  # the real SmolLM2-135M (its conversion takes ~20-30 s)
 def test_dequantized_model_still_answers_sensibly(smollm2_cache):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -216,6 +218,7 @@ def test_dequantized_model_still_answers_sensibly(smollm2_cache):
 
 
 @needs_smollm2
+@pytest.mark.slow  # the real SmolLM2-135M (its conversion takes ~20-30 s)
 def test_prompts_load_through_the_projects_data_path_within_the_config_limit(smollm2_cache):
     from transformers import AutoTokenizer
 
@@ -230,6 +233,7 @@ def test_prompts_load_through_the_projects_data_path_within_the_config_limit(smo
 
 
 @needs_smollm2
+@pytest.mark.slow  # the real SmolLM2-135M (its conversion takes ~20-30 s)
 def test_assets_measure_the_baseline_once(smollm2_cache, monkeypatch):
     assets = prepare_smollm2_assets(smollm2_cache, seed=0, num_val_pairs=1, max_new_tokens=4)
     assert len(pd.read_parquet(assets.val_parquet)) == len(TEMPLATES)

@@ -9,6 +9,7 @@ import random
 from pathlib import Path
 
 import pytest
+from workflow_helpers import Datum, ScriptedClient
 
 from rllm.experimental.fully_async.api.trajectory import TrajectoryGroup, TrajectoryStatus
 from rllm.experimental.fully_async.core.batch import groups_to_dataproto
@@ -23,24 +24,8 @@ from rllm.experimental.fully_async.workflows import MultiTurnWorkflow, build_wor
 REPO = Path(__file__).resolve().parents[1]
 
 
-class Scripted:
-    """Answers each turn with the next scripted text, encoded by the task's tokenizer and ended by EOS."""
-
-    def __init__(self, tokenizer, actions):
-        self.tokenizer, self.actions, self.calls = tokenizer, actions, []
-
-    async def generate(self, input_ids, sampling_params, *, rid=None):
-        from rllm.experimental.fully_async.engines.client import GenerationResult
-
-        ids = [*self.tokenizer.encode(self.actions[len(self.calls)]), self.tokenizer.eos_token_id]
-        self.calls.append(list(input_ids))
-        return GenerationResult(ids, [-0.5] * len(ids), [0] * len(ids), "stop", 0, len(input_ids))
-
-
-class Datum:
-    def __init__(self, tokenizer, a, b):
-        self.prompt_uid, self.prompt_ids = "p0", tokenizer.encode(task.PROMPT)
-        self.extra_info, self.ground_truth, self.data_source = {"a": a, "b": b}, str(a * b), task.DATA_SOURCE
+def product_datum(tokenizer, a: int, b: int) -> Datum:
+    return Datum("p0", tokenizer.encode(task.PROMPT), {"a": a, "b": b}, str(a * b), task.DATA_SOURCE)
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +45,8 @@ def test_the_calculator_turns_the_problem_into_a_copy_and_only_model_turns_train
     with WorkerPool(max_workers=1) as pool:
         workflow = build_workflow(spec.executor, None, pool)
         assert isinstance(workflow, MultiTurnWorkflow) and workflow.tools is not None
-        client = Scripted(tok, ["c[23*47]", "1081"])
-        traj = asyncio.run(workflow.run(client, tok, Datum(tok, 23, 47), 0))
+        client = ScriptedClient(tok, ["c[23*47]", "1081"])
+        traj = asyncio.run(workflow.run(client, tok, product_datum(tok, 23, 47), 0))
     assert traj.status == TrajectoryStatus.OK and traj.reward == 1.0 and traj.step_rewards == [0.0, 1.0]
     assert tok.decode(client.calls[1]) == "Q23*47=c[23*47]<eos>>1081:"  # the tool result as a tool message
     assert traj.metadata["steps"][0]["tool"] is True and traj.metadata["end_reason"] == "done"
@@ -70,7 +55,7 @@ def test_the_calculator_turns_the_problem_into_a_copy_and_only_model_turns_train
     assert data.batch["response_mask"].sum().item() == len("c[23*47]") + 1 + len("1081") + 1
     wrong = asyncio.run(
         MultiTurnWorkflow(EnvSpec(name="product"), {"max_new_tokens": 9}).run(
-            Scripted(tok, ["1234"]), tok, Datum(tok, 23, 47), 0
+            ScriptedClient(tok, ["1234"]), tok, product_datum(tok, 23, 47), 0
         )
     )
     assert wrong.reward == 0.0 and wrong.metadata["end_reason"] == "done" and wrong.metadata["num_turns"] == 1

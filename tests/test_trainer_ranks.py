@@ -93,6 +93,7 @@ def two_ranks(ray_session, tiny_model_dir):
     group.shutdown()
 
 
+@pytest.mark.slow  # two gloo rank actors (~25 s on a busy 2-core machine)
 def test_two_ranks_match_one_rank_then_resume_from_their_checkpoint(two_ranks, tiny_model_dir, tmp_path):
     single = FSDPPolicyBackend(tiny_model_dir, CFG)
     data = odd_batch(11, single)
@@ -150,6 +151,7 @@ def _run_checkpoint(trainer: FullyAsyncTrainer, root) -> Checkpoint:
     return load_checkpoint(manager.commit(tmp, trainer.step, files, {}))
 
 
+@pytest.mark.slow  # two gloo rank actors (~20 s on a busy 2-core machine)
 def test_run_checkpoint_holds_every_ranks_shard_and_resumes_at_two_or_one_rank(two_ranks, tiny_model_dir, tmp_path):
     single = FSDPPolicyBackend(tiny_model_dir, CFG)
     two_ranks.update_policy(odd_batch(14, single))

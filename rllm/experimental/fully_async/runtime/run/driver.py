@@ -137,7 +137,7 @@ class Run:
         with ray_gpu_environment(self.gpu_plan):
             start_ray = functools.partial(init_ray, num_gpus=ray_num_gpus(self.gpu_plan))
             if not on_cluster:
-                self._stack.enter_context(ray_lifetime(start_ray))  # also stops a half-started Ray (processes.py)
+                self._stack.enter_context(ray_lifetime(start_ray))  # interrupts held while Ray starts (processes.py)
         record = None  # run.record_batches: a new segment of RUN_DIR/record/, cut at the step resumed from
         if self.spec.run.record_batches:
             from rllm.experimental.fully_async.runtime.trainer.record import open_record
@@ -151,8 +151,8 @@ class Run:
             )
         # One rollout service (executor, queue, budget, ledger) and the trainer, which takes a batch from it with
         # one call per step; a resume hands each its own part of the checkpoint.
-        # An interrupt inside Ray's actor creation could leave a half-registered actor that crashes Ray's shutdown
-        # (seen once: the driver exited with SIGSEGV): it is held until the handles are registered for cleanup.
+        # An interrupt between creating an actor and registering its cleanup would skip that actor's own shutdown
+        # (a multi-rank trainer's ranks): it is held until both handles are registered.
         with interrupts_deferred():
             self.rollouts = RolloutServiceActor.remote(
                 self.spec,

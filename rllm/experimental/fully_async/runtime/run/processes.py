@@ -1,14 +1,25 @@
-"""Ray's lifetime inside a run: started under a guard that, however the run ends, leaves no Ray process behind.
+"""Ray's lifetime inside a run: a start-up that no interrupt cuts in half, and a stop that leaves no Ray process.
 
-`ray.shutdown()` stops the processes of a session that started completely. A run interrupted while `ray.init` is
-still starting them (SIGINT or SIGTERM at the wrong second) can leave some behind, and two of them,
-DashboardAgent and RuntimeEnvAgent, ignore SIGTERM: measured on the default run, a SIGTERM 16 s in left both
-running with no parent. `ray_lifetime` therefore notes which processes this driver started while Ray was up
-(its descendants that did not exist before `ray.init`, in the driver's own session: engines start in sessions
-of their own and are the launcher's to stop), shuts Ray down, and kills whichever of those is still alive a few
-seconds later. It also keeps Ray from replacing the driver's SIGTERM handler (`keep_python_signal_handlers`).
-Processes are found by ancestry, never by name, so another run's Ray on the same machine is
-never touched; psutil checks each pid's start time, so a reused pid is never killed either.
+Two facts about Ray 2.60 shape it (tests/test_startup_stop.py provokes both):
+
+- **An interrupt inside `ray.init` can crash the driver at exit.** Ray's `ray.init` installs a SIGTERM handler
+  that calls `sys.exit` wherever the main thread is. A SIGTERM that lands inside `CoreWorker.__cinit__` (the C++
+  core worker already runs its threads, `ray.init` has not yet kept the handle) leaves a core worker that
+  `ray.shutdown()` cannot see; at exit its C++ destructor frees it while its io thread still records metrics,
+  and the driver dies with SIGSEGV (core dump: `CoreWorkerProcess::HandleAtExit` in the main thread,
+  `TaskManager::RecordMetrics` jumping into freed memory in the io thread). So `ray_lifetime` holds SIGINT and
+  SIGTERM while Ray starts (a few seconds) and delivers them when `ray.init` returns, with Ray kept from
+  installing its own SIGTERM handler meanwhile; the run then stops through `ray.shutdown()` like any other.
+- **Some of Ray's processes outlive `ray.shutdown()`.** The raylet always starts DashboardAgent and
+  RuntimeEnvAgent (its command line requires both, `include_dashboard=False` or not); they and gcs_server catch
+  SIGTERM and can stay up, and a raylet killed as it starts leaves them with no parent. So every process
+  started for this Ray carries a marker in its environment (RAY_PROCESS_MARKER_ENV=<uuid>, set only while
+  `ray.init` runs: the daemons inherit it, and the agents and workers inherit it from the raylet, as does
+  anything they start); after `ray.shutdown()` whichever still carries it is SIGKILLed after a grace period.
+  The marker, not ancestry or names, says which processes are this run's: orphans are found too, and another
+  run's Ray on the same machine (or the engines, started before Ray) is never touched.
+
+It also keeps Ray's C++ core from replacing the driver's signal handlers (`keep_python_signal_handlers`).
 """
 
 from __future__ import annotations
@@ -16,58 +27,42 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
+import uuid
 from collections.abc import Callable, Iterator
 
 import psutil
 
+from rllm.experimental.fully_async.engines.launcher import interrupts_deferred
+
 logger = logging.getLogger(__name__)
 
 RAY_EXIT_GRACE_S = 5.0  # after ray.shutdown, how long Ray's own processes get to exit before SIGKILL
-
-
-def own_session_descendants() -> list[psutil.Process]:
-    """This process's descendants that are in its session (not the engines, which lead sessions of their own)."""
-    sid = os.getsid(0)
-    out = []
-    for child in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.Error, OSError):
-            if os.getsid(child.pid) == sid:
-                out.append(child)
-    return out
+RAY_PROCESS_MARKER_ENV = "RLLM_RAY_PROCESS_MARKER"
 
 
 @contextlib.contextmanager
 def ray_lifetime(init: Callable[[], None]) -> Iterator[None]:
-    """Run `init()` (which starts Ray), then the block; on any exit, even during `init`, stop every Ray process.
+    """Run `init()` (which starts Ray) with interrupts held, then the block; on any exit, shut down the Ray that
+    `init` started and stop every process it started (and whatever they started), SIGKILL after RAY_EXIT_GRACE_S.
 
-    The SIGTERM handler in place before `init` is put back after it (ray.init installs one that calls sys.exit),
-    and a SIGTERM that Ray's handler turns into SystemExit during `init` is raised as KeyboardInterrupt.
-
-    The cleanup runs with SIGINT and SIGTERM blocked, so a second Ctrl-C cannot cut it short and leave orphans;
-    a signal that arrives meanwhile is delivered when it ends.
+    A SIGINT or SIGTERM during `init` is delivered when it returns (as KeyboardInterrupt with the driver's
+    handlers), so it is raised here with Ray fully started, and the stop below runs on a whole session.
+    The stop also runs with interrupts held, so a second Ctrl-C cannot cut it short and leave orphans.
     """
-    before = {(p.pid, _started(p)) for p in own_session_descendants()}
-    sigterm_handler = signal.getsignal(signal.SIGTERM)
+    import ray
+
+    marker = uuid.uuid4().hex
+    ours = not ray.is_initialized()  # a Ray this process already had is not this block's to shut down
     try:
         keep_python_signal_handlers()
-        try:
+        with interrupts_deferred(), _ray_leaves_sigterm_alone(), _environment(RAY_PROCESS_MARKER_ENV, marker):
             init()
-        except SystemExit as exc:
-            # ray.init's own SIGTERM handler (sys.exit(15)) is in place while it starts: the same interrupt.
-            if exc.code != signal.SIGTERM:
-                raise
-            raise KeyboardInterrupt(f"signal {signal.SIGTERM} while Ray was starting") from exc
-        signal.signal(signal.SIGTERM, sigterm_handler)  # ray.init replaced the driver's with its sys.exit(15)
         yield
     finally:
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-        try:
-            ours = [p for p in own_session_descendants() if (p.pid, _started(p)) not in before]
-            _shutdown_ray()
-            kill_survivors(ours, RAY_EXIT_GRACE_S)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        with interrupts_deferred():
+            if ours:
+                _shutdown_ray()
+            stop_marked_processes(marker, RAY_EXIT_GRACE_S)
 
 
 def keep_python_signal_handlers() -> None:
@@ -85,17 +80,83 @@ def keep_python_signal_handlers() -> None:
     ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
 
 
-def kill_survivors(processes: list[psutil.Process], grace_s: float) -> list[int]:
-    """Wait up to `grace_s` for `processes` to exit, SIGKILL the rest and reap them; returns the killed pids."""
-    _, alive = psutil.wait_procs(processes, timeout=grace_s)
-    for proc in alive:
-        with contextlib.suppress(psutil.Error):
-            logger.warning("Ray left pid %d (%s) running after shutdown; killing it", proc.pid, _name(proc))
-            proc.kill()
-    _, still = psutil.wait_procs(alive, timeout=grace_s)
-    for proc in still:
-        logger.error("pid %d (%s) survived SIGKILL for %.0fs", proc.pid, _name(proc), grace_s)
-    return [p.pid for p in alive]
+def marked_processes(marker: str) -> list[psutil.Process]:
+    """Every process (but this one) whose environment carries RAY_PROCESS_MARKER_ENV=`marker`.
+
+    Zombies read as an empty environment (they are dead already) and other users' processes cannot be read:
+    neither is listed.
+    """
+    found = []
+    for proc in psutil.process_iter():
+        if proc.pid == os.getpid():
+            continue
+        with contextlib.suppress(psutil.Error, OSError):
+            if proc.environ().get(RAY_PROCESS_MARKER_ENV) == marker:
+                found.append(proc)
+    return found
+
+
+def stop_marked_processes(marker: str, grace_s: float) -> list[int]:
+    """Wait up to `grace_s` for the processes carrying `marker` to exit, SIGKILL the rest (and any found later:
+    a dying raylet may have been starting a worker), reap them; returns the pids killed."""
+    killed: list[int] = []
+    alive = _wait_gone(marked_processes(marker), grace_s)
+    for _ in range(3):  # a process started as its parent was killed shows up on the next look
+        for proc in alive:
+            with contextlib.suppress(psutil.Error):
+                logger.warning("Ray left pid %d (%s) running after shutdown; killing it", proc.pid, _name(proc))
+                proc.kill()
+                killed.append(proc.pid)
+        still = _wait_gone(alive, grace_s)
+        for proc in still:
+            logger.error("pid %d (%s) survived SIGKILL for %.0fs", proc.pid, _name(proc), grace_s)
+        alive = [p for p in marked_processes(marker) if p not in still]
+        if not alive:
+            break
+    return killed
+
+
+def _wait_gone(processes: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+    """Those of `processes` still running after up to `timeout_s` (our children are reaped; a zombie whose parent
+    has not reaped it yet is dead, not running)."""
+    _, alive = psutil.wait_procs(processes, timeout=timeout_s)
+    return [p for p in alive if _status(p) not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD, None)]
+
+
+def _status(proc: psutil.Process) -> str | None:
+    try:
+        return proc.status()
+    except psutil.Error:
+        return None
+
+
+@contextlib.contextmanager
+def _ray_leaves_sigterm_alone() -> Iterator[None]:
+    """Keep `ray.init` from installing its SIGTERM handler (`sys.exit(15)`, from whatever line the main thread
+    is on: the interrupt `ray_lifetime` holds until Ray has started). Ray 2.60 installs it through this one
+    module function, from `ray.init` and `Node`; nothing else of Ray's changes."""
+    from ray._private import utils as ray_utils
+
+    original = ray_utils.set_sigterm_handler
+    ray_utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        ray_utils.set_sigterm_handler = original
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str) -> Iterator[None]:
+    """`name=value` in this process's environment for the block (for the processes started in it), then back."""
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
 
 
 def _shutdown_ray() -> None:
@@ -105,13 +166,6 @@ def _shutdown_ray() -> None:
         ray.shutdown()
     except Exception:  # a half-started session can fail to shut down; its processes are killed next
         logger.warning("ray.shutdown failed; killing Ray's processes", exc_info=True)
-
-
-def _started(proc: psutil.Process) -> float:
-    try:
-        return proc.create_time()
-    except psutil.Error:
-        return 0.0
 
 
 def _name(proc: psutil.Process) -> str:
