@@ -163,11 +163,18 @@ def test_a_pause_polls_a_second_while_a_request_is_in_flight_and_returns_at_once
 def test_waiting_queue_aborts_are_resumed_as_unstarted_pieces(standin, models):
     async def run() -> list:
         async with EngineClient([standin], api_key=KEY) as client:
-            tasks = [asyncio.ensure_future(client.generate([3 + i], LONG)) for i in range(2)]
-            deadline = time.monotonic() + 30
-            while (await client.get_server_info(standin))["internal_states"][0]["num_waiting"] < 1:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.02)
+            # The first request decodes before the second is sent: which one runs and which waits is then known
+            # (sent together, either could reach the one running slot first).
+            async def wait_for(state: str) -> None:
+                deadline = time.monotonic() + 30
+                while (await client.get_server_info(standin))["internal_states"][0][state] < 1:
+                    assert time.monotonic() < deadline, f"no request reached {state}"
+                    await asyncio.sleep(0.02)
+
+            tasks = [asyncio.ensure_future(client.generate([3], LONG))]
+            await wait_for("num_running")
+            tasks.append(asyncio.ensure_future(client.generate([4], LONG)))
+            await wait_for("num_waiting")
             await sync_weights(client, standin, models["a"][0], "1")
             results = await asyncio.gather(*tasks)
             await client.update_weight_version(standin, "0")
