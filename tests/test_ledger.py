@@ -385,6 +385,24 @@ def test_an_inconsistent_version_1_state_is_rejected():
         (['{"event":"trained","reason":"x","uids":["a"]}'], "with reason 'x'"),
         (['{"event":"issued","uids":"a"}'], "list of strings"),
         (["not json"], ":1: not a JSON line"),
+        (['{"event":"resumed","reason":"continued","uids":["a"]}'], "'a' resumed while not in flight"),
+        (
+            [
+                '{"event":"issued","uids":["a"]}',
+                '{"event":"trained","uids":["a"]}',
+                '{"event":"resumed","reason":"continued","uids":["a"]}',
+            ],
+            ":3: 'a' resumed while not in flight",
+        ),
+        (
+            [
+                '{"event":"issued","uids":["a"]}',
+                '{"event":"resumed","reason":"continued","uids":["a"]}',
+                '{"event":"resumed","reason":"nothing_saved","uids":["a"]}',
+            ],
+            ":3: 'a' resumed twice \\(continued, then nothing_saved\\)",
+        ),
+        (['{"event":"issued","uids":["a"]}', '{"event":"resumed","reason":"lucky","uids":["a"]}'], "outcome 'lucky'"),
     ],
 )
 def test_the_audit_rejects_an_impossible_history(tmp_path, lines, message):
@@ -392,6 +410,39 @@ def test_the_audit_rejects_an_impossible_history(tmp_path, lines, message):
     journal.write_text("".join(line + "\n" for line in lines))
     with pytest.raises(LedgerError, match=message):
         read_journal(journal)
+
+
+def test_a_resume_outcome_is_journaled_for_a_sample_in_flight_and_leaves_its_state_alone(tmp_path):
+    """How a sample in flight at a resumed checkpoint went on is a journal record, not a state: the sample stays in
+    flight until it ends, the counts do not change, and the audit hands the outcomes back."""
+    journal = tmp_path / "ledger.jsonl"
+    ledger = journaled_ledger(journal)
+    ledger.issue(["a", "b", "c"])
+    ledger.mark_resumed(["a", "b"], "continued")
+    ledger.mark_resumed(["c"], "env_not_restored")
+    assert ledger.counts() == {
+        "issued": 3,
+        "in_flight": 3,
+        "trained": 0,
+        "filtered": 0,
+        "dropped_stale": 0,
+        "failed": 0,
+    }
+    ledger.mark_trained(["a", "c"])
+    ledger.mark_dropped_stale(["b"])
+    with pytest.raises(LedgerError, match="not in flight"):
+        ledger.mark_resumed(["a"], "continued")
+    with pytest.raises(LedgerError, match="resumed needs one of"):
+        ledger.mark_resumed(["a"], "regenerated")
+    ledger.close()
+    outcomes: dict[str, str] = {}
+    history = read_journal(journal, outcomes)
+    assert outcomes == {"a": "continued", "b": "continued", "c": "env_not_restored"}
+    assert {uid: state for uid, (state, _) in history.items()} == {
+        "a": SampleState.TRAINED,
+        "b": SampleState.DROPPED_STALE,
+        "c": SampleState.TRAINED,
+    }
 
 
 def test_the_audit_ignores_a_torn_last_line(tmp_path, caplog):

@@ -15,7 +15,9 @@ What is kept where, and why. A run issues samples without end (the 30-minute CPU
 holds only what a long run needs to go on: the in-flight uids in issue order (bounded by the staleness budget),
 the number issued, and one counter per ended state and per `state/reason`. The per-sample history, the proof that
 every sample ended exactly once, goes to an optional append-only *journal* (JSON lines, one line per call, e.g.
-`{"event":"failed","reason":"reward_error","uids":["e0/3/1"]}`), which `replay_journal` replays and audits.
+`{"event":"failed","reason":"reward_error","uids":["e0/3/1"]}`), which `replay_journal` replays and audits. After a
+resume, a sample that was in flight at the checkpoint also gets one `resumed` line before it ends, saying whether it
+continued from its saved tokens or started again from the prompt (`mark_resumed`; api/progress.py).
 The state machine lives here and the line format in `core/ledger_format.py` (both pure); the file that holds the
 lines is a `LedgerJournal` given by the runtime (`runtime/rollout/ledger_journal.py`: `JournalFile`, `read_journal`,
 `journaled_ledger`).
@@ -39,10 +41,12 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
+from rllm.experimental.fully_async.api.progress import RESUME_OUTCOMES
 from rllm.experimental.fully_async.core.ledger_format import (
     _NEEDS_REASON,
     ENDED_STATES,
     ISSUED,
+    RESUMED,
     JournalRecord,
     LedgerError,
     SampleState,
@@ -106,6 +110,17 @@ class SampleLedger:
         self._record(ISSUED, None, batch)
         self._in_flight.update(dict.fromkeys(batch))
         self._issued += len(batch)
+
+    def mark_resumed(self, uids: Iterable[str], outcome: str) -> None:
+        """Journal how samples in flight at a resumed checkpoint went on (`api.progress.RESUME_OUTCOMES`: continued
+        from their saved tokens, or restarted from the prompt and why). Not a state: they stay in flight."""
+        if outcome not in RESUME_OUTCOMES:
+            raise LedgerError(f"resumed needs one of {', '.join(RESUME_OUTCOMES)}, got {outcome!r}")
+        batch = _unique(uids, "mark resumed")
+        missing = [uid for uid in batch if uid not in self._in_flight]
+        if missing:
+            raise LedgerError(f"cannot mark {missing[0]!r} resumed: it is not in flight ({len(missing)} such)")
+        self._record(RESUMED, outcome, batch)
 
     def mark_trained(self, uids: Iterable[str]) -> None:
         self._end(uids, SampleState.TRAINED, None)
