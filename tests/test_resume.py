@@ -8,6 +8,7 @@ epoch and check, sample by sample in the run dir's ledger journal, that every pr
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -141,6 +142,130 @@ def test_sigkill_then_resume_trains_every_prompt_of_the_epoch_exactly_once(small
     assert ledger_state["version"] == 2 and ledger_state["in_flight"] == []
     counts = history_counts(history)
     assert counts["issued"] == counts["trained"] == ledger_state["issued"] == len(expected)
+
+
+def _dumped(directory: Path) -> dict[str, dict]:
+    """The trained trajectories a run dumped (trainer.rollout_data_dir), by uid."""
+    records = (json.loads(line) for path in directory.glob("*.jsonl") for line in path.read_text().splitlines())
+    return {record["uid"]: record for record in records}
+
+
+@pytest.mark.slow
+def test_sigkill_between_checkpoints_continues_every_sample_in_flight_from_its_saved_tokens(small_task, tmp_path):
+    """Token-level resume end to end: the checkpoint the run is resumed from holds the tokens of the samples that
+    were generating; after the resume each of them continues from its saved tokens (its trained tokens start with
+    them, versions and log-probs included; the journal says `continued`, none regenerated), and every sample of
+    the epoch ends in exactly one ledger state, trained or dropped as stale."""
+    model_dir, train, val = small_task
+    run_dir = tmp_path / "run"
+    command = _command(
+        model_dir,
+        train,
+        val,
+        run_dir,
+        "trainer.total_training_steps=null",
+        "trainer.total_epochs=1",
+        "trainer.save_freq=1",
+        # Long generations (40 tokens, EOS ignored), two at a time per engine: generation is slower than training,
+        # so samples are mid-generation at every checkpoint.
+        "actor_rollout_ref.rollout.ignore_eos=true",
+        "data.max_response_length=40",
+        "engines.max_running_requests=2",
+    )
+    first = _start([*command, f"trainer.rollout_data_dir={tmp_path / 'dumps_first'}"], tmp_path)
+    _wait_for_line(first, "step    2/", timeout_s=400)
+    _sigkill_tree(first)
+    checkpoints = CheckpointManager(run_dir / "checkpoints")
+    killed_at = checkpoints.latest()
+    assert killed_at is not None
+    saved = checkpoints.load(killed_at).rollout["in_flight_progress"]
+    assert any(doc["generation"]["output_ids"] for doc in saved.values()), "samples were mid-generation"
+
+    second = _start([*command, f"trainer.rollout_data_dir={tmp_path / 'dumps'}"], tmp_path)
+    output, _ = second.communicate(timeout=600)
+    assert second.returncode == 0, output[-3000:]
+    assert f"{len(saved)} continue from their saved tokens" in output
+
+    outcomes: dict[str, str] = {}
+    history = read_journal(run_dir / "ledger.jsonl", outcomes)  # the audit: issued and ended exactly once each
+    expected = {f"e0/{index}/{sample}" for index in range(NUM_PROMPTS) for sample in range(SAMPLES)}
+    assert set(history) == expected
+    states = {uid: state for uid, (state, _) in history.items()}
+    assert set(states.values()) <= {SampleState.TRAINED, SampleState.DROPPED_STALE}
+    assert {uid: outcomes[uid] for uid in saved} == dict.fromkeys(saved, "continued"), "none regenerated"
+    trained = _dumped(tmp_path / "dumps")
+    checked = 0
+    for uid, doc in saved.items():
+        if states[uid] is SampleState.DROPPED_STALE:
+            continue  # too stale by the time it was trained: dropped and counted, as any sample
+        sequence, generation = trained[uid]["sequences"][0], doc["generation"]
+        n = len(generation["output_ids"])
+        assert sequence["response_ids"][:n] == generation["output_ids"], uid
+        assert sequence["versions"][:n] == generation["versions"], uid
+        assert sequence["logprobs"][:n] == pytest.approx(generation["logprobs"], abs=1e-5), uid
+        checked += 1
+    assert checked, "at least one continued sample was trained"
+    final = checkpoints.load(checkpoints.latest()).rollout["ledger"]
+    assert final["ended"].get("dropped_stale", 0) == sum(s is SampleState.DROPPED_STALE for s in states.values())
+
+
+@pytest.mark.slow
+def test_sigkill_with_agent_episodes_in_flight_continues_each_episode_from_its_saved_turns(number_line_cache, tmp_path):
+    """The agent config (config/agent_cpu.yaml, scaled down): the checkpoint holds the episodes in flight (their
+    finished turns and the environment's state); after the resume each goes on from its saved turn: its trained
+    turns start with the saved ones (tokens and versions), the journal says `continued`, and every sample ends in
+    exactly one ledger state."""
+    run_dir = tmp_path / "run"
+    command = [
+        sys.executable,
+        "-m",
+        "rllm.experimental.fully_async",
+        "--config",
+        str(Path(__file__).resolve().parents[1] / "config" / "agent_cpu.yaml"),
+        f"run.dir={run_dir}",
+        f"task.cache_dir={number_line_cache}",
+        "task.warmup_steps=60",
+        "trainer.total_training_steps=4",
+        "trainer.save_freq=1",
+        "trainer.test_freq=0",
+        "trainer.val_before_train=false",
+        "async_training.required_samples=4",
+        "actor_rollout_ref.rollout.n=4",
+        "engines.max_running_requests=2",  # slower rollouts than training: episodes are mid-way at each checkpoint
+    ]
+    first = _start([*command, f"trainer.rollout_data_dir={tmp_path / 'dumps_first'}"], tmp_path)
+    _wait_for_line(first, "step    2/", timeout_s=400)
+    _sigkill_tree(first)
+    checkpoints = CheckpointManager(run_dir / "checkpoints")
+    killed_at = checkpoints.latest()
+    assert killed_at is not None
+    saved = checkpoints.load(killed_at).rollout["in_flight_progress"]
+    episodes = {uid: doc for uid, doc in saved.items() if doc["episode"] and doc["episode"]["turns"]}
+    assert episodes, "some episodes had finished turns at the checkpoint"
+    assert all(doc["episode"]["env"] for doc in episodes.values()), "with the environment's state"
+
+    second = _start([*command, f"trainer.rollout_data_dir={tmp_path / 'dumps'}"], tmp_path)
+    output, _ = second.communicate(timeout=600)
+    assert second.returncode == 0, output[-3000:]
+    outcomes: dict[str, str] = {}
+    history = read_journal(run_dir / "ledger.jsonl", outcomes)  # the audit: issued and ended exactly once each
+    assert {uid: outcomes[uid] for uid in saved} == dict.fromkeys(saved, "continued")
+    states = {uid: state for uid, (state, _) in history.items()}
+    assert all(states[uid] is not SampleState.IN_FLIGHT for uid in saved)
+    trained = _dumped(tmp_path / "dumps")
+    checked = 0
+    for uid, doc in episodes.items():
+        if states[uid] is not SampleState.TRAINED:
+            continue  # dropped as stale (or failed): ended and counted, as any sample
+        rows = trained[uid]["sequences"]
+        for turn, row in zip(doc["episode"]["turns"], rows, strict=False):
+            assert row["response_ids"] == turn["output_ids"] and row["versions"] == turn["versions"], uid
+        current, generation = rows[len(doc["episode"]["turns"]) :], doc["generation"]
+        if generation["output_ids"]:
+            n = len(generation["output_ids"])
+            assert current[0]["response_ids"][:n] == generation["output_ids"], uid
+        checked += 1
+    assert checked, "at least one continued episode was trained"
 
 
 @pytest.mark.slow  # a CLI run end to end

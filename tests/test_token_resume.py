@@ -23,6 +23,7 @@ from rllm.experimental.fully_async.api.progress import (
     CONTINUED,
     ENV_NOT_RESTORED,
     NOTHING_SAVED,
+    PARTIAL_ROLLOUT_OFF,
     WORKFLOW_NOT_RESUMABLE,
     GenerationProgress,
     SampleProgress,
@@ -73,18 +74,21 @@ def addition(tmp_path_factory):
         yield eng.urls, PromptDataset(train, tokenizer, max_prompt_length=16), tokenizer
 
 
-def make_service(urls, dataset, tokenizer, journal, workflow=None) -> RolloutService:
+def make_service(
+    urls, dataset, tokenizer, journal, workflow=None, max_staleness=20, partial_rollout=True
+) -> RolloutService:
     queue = MessageQueue(100)
+    settings = ExecutorSettings(SAMPLES, max_staleness, 2, max_concurrent_rollouts=8, partial_rollout=partial_rollout)
     executor = RolloutExecutor(
-        ExecutorSettings(SAMPLES, max_staleness=20, groups_per_version=2, max_concurrent_rollouts=8),
+        settings,
         PromptIterator(dataset, seed=0, num_epochs=1, shuffle=False),
         workflow or SingleTurnWorkflow(compute_score, dict(LONG)),
-        EngineClient(urls),
+        EngineClient(urls, partial_rollout=partial_rollout),
         tokenizer,
         queue,
         ledger=journaled_ledger(journal),
     )
-    return RolloutService(executor, queue, max_staleness=20)
+    return RolloutService(executor, queue, max_staleness=max_staleness)
 
 
 async def checkpoint_mid_generation(service: RolloutService) -> tuple[dict, list]:
@@ -147,6 +151,58 @@ def test_a_checkpoint_holds_each_generating_samples_tokens_and_the_resumed_servi
     unsaved = set(state["ledger"]["in_flight"]) - queued_uids - set(saved)
     assert all(outcomes[uid] == NOTHING_SAVED for uid in unsaved if uid in outcomes)
     assert all(history[uid][0].value == "trained" for uid in saved)
+
+
+def test_a_continued_sample_too_stale_to_train_is_dropped_and_counted_as_any(addition, tmp_path):
+    """The saved tokens keep their versions: resumed by a trainer two versions on (η = 1), the continued samples'
+    groups are too stale and are dropped inside the service, ledgered dropped_stale after `continued`."""
+    urls, dataset, tokenizer = addition
+    journal = tmp_path / "ledger.jsonl"
+
+    async def scenario():
+        state, queued = await checkpoint_mid_generation(make_service(urls, dataset, tokenizer, journal))
+        service = make_service(urls, dataset, tokenizer, journal, max_staleness=1)
+        service.executor.load_state_dict(state, queued)
+        service.queue.put(queued)
+        rollouts = asyncio.create_task(service.run())
+        stats = service.executor.stats
+        while stats.resumed.get(CONTINUED, 0) < len(state["in_flight_progress"]):
+            await asyncio.sleep(0.01)
+        batch = await service.take_batch(BatchRequest(1, 2, Ack(), timeout_s=0.5))
+        service.stop()
+        await rollouts
+        await service.executor.client.aclose()
+        return state, batch
+
+    state, batch = asyncio.run(asyncio.wait_for(scenario(), WAIT_S))
+    saved = state["in_flight_progress"]
+    assert batch.stale_groups >= 1 and all(g.min_version == 2 for g in batch.groups)
+    outcomes: dict[str, str] = {}
+    history = read_journal(journal, outcomes)
+    assert all(outcomes[uid] == CONTINUED and history[uid][0].value == "dropped_stale" for uid in saved)
+
+
+def test_without_partial_rollout_a_resumed_unfinished_generation_restarts_from_its_prompt(addition, tmp_path):
+    """partial_rollout off, as after a weight sync: a saved generation that had not finished is thrown away and the
+    sample generated again from the prompt (journaled partial_rollout_off, its tokens counted as discarded); one
+    that had finished is kept."""
+    urls, dataset, tokenizer = addition
+    journal = tmp_path / "ledger.jsonl"
+
+    async def scenario():
+        state, queued = await checkpoint_mid_generation(make_service(urls, dataset, tokenizer, journal))
+        saved = state["in_flight_progress"]
+        second = make_service(urls, dataset, tokenizer, journal, partial_rollout=False)
+        await resume_until(second, state, queued, set(saved))
+        return saved, second.executor.stats
+
+    saved, stats = asyncio.run(asyncio.wait_for(scenario(), WAIT_S))
+    unfinished = {uid for uid, doc in saved.items() if doc["generation"]["finish_reason"] is None}
+    assert unfinished
+    outcomes: dict[str, str] = {}
+    read_journal(journal, outcomes)
+    assert {uid for uid in saved if outcomes[uid] == PARTIAL_ROLLOUT_OFF} == unfinished
+    assert stats.resumed_tokens_discarded == sum(len(saved[uid]["generation"]["output_ids"]) for uid in unfinished)
 
 
 def test_a_workflow_that_records_no_progress_restarts_its_samples_and_says_so(addition, tmp_path, caplog):
