@@ -24,16 +24,20 @@ from rllm.experimental.fully_async.api.progress import (
     ENV_NOT_RESTORED,
     NOTHING_SAVED,
     PARTIAL_ROLLOUT_OFF,
+    PROGRESS_NOT_SAVED,
     WORKFLOW_NOT_RESUMABLE,
     GenerationProgress,
     SampleProgress,
 )
 from rllm.experimental.fully_async.api.step_messages import Ack, BatchRequest
 from rllm.experimental.fully_async.api.trajectory import TrajectoryStatus
+from rllm.experimental.fully_async.core.ledger import SampleLedger
 from rllm.experimental.fully_async.data.prompts import PromptDataset, PromptIterator
 from rllm.experimental.fully_async.engines import EmbeddedEngineCommand, EngineLauncher
 from rllm.experimental.fully_async.engines.client import EngineClient, GenerationResult
 from rllm.experimental.fully_async.envs import EnvSpec
+from rllm.experimental.fully_async.observe.metrics_sink import RunSummary, summary_lines
+from rllm.experimental.fully_async.observe.summary import RunTotals
 from rllm.experimental.fully_async.runtime.rollout.executor import ExecutorSettings, RolloutExecutor
 from rllm.experimental.fully_async.runtime.rollout.ledger_journal import journaled_ledger, read_journal
 from rllm.experimental.fully_async.runtime.rollout.message_queue import MessageQueue
@@ -234,6 +238,98 @@ def test_a_workflow_that_records_no_progress_restarts_its_samples_and_says_so(ad
     read_journal(journal, outcomes)
     assert outcomes == dict.fromkeys(in_flight, WORKFLOW_NOT_RESUMABLE)
     assert f"its {len(in_flight)} samples in flight restart from the prompt" in caplog.text
+
+
+class UnsaveableAgent:
+    """A resumable workflow whose episode JSON cannot hold (a tuple in a step's info, as an environment may return):
+    it records two tokens and that episode, then waits for the crash. `fail=True`: the resumed run's version, which
+    records what it was given and fails the sample at once."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.started: list[str] = []
+        self.given: dict[str, tuple[str | None, int, Any]] = {}
+
+    async def run(self, client, tokenizer, datum, sample_index, progress=None):
+        if self.fail:
+            self.given[progress.uid] = (progress.outcome, len(progress.generation), progress.episode)
+            raise RuntimeError("resumed run: fail fast")
+        progress.episode = {"turn": 1, "steps": [{"info": (1, 2)}], "generated_tokens": 3}
+        progress.generation.output_ids += [5, 6]
+        progress.generation.logprobs += [-0.5, -0.5]
+        progress.generation.versions += [0, 0]
+        self.started.append(progress.uid)
+        await asyncio.Event().wait()
+
+
+def test_progress_a_checkpoint_cannot_hold_is_named_there_and_its_sample_restarts_counted_and_logged(tmp_path, caplog):
+    """An episode JSON cannot store is not silently lost: the checkpoint names the sample and its tokens
+    (`in_flight_unsaved`), the resumed run starts it from the prompt, journals `progress_not_saved`, counts its
+    tokens as discarded and the ledger tallies it."""
+    tokenizer = build_addition_tokenizer()
+    train, _ = write_addition_parquets(tmp_path, seed=0, num_train=8, num_val=1)
+    dataset = PromptDataset(train, tokenizer, max_prompt_length=16)
+    journal = tmp_path / "ledger.jsonl"
+
+    def executor(workflow):
+        settings = ExecutorSettings(SAMPLES, 20, 2, max_concurrent_rollouts=4)
+        prompts = PromptIterator(dataset, seed=0, num_epochs=1, shuffle=False)
+        return RolloutExecutor(
+            settings, prompts, workflow, None, tokenizer, MessageQueue(100), ledger=journaled_ledger(journal)
+        )
+
+    async def crash(first):
+        run = asyncio.create_task(first.run())
+        while len(first.workflow.started) < 4:
+            await asyncio.sleep(0.01)
+        state = json.loads(json.dumps(first.state_dict()))  # as rollout.json holds it
+        first.stop()
+        await run
+        return state
+
+    first = executor(UnsaveableAgent())
+    with caplog.at_level("WARNING", logger="rllm.experimental.fully_async.runtime.rollout.executor"):
+        state = asyncio.run(asyncio.wait_for(crash(first), WAIT_S))
+        assert "is not checkpointed and restarts from the prompt" in caplog.text and "tuple" in caplog.text
+        assert state["in_flight_progress"] == {}
+        assert set(state["in_flight_unsaved"]) == set(first.workflow.started)
+        assert all(doc["tokens"] == 2 + 3 for doc in state["in_flight_unsaved"].values())
+
+        second = executor(UnsaveableAgent(fail=True))
+        second.load_state_dict(state, [])
+        assert "4 progress_not_saved" in caplog.text
+        stats = asyncio.run(asyncio.wait_for(second.run(), WAIT_S))
+    restarted = set(state["in_flight_unsaved"])
+    assert {uid: second.workflow.given[uid] for uid in restarted} == dict.fromkeys(
+        restarted, (PROGRESS_NOT_SAVED, 0, None)
+    ), "started from the prompt"
+    assert stats.resumed == {PROGRESS_NOT_SAVED: 4} and stats.resumed_tokens_discarded == 4 * 5
+    assert second.ledger.counts()["resumed/progress_not_saved"] == 4
+    outcomes: dict[str, str] = {}
+    read_journal(journal, outcomes)
+    assert outcomes == dict.fromkeys(restarted, PROGRESS_NOT_SAVED)
+
+
+def test_the_ledger_tally_of_continued_and_regenerated_samples_reaches_the_metrics_and_the_run_summary():
+    """After a resume the run's metrics carry `ledger/resumed/<outcome>` and the end-of-run summary says how many
+    samples went on from their saved tokens and how many were generated again, and why."""
+    ledger = SampleLedger()
+    ledger.issue([f"e0/{i}/0" for i in range(6)])
+    ledger.mark_resumed(["e0/0/0", "e0/1/0", "e0/2/0"], CONTINUED)
+    ledger.mark_resumed(["e0/3/0"], NOTHING_SAVED)
+    ledger.mark_resumed(["e0/4/0", "e0/5/0"], ENV_NOT_RESTORED)
+    totals = RunTotals()
+    totals.observe({"step": 7, **{f"ledger/{k}": v for k, v in ledger.counts().items()}})
+    lines = summary_lines(RunSummary(7, None, None, None, {}, "run", totals=totals))
+    resumed = [line for line in lines if line.startswith("resumed")]
+    assert resumed == [
+        "resumed (samples in flight at a checkpoint resumed from): 3 continued from their saved tokens; generated "
+        "again from the prompt: 2 env_not_restored, 1 nothing_saved"
+    ]
+    totals.observe({"step": 8, "ledger/issued": 6, "ledger/in_flight": 6})  # a run never resumed: no such line
+    assert not [
+        line for line in summary_lines(RunSummary(8, None, None, None, {}, "run", totals=totals)) if "resumed" in line
+    ]
 
 
 def test_a_weight_sync_waits_for_a_checkpoint_pause_and_a_checkpoint_for_a_sync():

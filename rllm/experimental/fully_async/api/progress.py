@@ -25,7 +25,17 @@ NOTHING_SAVED = "nothing_saved"  # no token generated yet at the checkpoint: not
 PARTIAL_ROLLOUT_OFF = "partial_rollout_off"  # async_training.partial_rollout=false: as after a sync, from the prompt
 WORKFLOW_NOT_RESUMABLE = "workflow_not_resumable"  # e.g. an rLLM rollout function: arbitrary code, restarted
 ENV_NOT_RESTORED = "env_not_restored"  # the agent's environment could not be loaded back from its pickled state
-RESUME_OUTCOMES = (CONTINUED, NOTHING_SAVED, PARTIAL_ROLLOUT_OFF, WORKFLOW_NOT_RESUMABLE, ENV_NOT_RESTORED)
+# The checkpoint could not hold the sample's progress (a value JSON cannot store, e.g. in an environment's step
+# info): the checkpoint names the sample and counts its tokens, and it restarts.
+PROGRESS_NOT_SAVED = "progress_not_saved"
+RESUME_OUTCOMES = (
+    CONTINUED,
+    NOTHING_SAVED,
+    PARTIAL_ROLLOUT_OFF,
+    WORKFLOW_NOT_RESUMABLE,
+    ENV_NOT_RESTORED,
+    PROGRESS_NOT_SAVED,
+)
 
 
 @dataclass
@@ -100,6 +110,11 @@ class SampleProgress:
     outcome: str | None = None
     restored_tokens: int = 0  # tokens loaded from the checkpoint (the generation's and the episode's turns')
     discarded_tokens: int = 0  # of those, thrown away because the sample could not go on from them
+
+    def tokens(self) -> int:
+        """Model tokens it holds: the generation's and the saved episode's turns'."""
+        episode = self.episode.to_json() if hasattr(self.episode, "to_json") else self.episode
+        return len(self.generation) + episode_tokens(episode if isinstance(episode, dict) else None)
 
     def saved_anything(self) -> bool:
         return bool(self.generation.output_ids) or self.generation.finish_reason is not None or bool(self.episode)

@@ -10,7 +10,8 @@ On-disk layout (one directory per step under `root`):
         policy_shards/        the FSDP policy as torch.distributed.checkpoint shards, one per trainer rank,
                               written by the ranks themselves (runtime/checkpoints/trainer_state.py)
         rollout.json          the rollout part (iterator position, sample ledger, staleness counters, version, and
-                              each generating sample's progress: tokens so far, an agent's episode; executor.py)
+                              each generating sample's progress: tokens so far, an agent's episode; or, where JSON
+                              cannot hold it, its token count under in_flight_unsaved; executor.py)
         queue.json            the queued TrajectoryGroups as JSON (dataclasses.asdict), rebuilt into dataclasses
         meta.json             format_version, step, saved_at (wall time), plus the caller's meta (version,
                               config_hash, ...)

@@ -14,15 +14,17 @@ the queue it fills) with these guarantees:
 The executor owns the prompt iterator, the ledger and the staleness counters, so its `state_dict()` is the
 rollout side of a checkpoint.
 
-Token-level resume (api/progress.py). For a workflow that records its samples' progress (its `run` takes
-`progress`: single-turn and multi-turn do, an rLLM rollout function does not), the executor holds one
-`SampleProgress` per running sample from `_start_group` until `_accept` queues or ends it, and the checkpoint saves
-every non-empty one (`in_flight_progress` in rollout.json): the tokens so far with their log-probs and versions, and
-an agent's episode. Records leave in the same step of the event loop in which the ledger and the queue change, so a
-snapshot taken in one synchronous call is consistent with both. A resumed run starts each saved sample from its
-record, as after a weight sync (with partial_rollout off, an unfinished generation restarts from its prompt, as after
-a sync); the staleness rule applies to its tokens as to any (their versions are kept). How each one went on is
-journaled (`SampleLedger.mark_resumed`) as it leaves the rollout side, and counted in `ExecutorStats`.
+Token-level resume (api/progress.py). For a workflow that records its samples' progress (its `run` takes `progress`:
+single-turn and multi-turn do, an rLLM rollout function does not), the executor holds one `SampleProgress` per
+running sample from `_start_group` until `_accept` queues or ends it, and the checkpoint saves every non-empty one
+(`in_flight_progress` in rollout.json): the tokens so far with their log-probs and versions, and an agent's episode.
+One that JSON cannot hold (a value such as a tuple or a numpy number in an environment's step info) is named in
+`in_flight_unsaved` with its token count instead, and restarts (`progress_not_saved`). Records leave in the same
+step of the event loop in which the ledger and the queue change, so a snapshot taken in one synchronous call is
+consistent with both. A resumed run starts each saved sample from its record, as after a weight sync (with
+partial_rollout off, an unfinished generation restarts from its prompt, as after a sync); the staleness rule applies
+to its tokens as to any (their versions are kept). How each one went on is journaled (`SampleLedger.mark_resumed`)
+as it leaves the rollout side, and counted in `ExecutorStats`.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from rllm.experimental.fully_async.api.progress import (
     CONTINUED,
     NOTHING_SAVED,
     PARTIAL_ROLLOUT_OFF,
+    PROGRESS_NOT_SAVED,
     WORKFLOW_NOT_RESUMABLE,
     SampleProgress,
 )
@@ -368,14 +371,16 @@ class RolloutExecutor:
         """
         return self.state_dict(), self.queue.snapshot()
 
-    def in_flight_progress(self) -> dict[str, Any]:
-        """uid -> JSON record of every sample still generating that has something to continue from (running, or
-        restored and not yet restarted). A record that would not survive JSON (an environment's `info` holding a
-        non-JSON value) is left out with a warning: that sample restarts from the prompt after a crash."""
+    def in_flight_progress(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(saved, unsaved) for every sample still generating that has something to continue from (running, or
+        restored and not yet restarted): saved maps uid -> its JSON record; unsaved, uid -> {reason, tokens} for a
+        record JSON would not hold unchanged (an environment's `info` with a non-JSON value), which is logged and
+        restarts from the prompt after a crash, counted as `progress_not_saved`."""
         from rllm.experimental.fully_async.runtime.checkpoints.store import check_json
 
         records = list(self._progress.values()) + [r for _, _, saved in self._reissue for r in saved.values()]
-        out: dict[str, Any] = {}
+        saved: dict[str, Any] = {}
+        unsaved: dict[str, Any] = {}
         for record in records:
             if not record.saved_anything():
                 continue
@@ -384,9 +389,10 @@ class RolloutExecutor:
                 check_json(doc, f"the progress of {record.uid}")
             except TypeError as exc:
                 logger.warning("%s; it is not checkpointed and restarts from the prompt after a crash", exc)
+                unsaved[record.uid] = {"reason": str(exc), "tokens": record.tokens()}
                 continue
-            out[record.uid] = doc
-        return out
+            saved[record.uid] = doc
+        return saved, unsaved
 
     def load_state_dict(self, state: dict[str, Any], queued: list[TrajectoryGroup] | None = None) -> None:
         """Restore a checkpoint. Samples in flight that are not in `queued` are run again, first, each from its saved
@@ -397,6 +403,7 @@ class RolloutExecutor:
         self.prompts.load_state_dict(state["prompts"])
         self.staleness.load_state_dict(state["staleness"])
         saved_docs = state.get("in_flight_progress") or {}  # absent from checkpoints of before token-level resume
+        unsaved_docs = state.get("in_flight_unsaved") or {}
         queued_uids = {t.uid for g in queued or [] for t in g.trajectories}
         by_prompt: dict[tuple[int, int], list[int]] = {}
         restored: dict[str, SampleProgress] = {}
@@ -405,8 +412,8 @@ class RolloutExecutor:
                 continue
             sample = SampleId.parse(uid)
             by_prompt.setdefault((sample.epoch, sample.record), []).append(sample.index)
-            restored[uid] = self._restore_progress(uid, saved_docs.get(uid))
-        unknown = sorted(set(saved_docs) - set(restored))
+            restored[uid] = self._restore_progress(uid, saved_docs.get(uid), unsaved_docs.get(uid))
+        unknown = sorted((set(saved_docs) | set(unsaved_docs)) - set(restored))
         if unknown:
             raise ValueError(
                 f"the checkpoint saves progress for samples its ledger does not have in flight: {unknown[:3]}"
@@ -421,10 +428,13 @@ class RolloutExecutor:
         if restored:
             _log_resume(restored.values())
 
-    def _restore_progress(self, uid: str, doc: Any) -> SampleProgress:
+    def _restore_progress(self, uid: str, doc: Any, unsaved: Any = None) -> SampleProgress:
         """The record a sample in flight at the checkpoint starts from, with the outcome it is bound for."""
         if not self.resumable:
             return SampleProgress(uid, outcome=WORKFLOW_NOT_RESUMABLE)
+        if unsaved is not None:  # its progress was there but could not be written: its tokens are lost
+            tokens = int(unsaved.get("tokens", 0)) if isinstance(unsaved, dict) else 0
+            return SampleProgress(uid, outcome=PROGRESS_NOT_SAVED, restored_tokens=tokens, discarded_tokens=tokens)
         if doc is None:
             return SampleProgress(uid, outcome=NOTHING_SAVED)
         record = SampleProgress.from_json(doc, f"in_flight_progress[{uid!r}]")
@@ -438,12 +448,14 @@ class RolloutExecutor:
         return record
 
     def state_dict(self) -> dict[str, Any]:
+        saved, unsaved = self.in_flight_progress()
         return {
             "version": self.version,
             "ledger": self.ledger.state_dict(),
             "prompts": self.prompts.state_dict(),
             "staleness": self.staleness.state_dict(),
-            "in_flight_progress": self.in_flight_progress(),
+            "in_flight_progress": saved,
+            "in_flight_unsaved": unsaved,
         }
 
 
