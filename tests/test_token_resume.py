@@ -36,6 +36,7 @@ from rllm.experimental.fully_async.data.prompts import PromptDataset, PromptIter
 from rllm.experimental.fully_async.engines import EmbeddedEngineCommand, EngineLauncher
 from rllm.experimental.fully_async.engines.client import EngineClient, GenerationResult
 from rllm.experimental.fully_async.envs import EnvSpec
+from rllm.experimental.fully_async.envs.session import EnvError, IsolatedEnv
 from rllm.experimental.fully_async.observe.metrics_sink import RunSummary, summary_lines
 from rllm.experimental.fully_async.observe.summary import RunTotals
 from rllm.experimental.fully_async.runtime.rollout.executor import ExecutorSettings, RolloutExecutor
@@ -441,7 +442,30 @@ def test_an_agent_episode_checkpointed_mid_turn_goes_on_from_that_turn_with_its_
     assert trajectory.step_rewards == [0.0, 0.0, 1.0] and restored.outcome is None
 
 
-def test_an_agent_whose_environment_does_not_load_back_restarts_its_episode_counted():
+def test_an_environment_that_cannot_be_pickled_fails_at_reset_so_no_episode_of_it_is_ever_in_flight(tmp_path):
+    """Between calls the environment exists only as pickled bytes: one holding an unpicklable object (a lock) fails
+    its first call, naming why, so there is never an episode in flight whose environment a checkpoint cannot save."""
+    path = tmp_path / "locked_env.py"
+    path.write_text(
+        "import threading\n"
+        "class LockedEnv:\n"
+        "    def __init__(self):\n"
+        "        self.lock = threading.Lock()\n"
+        "    def reset(self, seed, task):\n"
+        "        return 'start'\n"
+        "    def step(self, action):\n"
+        "        return 'obs', 0.0, True, {}\n"
+    )
+    env = IsolatedEnv(EnvSpec(name="LockedEnv", path=str(path)), pool=None)
+    with pytest.raises(EnvError, match=r"env reset raised TypeError: cannot pickle '_thread\.lock'"):
+        asyncio.run(env.reset(0, {}))
+    assert env.state is None
+
+
+def test_an_agent_whose_environment_does_not_load_back_restarts_its_episode_counted(caplog):
+    """The environment lives as pickled bytes between calls (envs/session.py), so one that cannot be pickled never
+    runs; one whose saved pickle does not load back in the resumed run restarts its episode, logged, with its saved
+    tokens counted as discarded and the outcome the executor journals and tallies."""
     tok = build_tokenizer()
     workflow = MultiTurnWorkflow(EnvSpec(name="number_line", max_turns=4), {"max_new_tokens": 3})
     d = Datum("p0", tok.encode("N", add_special_tokens=False), {"start": 0, "target": 4})
@@ -450,7 +474,9 @@ def test_an_agent_whose_environment_does_not_load_back_restarts_its_episode_coun
     restored = SampleProgress.from_json(doc, "test")
     restored.outcome = CONTINUED  # as the executor restores it
     client = ProgressClient(tok, ["+2", "+2"])
-    trajectory = asyncio.run(workflow.run(client, tok, d, 0, progress=restored))
+    with caplog.at_level("WARNING", logger="rllm.experimental.fully_async.workflows.multi_turn"):
+        trajectory = asyncio.run(workflow.run(client, tok, d, 0, progress=restored))
+    assert "sample p0/0: its environment could not be restored" in caplog.text
     assert restored.outcome == ENV_NOT_RESTORED and restored.discarded_tokens == 3 + 1
     assert client.calls[0] == (0, 0), "the episode starts over from the prompt"
     assert trajectory.status == TrajectoryStatus.OK and len(trajectory.sequences) == 2
