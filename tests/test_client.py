@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 
 import pytest
 from engine_helpers import (
@@ -244,6 +245,37 @@ def test_tokens_collected_at_a_checkpoint_pause_are_the_start_of_each_finished_s
         assert result.output_ids[: len(tokens)] == tokens and result.logprobs[: len(tokens)] == lps
         assert len(result.output_ids) == 200 and result.num_resumes >= 1 and result.versions == [0] * 200
         assert max_abs_diff(result.logprobs, reference_logprobs(model_a, prompt, result.output_ids)) < LOGPROB_TOL
+
+
+def test_a_call_held_by_a_paused_engine_is_not_waited_for_past_the_collections_timeout(engines, request):
+    """A call that reaches an engine after its pause is held there, not aborted by the pause; it has generated
+    nothing since it was sent, so its record is complete. Here the call is sent while the engine is already paused.
+    The embedded engine aborts held calls on /abort_request, so the collection completes at once (the call is
+    re-sent); SGLang (the stand-in) holds them before its scheduler, out of an abort's reach, so the collection ends
+    at its timeout, incomplete, without waiting for the continue. Either way the record holds nothing new and the
+    sequence finishes once the engines continue."""
+    url = engines[0]
+    timeout_s = 5.0
+
+    async def run() -> tuple[bool, float, list[int], GenerationResult]:
+        async with EngineClient([url]) as client:
+            await client.pause_generation(url, "abort")
+            record = GenerationProgress()
+            held = asyncio.ensure_future(client.generate([5, 6, 7], LONG, rid="held/0", progress=record))
+            await asyncio.sleep(0.3)  # it reaches the paused engine and is held there
+            started = time.monotonic()
+            async with client.tokens_collected(timeout_s=timeout_s) as complete:
+                waited = time.monotonic() - started
+                collected = list(record.output_ids)
+            return complete, waited, collected, await asyncio.wait_for(held, 60)
+
+    complete, waited, collected, result = asyncio.run(run())
+    if request.node.callspec.params["engine_launcher"] == "embedded":
+        assert complete and waited < timeout_s, f"waited {waited:.1f}s"
+    else:
+        assert not complete and timeout_s <= waited < timeout_s + 5, f"waited {waited:.1f}s"
+    assert collected == [], "a held call has generated nothing"
+    assert len(result.output_ids) == 200 and result.finish_reason == "length"
 
 
 def test_a_generation_restored_from_saved_tokens_is_continued_from_them(engines, models):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -44,6 +45,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+# While collecting the tokens in flight for a checkpoint: how long calls may stay out before the paused engines are
+# asked to abort the calls they hold (`EngineClient._calls_before_returned`).
+HELD_RECHECK_S = 1.0
 
 
 class EngineClient:
@@ -191,7 +195,7 @@ class EngineClient:
             else:
                 paused.append(url)
         try:
-            yield await self.pool.generates_before(mark, timeout_s)
+            yield await self._calls_before_returned(mark, paused, timeout_s)
         finally:
             resumed = await asyncio.gather(
                 *(self.continue_generation(url, timeout_s=timeout_s) for url in paused), return_exceptions=True
@@ -199,6 +203,24 @@ class EngineClient:
             for url, outcome in zip(paused, resumed, strict=True):
                 if isinstance(outcome, BaseException):
                     logger.warning("could not continue %s after collecting the tokens in flight: %s", url, outcome)
+
+    async def _calls_before_returned(self, mark: int, paused: list[str], timeout_s: float) -> bool:
+        """Wait for every /generate call sent before `mark`. A call that reaches its engine after the pause is held
+        there, not aborted (SGLang holds new arrivals while paused; so does the embedded engine): it has generated
+        nothing since it was sent, so its record is already complete, but it would only come back at the continue,
+        after this wait. So each time calls are still out after HELD_RECHECK_S, the paused engines abort what they
+        hold: those calls come back and are re-sent, held again under later tickets."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if await self.pool.generates_before(mark, max(0.0, min(HELD_RECHECK_S, remaining))):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.gather(
+                *(self.abort_request(url, abort_all=True, timeout_s=timeout_s) for url in paused),
+                return_exceptions=True,
+            )
 
     # ---------------------------------------------------------------- health and admin (one engine each)
     async def health(self) -> dict[str, bool]:

@@ -43,6 +43,8 @@ if TYPE_CHECKING:
     from rllm.experimental.fully_async.run_spec import ExecutorSpec, RunSpec
 
 logger = logging.getLogger(__name__)
+# The most a checkpoint waits for the tokens in flight (and, before that, for a weight sync to finish).
+CHECKPOINT_COLLECT_TIMEOUT_S = 30.0
 
 
 class RolloutService:
@@ -300,7 +302,9 @@ class RolloutServiceActor:
             queue,
             max_staleness=spec.schedule.max_staleness,
             gate=self.gate,
-            collect_timeout_s=spec.param_sync.timeout_s,
+            # Under the driver's 120 s wait for write_checkpoint (a sync to wait out, the collection, the continue):
+            # a call held by a paused SGLang engine only returns at the continue, so the collection ends by timeout.
+            collect_timeout_s=min(spec.param_sync.timeout_s, CHECKPOINT_COLLECT_TIMEOUT_S),
         )
         self._validation: asyncio.Task | None = None
         self._finished_validations: list[dict[str, float]] = []
