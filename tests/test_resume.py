@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
@@ -91,6 +92,27 @@ def _sigkill_tree(proc: subprocess.Popen) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     proc.wait(timeout=30)
+
+
+def _sigkill_at_a_checkpoint_where(
+    proc: subprocess.Popen, checkpoints: CheckpointManager, wanted: Callable[[dict], bool], timeout_s: float
+) -> None:
+    """After each logged step, look at the latest checkpoint's rollout.json and SIGKILL everything once
+    `wanted(rollout)` holds (a checkpoint is written per step, far slower than this check: the one read is almost
+    always the one the resume starts from, and the caller checks the one it does)."""
+    deadline = time.monotonic() + timeout_s
+    lines: list[str] = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        latest = checkpoints.latest() if line.startswith("step ") else None
+        if latest is not None and wanted(json.loads((latest / "rollout.json").read_text())):
+            _sigkill_tree(proc)
+            return
+    proc.kill()
+    pytest.fail(f"no checkpoint of the run met the condition:\n{''.join(lines)[-3000:]}")
 
 
 # Two trainer ranks (gloo, one rank actor each) take the same path: each rank writes its own shard of the policy
@@ -225,18 +247,27 @@ def test_sigkill_with_agent_episodes_in_flight_continues_each_episode_from_its_s
         f"run.dir={run_dir}",
         f"task.cache_dir={number_line_cache}",
         "task.warmup_steps=60",
-        "trainer.total_training_steps=4",
+        "trainer.total_training_steps=10",
         "trainer.save_freq=1",
         "trainer.test_freq=0",
         "trainer.val_before_train=false",
-        "async_training.required_samples=4",
+        # Rollouts slower than training (32 episodes a step, one request at a time): the staleness budget is not
+        # full of finished episodes, so episodes are mid-way at the checkpoints. With rollouts ahead, a checkpoint
+        # (taken right after the trainer's acknowledgement, before freed capacity is used) finds every episode in
+        # flight finished and queued, and there is nothing to continue.
+        "async_training.required_samples=8",
         "actor_rollout_ref.rollout.n=4",
-        "engines.max_running_requests=2",  # slower rollouts than training: episodes are mid-way at each checkpoint
+        "engines.max_running_requests=1",
     ]
     first = _start([*command, f"trainer.rollout_data_dir={tmp_path / 'dumps_first'}"], tmp_path)
-    _wait_for_line(first, "step    2/", timeout_s=400)
-    _sigkill_tree(first)
     checkpoints = CheckpointManager(run_dir / "checkpoints")
+
+    def mid_episode(rollout: dict) -> bool:
+        return any(doc["episode"] and doc["episode"]["turns"] for doc in rollout["in_flight_progress"].values())
+
+    # Whether episodes are mid-way at a given checkpoint depends on the rollout/training speed ratio (at step 1 the
+    # queue often holds every episode the staleness budget allows): kill at the first checkpoint that has some.
+    _sigkill_at_a_checkpoint_where(first, checkpoints, mid_episode, timeout_s=400)
     killed_at = checkpoints.latest()
     assert killed_at is not None
     saved = checkpoints.load(killed_at).rollout["in_flight_progress"]
