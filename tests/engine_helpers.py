@@ -74,6 +74,15 @@ async def wait_for_decoding(client: Any, url: str, timeout_s: float = 60.0) -> N
         await asyncio.sleep(0.02)
 
 
+async def wait_for_running(client: Any, url: str, n: int, timeout_s: float = 30.0) -> None:
+    """Poll the engine's counters (another process: nothing to wait on) until n requests are decoding."""
+    deadline = time.monotonic() + timeout_s
+    while (await client.get_server_info(url))["internal_states"][0]["num_running"] < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s}s waiting for {n} running requests on {url}")
+        await asyncio.sleep(0.02)
+
+
 def restarted(launcher: Any, index: int) -> Any:
     """Restart slot `index` of an EngineLauncher and wait until it is healthy (what the supervisor does over
     several polls); its new EngineProcess."""

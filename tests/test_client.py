@@ -8,8 +8,16 @@ import signal
 import time
 
 import pytest
-from engine_helpers import ENGINE_KINDS, LOGPROB_TOL, engine_command, max_abs_diff, reference_logprobs
+from engine_helpers import (
+    ENGINE_KINDS,
+    LOGPROB_TOL,
+    engine_command,
+    max_abs_diff,
+    reference_logprobs,
+    wait_for_running,
+)
 
+from rllm.experimental.fully_async.api.progress import GenerationProgress
 from rllm.experimental.fully_async.engines import EngineLauncher
 from rllm.experimental.fully_async.engines.client import (
     EngineClient,
@@ -21,15 +29,6 @@ from rllm.experimental.fully_async.engines.client import (
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_torch_thread")]
 
 LONG = {"temperature": 1.0, "max_new_tokens": 200, "ignore_eos": True}
-
-
-async def wait_for_running(client: EngineClient, url: str, n: int, timeout_s: float = 30.0) -> None:
-    """Poll the engine's counters (another process: nothing to wait on) until n requests are decoding."""
-    deadline = time.monotonic() + timeout_s
-    while (await client.get_server_info(url))["internal_states"][0]["num_running"] < n:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s}s waiting for {n} running requests on {url}")
-        await asyncio.sleep(0.02)
 
 
 async def load_weights(client: EngineClient, url: str, path: object, version: str) -> None:
@@ -212,6 +211,96 @@ def test_a_paused_engine_that_outlasts_the_request_timeout_raises_a_clear_error(
             assert len(result.output_ids) == 4
 
     asyncio.run(run())
+
+
+def test_tokens_collected_at_a_checkpoint_pause_are_the_start_of_each_finished_sequence(engines, models):
+    """Token-level resume, the collection: with generations running (one alone, two in a batch), pausing the engines
+    through `tokens_collected` brings every call in flight back, so each progress record holds its tokens so far
+    (all of version 0, no call left out); after the engines continue, each sequence finishes from those very tokens
+    (a prefix of the result, log-probs included), on the same weights."""
+    url = engines[0]
+    model_a = models["a"][1]
+    prompts = [[5, 6, 7], [8], [9, 10]]
+
+    async def run() -> tuple[list[list[int]], list[list[float]], list[GenerationResult], bool]:
+        async with EngineClient([url]) as client:
+            records = [GenerationProgress() for _ in prompts]
+            alone = asyncio.ensure_future(client.generate(prompts[0], LONG, rid="c/0", progress=records[0]))
+            batch = asyncio.ensure_future(
+                client.generate_batch(prompts[1:], LONG, rids=["c/1", "c/2"], progress=records[1:])
+            )
+            await wait_for_running(client, url, 3)
+            await asyncio.sleep(0.05)  # some tokens each
+            async with client.tokens_collected(timeout_s=30) as complete:
+                collected = [list(r.output_ids) for r in records]
+                logprobs = [list(r.logprobs) for r in records]
+                assert [r.versions == [0] * len(r) for r in records] == [True] * 3
+            results = [await asyncio.wait_for(alone, 60), *await asyncio.wait_for(batch, 60)]
+            return collected, logprobs, results, complete
+
+    collected, logprobs, results, complete = asyncio.run(run())
+    assert complete, "every call in flight came back while the engines were paused"
+    for prompt, tokens, lps, result in zip(prompts, collected, logprobs, results, strict=True):
+        assert 0 < len(tokens) < 200, "collected mid-generation"
+        assert result.output_ids[: len(tokens)] == tokens and result.logprobs[: len(tokens)] == lps
+        assert len(result.output_ids) == 200 and result.num_resumes >= 1 and result.versions == [0] * 200
+        assert max_abs_diff(result.logprobs, reference_logprobs(model_a, prompt, result.output_ids)) < LOGPROB_TOL
+
+
+def test_a_call_held_by_a_paused_engine_is_not_waited_for_past_the_collections_timeout(engines, request):
+    """A call that reaches an engine after its pause is held there, not aborted by the pause; it has generated
+    nothing since it was sent, so its record is complete. Here the call is sent while the engine is already paused.
+    The embedded engine aborts held calls on /abort_request, so the collection completes at once (the call is
+    re-sent); SGLang (the stand-in) holds them before its scheduler, out of an abort's reach, so the collection ends
+    at its timeout, incomplete, without waiting for the continue. Either way the record holds nothing new and the
+    sequence finishes once the engines continue."""
+    url = engines[0]
+    timeout_s = 5.0
+
+    async def run() -> tuple[bool, float, list[int], GenerationResult]:
+        async with EngineClient([url]) as client:
+            await client.pause_generation(url, "abort")
+            record = GenerationProgress()
+            held = asyncio.ensure_future(client.generate([5, 6, 7], LONG, rid="held/0", progress=record))
+            await asyncio.sleep(0.3)  # it reaches the paused engine and is held there
+            started = time.monotonic()
+            async with client.tokens_collected(timeout_s=timeout_s) as complete:
+                waited = time.monotonic() - started
+                collected = list(record.output_ids)
+            return complete, waited, collected, await asyncio.wait_for(held, 60)
+
+    complete, waited, collected, result = asyncio.run(run())
+    if request.node.callspec.params["engine_launcher"] == "embedded":
+        assert complete and waited < timeout_s, f"waited {waited:.1f}s"
+    else:
+        assert not complete and timeout_s <= waited < timeout_s + 5, f"waited {waited:.1f}s"
+    assert collected == [], "a held call has generated nothing"
+    assert len(result.output_ids) == 200 and result.finish_reason == "length"
+
+
+def test_a_generation_restored_from_saved_tokens_is_continued_from_them(engines, models):
+    """A record restored from a checkpoint: the engine is sent prompt + saved tokens with the budget that is left,
+    so the result starts with the saved tokens and what follows is conditioned on them (the reference log-probs of
+    the whole sequence match); a finished record is returned without calling any engine."""
+    url = engines[0]
+    model_a = models["a"][1]
+    prompt, params = [4, 5], {"temperature": 1.0, "max_new_tokens": 30, "ignore_eos": True}
+
+    async def run() -> tuple[GenerationResult, GenerationResult, GenerationResult]:
+        async with EngineClient([url]) as client:
+            first = await client.generate(prompt, params)
+            saved = GenerationProgress(first.output_ids[:12], first.logprobs[:12], first.versions[:12], 1)
+            continued = await client.generate(prompt, params, progress=saved)
+        finished = GenerationProgress(first.output_ids, first.logprobs, first.versions, 0, "length")
+        async with EngineClient(["http://127.0.0.1:9"], connect_retries=0) as nowhere:  # no engine listens there
+            returned = await nowhere.generate(prompt, params, progress=finished)
+        return first, continued, returned
+
+    first, continued, returned = asyncio.run(run())
+    assert continued.output_ids[:12] == first.output_ids[:12] and len(continued.output_ids) == 30
+    assert continued.logprobs[:12] == first.logprobs[:12] and continued.num_resumes == 1
+    assert max_abs_diff(continued.logprobs, reference_logprobs(model_a, prompt, continued.output_ids)) < LOGPROB_TOL
+    assert returned.output_ids == first.output_ids and returned.finish_reason == "length"
 
 
 # Keep this test last in the module: it SIGKILLs the module's engines (saving two engine start-ups); the

@@ -353,13 +353,15 @@ class RetryCountingClient:
         self.client = client
         self.retries: list[int] = []
 
-    async def generate(self, input_ids: list[int], sampling_params: dict, *, rid: str | None = None):
-        result: GenerationResult = await self.client.generate(input_ids, sampling_params, rid=rid)
+    async def generate(self, input_ids: list[int], sampling_params: dict, *, rid: str | None = None, progress=None):
+        result: GenerationResult = await self.client.generate(input_ids, sampling_params, rid=rid, progress=progress)
         self.retries.append(result.num_retries)
         return result
 
-    async def generate_batch(self, prompts: list[list[int]], sampling_params: dict, *, rids: list[str]):
-        results: list[GenerationResult] = await self.client.generate_batch(prompts, sampling_params, rids=rids)
+    async def generate_batch(self, prompts: list[list[int]], sampling_params: dict, *, rids: list[str], progress=None):
+        results: list[GenerationResult] = await self.client.generate_batch(
+            prompts, sampling_params, rids=rids, progress=progress
+        )
         self.retries += [r.num_retries for r in results]
         return results
 

@@ -385,6 +385,24 @@ def test_an_inconsistent_version_1_state_is_rejected():
         (['{"event":"trained","reason":"x","uids":["a"]}'], "with reason 'x'"),
         (['{"event":"issued","uids":"a"}'], "list of strings"),
         (["not json"], ":1: not a JSON line"),
+        (['{"event":"resumed","reason":"continued","uids":["a"]}'], "'a' resumed while not in flight"),
+        (
+            [
+                '{"event":"issued","uids":["a"]}',
+                '{"event":"trained","uids":["a"]}',
+                '{"event":"resumed","reason":"continued","uids":["a"]}',
+            ],
+            ":3: 'a' resumed while not in flight",
+        ),
+        (
+            [
+                '{"event":"issued","uids":["a"]}',
+                '{"event":"resumed","reason":"continued","uids":["a"]}',
+                '{"event":"resumed","reason":"nothing_saved","uids":["a"]}',
+            ],
+            ":3: 'a' resumed twice \\(continued, then nothing_saved\\)",
+        ),
+        (['{"event":"issued","uids":["a"]}', '{"event":"resumed","reason":"lucky","uids":["a"]}'], "outcome 'lucky'"),
     ],
 )
 def test_the_audit_rejects_an_impossible_history(tmp_path, lines, message):
@@ -392,6 +410,72 @@ def test_the_audit_rejects_an_impossible_history(tmp_path, lines, message):
     journal.write_text("".join(line + "\n" for line in lines))
     with pytest.raises(LedgerError, match=message):
         read_journal(journal)
+
+
+def test_a_resume_outcome_is_journaled_for_a_sample_in_flight_and_leaves_its_state_alone(tmp_path):
+    """How a sample in flight at a resumed checkpoint went on is a journal record, not a state: the sample stays in
+    flight until it ends, the state counts do not change (the outcomes are tallied apart), and the audit hands the
+    outcomes back."""
+    journal = tmp_path / "ledger.jsonl"
+    ledger = journaled_ledger(journal)
+    ledger.issue(["a", "b", "c"])
+    ledger.mark_resumed(["a", "b"], "continued")
+    ledger.mark_resumed(["c"], "env_not_restored")
+    assert ledger.counts() == {
+        "issued": 3,
+        "in_flight": 3,
+        "trained": 0,
+        "filtered": 0,
+        "dropped_stale": 0,
+        "failed": 0,
+        "resumed/continued": 2,
+        "resumed/env_not_restored": 1,
+    }
+    ledger.mark_trained(["a", "c"])
+    ledger.mark_dropped_stale(["b"])
+    with pytest.raises(LedgerError, match="not in flight"):
+        ledger.mark_resumed(["a"], "continued")
+    with pytest.raises(LedgerError, match="resumed needs one of"):
+        ledger.mark_resumed(["a"], "regenerated")
+    ledger.close()
+    outcomes: dict[str, str] = {}
+    history = read_journal(journal, outcomes)
+    assert outcomes == {"a": "continued", "b": "continued", "c": "env_not_restored"}
+    assert {uid: state for uid, (state, _) in history.items()} == {
+        "a": SampleState.TRAINED,
+        "b": SampleState.DROPPED_STALE,
+        "c": SampleState.TRAINED,
+    }
+
+
+def test_the_resume_tally_is_checkpointed_so_it_covers_every_crash_of_the_run(tmp_path):
+    """`resumed/<outcome>` counts survive a checkpoint round trip (what a second crash resumes from), add up over
+    crashes, restart from the checkpoint's tally (what was marked after it is marked again), and a bad tally is
+    refused; a checkpoint from before token-level resume has none."""
+    ledger = SampleLedger()
+    ledger.issue(["a", "b", "c", "d"])
+    ledger.mark_resumed(["a"], "continued")
+    ledger.mark_resumed(["b"], "nothing_saved")
+    state = json.loads(json.dumps(ledger.state_dict()))
+    ledger.mark_resumed(["c"], "continued")  # after the checkpoint: lost with the crash, journaled again later
+
+    resumed = SampleLedger()
+    resumed.load_state_dict(state)
+    assert {k: v for k, v in resumed.counts().items() if k.startswith("resumed/")} == {
+        "resumed/continued": 1,
+        "resumed/nothing_saved": 1,
+    }
+    resumed.mark_resumed(["c", "d"], "continued")
+    assert resumed.counts()["resumed/continued"] == 3
+
+    old = {k: v for k, v in state.items() if k != "resumed"}
+    before = SampleLedger()
+    before.load_state_dict(old)
+    assert not any(k.startswith("resumed/") for k in before.counts())
+    for bad in ({"regenerated": 1}, {"continued": -1}, ["continued"]):
+        with pytest.raises(LedgerError, match="'resumed'"):
+            before.load_state_dict(state | {"resumed": bad})
+    assert before.counts()["in_flight"] == 4 and "resumed/continued" not in before.counts(), "nothing changed"
 
 
 def test_the_audit_ignores_a_torn_last_line(tmp_path, caplog):

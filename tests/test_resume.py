@@ -8,11 +8,13 @@ epoch and check, sample by sample in the run dir's ledger journal, that every pr
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
@@ -92,6 +94,27 @@ def _sigkill_tree(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
+def _sigkill_at_a_checkpoint_where(
+    proc: subprocess.Popen, checkpoints: CheckpointManager, wanted: Callable[[dict], bool], timeout_s: float
+) -> None:
+    """After each logged step, look at the latest checkpoint's rollout.json and SIGKILL everything once
+    `wanted(rollout)` holds (a checkpoint is written per step, far slower than this check: the one read is almost
+    always the one the resume starts from, and the caller checks the one it does)."""
+    deadline = time.monotonic() + timeout_s
+    lines: list[str] = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        latest = checkpoints.latest() if line.startswith("step ") else None
+        if latest is not None and wanted(json.loads((latest / "rollout.json").read_text())):
+            _sigkill_tree(proc)
+            return
+    proc.kill()
+    pytest.fail(f"no checkpoint of the run met the condition:\n{''.join(lines)[-3000:]}")
+
+
 # Two trainer ranks (gloo, one rank actor each) take the same path: each rank writes its own shard of the policy
 # through torch.distributed.checkpoint into the checkpoint being saved, and the resumed group reads them back. The
 # last case resumes the two ranks' checkpoint with one rank (DCP reshards; runtime/checkpoints/trainer_state.py).
@@ -141,6 +164,139 @@ def test_sigkill_then_resume_trains_every_prompt_of_the_epoch_exactly_once(small
     assert ledger_state["version"] == 2 and ledger_state["in_flight"] == []
     counts = history_counts(history)
     assert counts["issued"] == counts["trained"] == ledger_state["issued"] == len(expected)
+
+
+def _dumped(directory: Path) -> dict[str, dict]:
+    """The trained trajectories a run dumped (trainer.rollout_data_dir), by uid."""
+    records = (json.loads(line) for path in directory.glob("*.jsonl") for line in path.read_text().splitlines())
+    return {record["uid"]: record for record in records}
+
+
+@pytest.mark.slow
+def test_sigkill_between_checkpoints_continues_every_sample_in_flight_from_its_saved_tokens(small_task, tmp_path):
+    """Token-level resume end to end: the checkpoint the run is resumed from holds the tokens of the samples that
+    were generating; after the resume each of them continues from its saved tokens (its trained tokens start with
+    them, versions and log-probs included; the journal says `continued`, none regenerated), and every sample of
+    the epoch ends in exactly one ledger state, trained or dropped as stale."""
+    model_dir, train, val = small_task
+    run_dir = tmp_path / "run"
+    command = _command(
+        model_dir,
+        train,
+        val,
+        run_dir,
+        "trainer.total_training_steps=null",
+        "trainer.total_epochs=1",
+        "trainer.save_freq=1",
+        # Long generations (40 tokens, EOS ignored), two at a time per engine: generation is slower than training,
+        # so samples are mid-generation at every checkpoint.
+        "actor_rollout_ref.rollout.ignore_eos=true",
+        "data.max_response_length=40",
+        "engines.max_running_requests=2",
+    )
+    first = _start([*command, f"trainer.rollout_data_dir={tmp_path / 'dumps_first'}"], tmp_path)
+    _wait_for_line(first, "step    2/", timeout_s=400)
+    _sigkill_tree(first)
+    checkpoints = CheckpointManager(run_dir / "checkpoints")
+    killed_at = checkpoints.latest()
+    assert killed_at is not None
+    saved = checkpoints.load(killed_at).rollout["in_flight_progress"]
+    assert any(doc["generation"]["output_ids"] for doc in saved.values()), "samples were mid-generation"
+
+    second = _start([*command, f"trainer.rollout_data_dir={tmp_path / 'dumps'}"], tmp_path)
+    output, _ = second.communicate(timeout=600)
+    assert second.returncode == 0, output[-3000:]
+    assert f"{len(saved)} continue from their saved tokens" in output
+
+    outcomes: dict[str, str] = {}
+    history = read_journal(run_dir / "ledger.jsonl", outcomes)  # the audit: issued and ended exactly once each
+    expected = {f"e0/{index}/{sample}" for index in range(NUM_PROMPTS) for sample in range(SAMPLES)}
+    assert set(history) == expected
+    states = {uid: state for uid, (state, _) in history.items()}
+    assert set(states.values()) <= {SampleState.TRAINED, SampleState.DROPPED_STALE}
+    assert {uid: outcomes[uid] for uid in saved} == dict.fromkeys(saved, "continued"), "none regenerated"
+    trained = _dumped(tmp_path / "dumps")
+    checked = 0
+    for uid, doc in saved.items():
+        if states[uid] is SampleState.DROPPED_STALE:
+            continue  # too stale by the time it was trained: dropped and counted, as any sample
+        sequence, generation = trained[uid]["sequences"][0], doc["generation"]
+        n = len(generation["output_ids"])
+        assert sequence["response_ids"][:n] == generation["output_ids"], uid
+        assert sequence["versions"][:n] == generation["versions"], uid
+        assert sequence["logprobs"][:n] == pytest.approx(generation["logprobs"], abs=1e-5), uid
+        checked += 1
+    assert checked, "at least one continued sample was trained"
+    final = checkpoints.load(checkpoints.latest()).rollout["ledger"]
+    assert final["ended"].get("dropped_stale", 0) == sum(s is SampleState.DROPPED_STALE for s in states.values())
+
+
+@pytest.mark.slow
+def test_sigkill_with_agent_episodes_in_flight_continues_each_episode_from_its_saved_turns(number_line_cache, tmp_path):
+    """The agent config (config/agent_cpu.yaml, scaled down): the checkpoint holds the episodes in flight (their
+    finished turns and the environment's state); after the resume each goes on from its saved turn: its trained
+    turns start with the saved ones (tokens and versions), the journal says `continued`, and every sample ends in
+    exactly one ledger state."""
+    run_dir = tmp_path / "run"
+    command = [
+        sys.executable,
+        "-m",
+        "rllm.experimental.fully_async",
+        "--config",
+        str(Path(__file__).resolve().parents[1] / "config" / "agent_cpu.yaml"),
+        f"run.dir={run_dir}",
+        f"task.cache_dir={number_line_cache}",
+        "task.warmup_steps=60",
+        "trainer.total_training_steps=10",
+        "trainer.save_freq=1",
+        "trainer.test_freq=0",
+        "trainer.val_before_train=false",
+        # Rollouts slower than training (32 episodes a step, one request at a time): the staleness budget is not
+        # full of finished episodes, so episodes are mid-way at the checkpoints. With rollouts ahead, a checkpoint
+        # (taken right after the trainer's acknowledgement, before freed capacity is used) finds every episode in
+        # flight finished and queued, and there is nothing to continue.
+        "async_training.required_samples=8",
+        "actor_rollout_ref.rollout.n=4",
+        "engines.max_running_requests=1",
+    ]
+    first = _start([*command, f"trainer.rollout_data_dir={tmp_path / 'dumps_first'}"], tmp_path)
+    checkpoints = CheckpointManager(run_dir / "checkpoints")
+
+    def mid_episode(rollout: dict) -> bool:
+        return any(doc["episode"] and doc["episode"]["turns"] for doc in rollout["in_flight_progress"].values())
+
+    # Whether episodes are mid-way at a given checkpoint depends on the rollout/training speed ratio (at step 1 the
+    # queue often holds every episode the staleness budget allows): kill at the first checkpoint that has some.
+    _sigkill_at_a_checkpoint_where(first, checkpoints, mid_episode, timeout_s=400)
+    killed_at = checkpoints.latest()
+    assert killed_at is not None
+    saved = checkpoints.load(killed_at).rollout["in_flight_progress"]
+    episodes = {uid: doc for uid, doc in saved.items() if doc["episode"] and doc["episode"]["turns"]}
+    assert episodes, "some episodes had finished turns at the checkpoint"
+    assert all(doc["episode"]["env"] for doc in episodes.values()), "with the environment's state"
+
+    second = _start([*command, f"trainer.rollout_data_dir={tmp_path / 'dumps'}"], tmp_path)
+    output, _ = second.communicate(timeout=600)
+    assert second.returncode == 0, output[-3000:]
+    outcomes: dict[str, str] = {}
+    history = read_journal(run_dir / "ledger.jsonl", outcomes)  # the audit: issued and ended exactly once each
+    assert {uid: outcomes[uid] for uid in saved} == dict.fromkeys(saved, "continued")
+    states = {uid: state for uid, (state, _) in history.items()}
+    assert all(states[uid] is not SampleState.IN_FLIGHT for uid in saved)
+    trained = _dumped(tmp_path / "dumps")
+    checked = 0
+    for uid, doc in episodes.items():
+        if states[uid] is not SampleState.TRAINED:
+            continue  # dropped as stale (or failed): ended and counted, as any sample
+        rows = trained[uid]["sequences"]
+        for turn, row in zip(doc["episode"]["turns"], rows, strict=False):
+            assert row["response_ids"] == turn["output_ids"] and row["versions"] == turn["versions"], uid
+        current, generation = rows[len(doc["episode"]["turns"]) :], doc["generation"]
+        if generation["output_ids"]:
+            n = len(generation["output_ids"])
+            assert current[0]["response_ids"][:n] == generation["output_ids"], uid
+        checked += 1
+    assert checked, "at least one continued episode was trained"
 
 
 @pytest.mark.slow  # a CLI run end to end

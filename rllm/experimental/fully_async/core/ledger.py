@@ -15,7 +15,11 @@ What is kept where, and why. A run issues samples without end (the 30-minute CPU
 holds only what a long run needs to go on: the in-flight uids in issue order (bounded by the staleness budget),
 the number issued, and one counter per ended state and per `state/reason`. The per-sample history, the proof that
 every sample ended exactly once, goes to an optional append-only *journal* (JSON lines, one line per call, e.g.
-`{"event":"failed","reason":"reward_error","uids":["e0/3/1"]}`), which `replay_journal` replays and audits.
+`{"event":"failed","reason":"reward_error","uids":["e0/3/1"]}`), which `replay_journal` replays and audits. After a
+resume, a sample that was in flight at the checkpoint also gets one `resumed` line before it ends, saying whether it
+continued from its saved tokens or started again from the prompt (`mark_resumed`; api/progress.py), and the
+ledger counts them by outcome (`resumed/<outcome>` in `counts()`, kept in its checkpoint so the tally covers every
+crash of the run): what went on from saved work and what was generated again.
 The state machine lives here and the line format in `core/ledger_format.py` (both pure); the file that holds the
 lines is a `LedgerJournal` given by the runtime (`runtime/rollout/ledger_journal.py`: `JournalFile`, `read_journal`,
 `journaled_ledger`).
@@ -39,10 +43,12 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
+from rllm.experimental.fully_async.api.progress import RESUME_OUTCOMES
 from rllm.experimental.fully_async.core.ledger_format import (
     _NEEDS_REASON,
     ENDED_STATES,
     ISSUED,
+    RESUMED,
     JournalRecord,
     LedgerError,
     SampleState,
@@ -90,6 +96,7 @@ class SampleLedger:
         self._in_flight: dict[str, None] = {}  # a dict keeps insertion (= issue) order; resume relies on it
         self._issued = 0
         self._ended: Counter[str] = Counter()  # keys: each ended state's value, and "<state>/<reason>"
+        self._resumed: Counter[str] = Counter()  # samples resumed from a checkpoint, by outcome (api/progress.py)
 
     @property
     def journal_path(self) -> Any:
@@ -106,6 +113,18 @@ class SampleLedger:
         self._record(ISSUED, None, batch)
         self._in_flight.update(dict.fromkeys(batch))
         self._issued += len(batch)
+
+    def mark_resumed(self, uids: Iterable[str], outcome: str) -> None:
+        """Journal how samples in flight at a resumed checkpoint went on (`api.progress.RESUME_OUTCOMES`: continued
+        from their saved tokens, or restarted from the prompt and why). Not a state: they stay in flight."""
+        if outcome not in RESUME_OUTCOMES:
+            raise LedgerError(f"resumed needs one of {', '.join(RESUME_OUTCOMES)}, got {outcome!r}")
+        batch = _unique(uids, "mark resumed")
+        missing = [uid for uid in batch if uid not in self._in_flight]
+        if missing:
+            raise LedgerError(f"cannot mark {missing[0]!r} resumed: it is not in flight ({len(missing)} such)")
+        self._record(RESUMED, outcome, batch)
+        self._resumed[outcome] += len(batch)
 
     def mark_trained(self, uids: Iterable[str]) -> None:
         self._end(uids, SampleState.TRAINED, None)
@@ -155,9 +174,12 @@ class SampleLedger:
         """issued, in_flight, each ended state, and `filtered/<reason>`, `failed/<reason>` for every reason seen.
 
         in_flight + trained + filtered + dropped_stale + failed == issued; the per-reason counts of a state add up
-        to that state's count.
+        to that state's count. Then `resumed/<outcome>` for every resume outcome seen: samples in flight at a
+        checkpoint the run resumed from, `resumed/continued` from their saved tokens, the others generated again
+        (not states: such a sample is also counted in the state it is in).
         """
-        return _format_counts(self._issued, len(self._in_flight), self._ended)
+        resumed = {f"{RESUMED}/{outcome}": n for outcome, n in sorted(self._resumed.items())}
+        return _format_counts(self._issued, len(self._in_flight), self._ended) | resumed
 
     # ---- checkpoint -------------------------------------------------------------------------------------------
 
@@ -171,6 +193,7 @@ class SampleLedger:
             "in_flight": list(self._in_flight),
             "issued": self._issued,
             "ended": dict(sorted(self._ended.items())),
+            "resumed": dict(sorted(self._resumed.items())),
             "journal_path": str(self.journal_path) if self.journal_path is not None else None,
             "journal_bytes": self.journal.sync() if self.journal is not None else None,
         }
@@ -185,9 +208,11 @@ class SampleLedger:
         version = state.get("version")
         if version == STATE_DICT_VERSION:
             in_flight, issued, ended = _parse_v2(state)
+            resumed = _parse_resumed(state.get("resumed"))
             history: list[JournalRecord] | None = None
         elif version == 1:
             in_flight, issued, ended, history = _parse_v1(state)
+            resumed = Counter()
         else:
             raise LedgerError(f"ledger state version {version!r} is not {STATE_DICT_VERSION} (or 1)")
         if self.journal is not None:
@@ -206,6 +231,7 @@ class SampleLedger:
         self._in_flight = dict.fromkeys(in_flight)
         self._issued = issued
         self._ended = ended
+        self._resumed = resumed
 
     def close(self) -> None:
         """Flush and close the journal (later records reopen it and append)."""
@@ -244,6 +270,18 @@ def _parse_v2(state: Mapping[str, Any]) -> tuple[list[str], int, Counter[str]]:
     if journal_bytes is not None and not _is_count(journal_bytes):
         raise LedgerError(f"ledger state's 'journal_bytes' must be a non-negative integer, got {journal_bytes!r}")
     return in_flight, issued, ended
+
+
+def _parse_resumed(raw: Any) -> Counter[str]:
+    """The resume tally of a version-2 state (absent from checkpoints taken before token-level resume)."""
+    if raw is None:
+        return Counter()
+    if not isinstance(raw, Mapping):
+        raise LedgerError("ledger state's 'resumed' must be a mapping of outcomes to counts")
+    for outcome, n in raw.items():
+        if outcome not in RESUME_OUTCOMES or not _is_count(n):
+            raise LedgerError(f"ledger state's 'resumed' has an invalid entry {outcome!r}: {n!r}")
+    return Counter(dict(raw))
 
 
 def _parse_v1(

@@ -14,11 +14,15 @@ from collections.abc import Iterable, Mapping
 from enum import Enum
 from typing import Any
 
+from rllm.experimental.fully_async.api.progress import RESUME_OUTCOMES
 from rllm.experimental.fully_async.errors import FullyAsyncError
 
 logger = logging.getLogger(__name__)
 
 ISSUED = "issued"  # the journal's event for an issue; ends use the SampleState values
+# Not a state: how a sample in flight at a resumed checkpoint went on (reason: api/progress.py's RESUME_OUTCOMES,
+# "continued" from its saved tokens or restarted from the prompt and why), written before the sample's end.
+RESUMED = "resumed"
 REWRITE_CHUNK = 1000  # uids per line when a journal is rebuilt from a checkpoint (keeps lines short)
 JournalRecord = tuple[str, str | None, list[str]]  # (event, reason, uids)
 
@@ -40,21 +44,34 @@ class LedgerError(FullyAsyncError, ValueError):
     checkpointed state or journal that is malformed or inconsistent."""
 
 
-def replay_journal(lines: Iterable[bytes], name: str) -> dict[str, tuple[SampleState, str | None]]:
+def replay_journal(
+    lines: Iterable[bytes], name: str, resumed: dict[str, str] | None = None
+) -> dict[str, tuple[SampleState, str | None]]:
     """Replay a ledger journal's lines (`name` is where they come from, for errors): each sample's final
-    (state, reason), in issue order.
+    (state, reason), in issue order. `resumed`, when given, is filled with each resumed sample's outcome.
 
     The audit: raises `LedgerError` (naming the line) if a sample was issued twice (including after it ended),
-    ended twice, or ended without being issued, or if a line is malformed. A last line without its newline (the
-    process died while writing it) is ignored with a warning.
+    ended twice, or ended without being issued, if a "resumed" record names a sample not in flight or one already
+    resumed, or if a line is malformed. A last line without its newline (the process died while writing it) is
+    ignored with a warning.
     """
     history: dict[str, tuple[SampleState, str | None]] = {}
+    outcomes: dict[str, str] = {} if resumed is None else resumed
     for number, raw in enumerate(lines, start=1):
         where = f"{name}:{number}"
         if not raw.endswith(b"\n"):
             logger.warning("%s: ignoring a torn last line (the writer died mid-record)", where)
             break
         event, reason, uids = _parse_line(raw, where)
+        if event == RESUMED:
+            for uid in uids:
+                entry = history.get(uid)
+                if entry is None or entry[0] is not SampleState.IN_FLIGHT:
+                    raise LedgerError(f"{where}: {uid!r} resumed while not in flight")
+                if uid in outcomes:
+                    raise LedgerError(f"{where}: {uid!r} resumed twice ({outcomes[uid]}, then {reason})")
+                outcomes[uid] = str(reason)
+            continue
         if event == ISSUED:
             for uid in uids:
                 if uid in history:
@@ -110,11 +127,13 @@ def _parse_line(raw: bytes, where: str) -> tuple[str, str | None, list[str]]:
     if not isinstance(record, dict):
         raise LedgerError(f"{where}: not a JSON object")
     event, reason, uids = record.get("event"), record.get("reason"), record.get("uids")
-    if event != ISSUED and event not in {s.value for s in ENDED_STATES}:
+    if event not in (ISSUED, RESUMED) and event not in {s.value for s in ENDED_STATES}:
         raise LedgerError(f"{where}: unknown event {event!r}")
     if not isinstance(uids, list) or not all(isinstance(uid, str) for uid in uids):
         raise LedgerError(f"{where}: 'uids' must be a list of strings")
-    needs_reason = event in {s.value for s in _NEEDS_REASON}
+    if event == RESUMED and reason not in RESUME_OUTCOMES:
+        raise LedgerError(f"{where}: resumed with outcome {reason!r}, not one of {', '.join(RESUME_OUTCOMES)}")
+    needs_reason = event == RESUMED or event in {s.value for s in _NEEDS_REASON}
     if needs_reason != (reason is not None) or (needs_reason and not _is_reason(reason)):
         raise LedgerError(f"{where}: event {event!r} with reason {reason!r}")
     if len(set(uids)) != len(uids):

@@ -11,8 +11,14 @@ connection failures; `param_sync.ParamSync` uses them.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
 from typing import Any
 
+from rllm.experimental.fully_async.api.progress import GenerationProgress
 from rllm.experimental.fully_async.engines.http import (
     EngineConnectionError,
     EngineError,
@@ -37,6 +43,11 @@ __all__ = [
     "GenerationResult",
     "NoHealthyEngineError",
 ]
+
+logger = logging.getLogger(__name__)
+# While collecting the tokens in flight for a checkpoint: how long calls may stay out before the paused engines are
+# asked to abort the calls they hold (`EngineClient._calls_before_returned`).
+HELD_RECHECK_S = 1.0
 
 
 class EngineClient:
@@ -120,9 +131,15 @@ class EngineClient:
 
     # ---------------------------------------------------------------- generation
     async def generate(
-        self, input_ids: list[int], sampling_params: dict[str, Any] | None = None, *, rid: str | None = None
+        self,
+        input_ids: list[int],
+        sampling_params: dict[str, Any] | None = None,
+        *,
+        rid: str | None = None,
+        progress: GenerationProgress | None = None,
     ) -> GenerationResult:
-        """Generate from `input_ids`, resuming across weight updates (`resumable.generate_resumable`)."""
+        """Generate from `input_ids`, resuming across weight updates (`resumable.generate_resumable`); `progress`
+        keeps the tokens so far where a checkpoint reads them, and continues from the ones it was restored with."""
         return await generate_resumable(
             self.pool,
             input_ids,
@@ -132,13 +149,19 @@ class EngineClient:
             max_resumes=self.max_resumes,
             partial_rollout=self.partial_rollout,
             run_seed=self.sampling_seed,
+            progress=progress,
         )
 
     async def generate_batch(
-        self, prompts: list[list[int]], sampling_params: dict[str, Any] | None = None, *, rids: list[str]
+        self,
+        prompts: list[list[int]],
+        sampling_params: dict[str, Any] | None = None,
+        *,
+        rids: list[str],
+        progress: list[GenerationProgress] | None = None,
     ) -> list[GenerationResult]:
         """Generate from several prompts as SGLang batched requests (`resumable.generate_resumable_batch`): for
-        samples consumed together, such as one prompt's GRPO group."""
+        samples consumed together, such as one prompt's GRPO group; `progress`: one record per prompt."""
         return await generate_resumable_batch(
             self.pool,
             prompts,
@@ -148,7 +171,56 @@ class EngineClient:
             max_resumes=self.max_resumes,
             partial_rollout=self.partial_rollout,
             run_seed=self.sampling_seed,
+            progress=progress,
         )
+
+    @contextlib.asynccontextmanager
+    async def tokens_collected(self, timeout_s: float) -> AsyncIterator[bool]:
+        """While inside, every generation that was in flight has come back with its tokens (each
+        `GenerationProgress` holds everything generated so far) and waits, re-sent, in a paused engine.
+
+        On entry every live engine is paused with mode abort (as for a weight sync, but the weights stay) and the
+        calls that were out are awaited; on exit the engines paused are continued. Yields False if some call did
+        not come back within `timeout_s` (an engine that died or does not answer a pause): what did come back is
+        kept all the same. Weight syncs must be kept out meanwhile (the rollout service's SyncGate)."""
+        mark = self.pool.generate_mark()
+        urls = self.alive_urls
+        outcomes = await asyncio.gather(
+            *(self.pause_generation(url, "abort", timeout_s=timeout_s) for url in urls), return_exceptions=True
+        )
+        paused = []
+        for url, outcome in zip(urls, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                logger.warning("could not pause %s to collect the tokens in flight: %s", url, outcome)
+            else:
+                paused.append(url)
+        try:
+            yield await self._calls_before_returned(mark, paused, timeout_s)
+        finally:
+            resumed = await asyncio.gather(
+                *(self.continue_generation(url, timeout_s=timeout_s) for url in paused), return_exceptions=True
+            )
+            for url, outcome in zip(paused, resumed, strict=True):
+                if isinstance(outcome, BaseException):
+                    logger.warning("could not continue %s after collecting the tokens in flight: %s", url, outcome)
+
+    async def _calls_before_returned(self, mark: int, paused: list[str], timeout_s: float) -> bool:
+        """Wait for every /generate call sent before `mark`. A call that reaches its engine after the pause is held
+        there, not aborted (SGLang holds new arrivals while paused; so does the embedded engine): it has generated
+        nothing since it was sent, so its record is already complete, but it would only come back at the continue,
+        after this wait. So each time calls are still out after HELD_RECHECK_S, the paused engines abort what they
+        hold: those calls come back and are re-sent, held again under later tickets."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if await self.pool.generates_before(mark, max(0.0, min(HELD_RECHECK_S, remaining))):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.gather(
+                *(self.abort_request(url, abort_all=True, timeout_s=timeout_s) for url in paused),
+                return_exceptions=True,
+            )
 
     # ---------------------------------------------------------------- health and admin (one engine each)
     async def health(self) -> dict[str, bool]:

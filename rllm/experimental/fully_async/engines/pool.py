@@ -6,6 +6,9 @@
   `wait_for_engine_s` for one to come back or be replaced, then raises `NoHealthyEngineError`.
 - Routing: `post_generate` sends one `/generate` to the live engine with the fewest requests in flight from this
   pool, failing over to another engine on connection errors with bounded exponential back-off.
+- Calls in flight: every `post_generate` takes a ticket in send order, so a checkpoint that pauses the engines can
+  wait for the calls that were on the wire when it paused them to come back with their tokens
+  (`generate_mark`, `generates_before`).
 - Versions: `read_weight_version` asks an engine (`/get_weight_version`) and records the answer; a version is
   never assumed (DESIGN rule 4).
 - Admin calls address one engine by URL and retry connection failures (`call`).
@@ -114,6 +117,30 @@ class EnginePool:
         self._outage_reported = False
         self._session: aiohttp.ClientSession | None = None
         self._tie_breaker = itertools.count()
+        self._tickets = itertools.count()  # post_generate calls in send order
+        self._open_tickets: dict[int, None] = {}  # calls not yet returned (insertion order = send order)
+        self._ticket_closed: asyncio.Event | None = None  # set while someone waits in generates_before
+
+    # ---------------------------------------------------------------- calls in flight
+    def generate_mark(self) -> int:
+        """A mark in the send order: `generates_before(mark)` waits for the calls sent before this moment."""
+        return next(self._tickets)
+
+    async def generates_before(self, mark: int, timeout_s: float) -> bool:
+        """Wait until every /generate call sent before `mark` has returned (its caller has the answer); False if
+        some are still out after `timeout_s` (an engine that does not answer a pause)."""
+        deadline = time.monotonic() + timeout_s
+        while self._open_tickets and next(iter(self._open_tickets)) < mark:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self._ticket_closed = self._ticket_closed or asyncio.Event()
+            self._ticket_closed.clear()
+            try:
+                await asyncio.wait_for(self._ticket_closed.wait(), remaining)
+            except TimeoutError:
+                return False
+        return True
 
     # ---------------------------------------------------------------- membership and state
     def _add(self, url: str) -> EngineState:
@@ -271,6 +298,19 @@ class EnginePool:
         SGLang's batched GenerateReqInput); each attempt suffixes them, so a retry never reuses a live rid.
         Returns (engine URL, response body, connection failures survived).
         """
+        ticket = next(self._tickets)
+        self._open_tickets[ticket] = None
+        try:
+            return await self._post_generate(payload, rid, timeout_s)
+        finally:
+            # The caller takes the answer in this same step of the event loop, so a waiter woken by this sees it.
+            del self._open_tickets[ticket]
+            if self._ticket_closed is not None:
+                self._ticket_closed.set()
+
+    async def _post_generate(
+        self, payload: dict[str, Any], rid: str | list[str], timeout_s: float
+    ) -> tuple[str, Any, int]:
         n = len(rid) if isinstance(rid, list) else 1
         failed_on: set[str] = set()
         max_attempts = self.connect_retries * len(self._engines) + 1

@@ -16,6 +16,12 @@ is an unstarted piece and is simply re-sent.
 list of prompts, one rid each; the answer is the list of outputs when the last prompt ends): each round re-sends,
 together, the prompts a sync interrupted, each from its own tokens so far.
 
+Checkpoints (token-level resume): a caller may pass a `GenerationProgress` (api/progress.py) per sequence. The
+tokens so far are kept in it as each piece comes back, so the rollout service can save them, and one restored from
+a checkpoint is continued from its tokens exactly as after a weight sync (or, already finished, returned without
+calling an engine). A checkpoint pauses the engines (mode abort) so that every piece in flight comes back with its
+tokens first (`EnginePool.generates_before`).
+
 `partial_rollout=False` (verl/rLLM's `async_training.partial_rollout: false`): a generation interrupted by a weight
 sync is not continued with the new weights. Its tokens are discarded and it is regenerated from the prompt (held
 by the paused engine, so it starts on the new weights); every finished sequence therefore carries exactly one
@@ -34,6 +40,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from rllm.experimental.fully_async.api.progress import GenerationProgress
 from rllm.experimental.fully_async.api.trajectory import Sequence
 from rllm.experimental.fully_async.core.ids import sampling_seed_for
 from rllm.experimental.fully_async.engines.http import EngineError
@@ -114,7 +121,12 @@ def parse_piece(url: str, data: Any) -> Piece:
 
 
 class _Resumption:
-    """One sequence's state across its pieces: what to send next, and what each returned piece means."""
+    """One sequence's state across its pieces: what to send next, and what each returned piece means.
+
+    The tokens so far live in a `GenerationProgress` (api/progress.py): the caller's, when it passes one, so that a
+    checkpoint can read them while the sequence generates, and a sequence restored from a checkpoint starts from
+    its tokens (or, finished, is not sent at all).
+    """
 
     def __init__(
         self,
@@ -124,6 +136,7 @@ class _Resumption:
         max_resumes: int,
         partial_rollout: bool,
         run_seed: int | None = None,
+        progress: GenerationProgress | None = None,
     ) -> None:
         self.prompt = list(input_ids)
         if run_seed is not None and params.get("sampling_seed") is None:
@@ -134,56 +147,62 @@ class _Resumption:
         self.rid = rid
         self.max_resumes = max_resumes
         self.partial_rollout = partial_rollout
-        self.out_ids: list[int] = []
-        self.logprobs: list[float] = []
-        self.versions: list[int] = []
-        self.num_resumes = self.retries = self.discarded = 0
-        self.finish: str | None = None  # set when done
+        self.progress = progress if progress is not None else GenerationProgress()
+        self.retries = self.discarded = 0
+        if self.progress.finish_reason is None and len(self.progress) >= self.max_new:
+            self.progress.finish_reason = "length"  # restored with its whole budget used: nothing left to send
+
+    @property
+    def done(self) -> bool:
+        return self.progress.finish_reason is not None
 
     def next_input(self) -> tuple[list[int], dict[str, Any]]:
         """input_ids and sampling_params of the next piece: prompt + tokens so far, the budget that is left."""
-        return self.prompt + self.out_ids, {**self.params, "max_new_tokens": self.max_new - len(self.out_ids)}
+        out = self.progress.output_ids
+        return self.prompt + out, {**self.params, "max_new_tokens": self.max_new - len(out)}
 
     def absorb(self, piece: Piece) -> bool:
         """Take one returned piece; True when the sequence is finished, False when it must be re-sent."""
-        if piece.finish_type == "abort" and not self.partial_rollout and (self.out_ids or piece.output_ids):
+        state = self.progress
+        if piece.finish_type == "abort" and not self.partial_rollout and (state.output_ids or piece.output_ids):
             # Not continued on new weights: start over from the prompt (one version per sequence).
-            self.discarded += len(self.out_ids) + len(piece.output_ids)
-            self.out_ids, self.logprobs, self.versions = [], [], []
+            self.discarded += state.discard() + len(piece.output_ids)
             self._count_resume("was interrupted {n} times without finishing")
             logger.debug("request %s aborted; regenerating from the prompt (partial_rollout=False)", self.rid)
             return False
-        self.out_ids += piece.output_ids
-        self.logprobs += piece.logprobs
+        # One step of the event loop from here to the end: a checkpoint never sees the lists half extended.
+        state.output_ids += piece.output_ids
+        state.logprobs += piece.logprobs
         if piece.output_ids:
             assert piece.version is not None  # parse_piece guarantees a version for any token
-            self.versions += [piece.version] * len(piece.output_ids)
+            state.versions += [piece.version] * len(piece.output_ids)
         if piece.finish_type != "abort":
-            self.finish = piece.finish_type
+            state.finish_reason = piece.finish_type
             return True
-        if len(self.out_ids) >= self.max_new:
-            self.finish = "length"  # the budget ran out exactly as the pause came
+        if len(state.output_ids) >= self.max_new:
+            state.finish_reason = "length"  # the budget ran out exactly as the pause came
             return True
         self._count_resume(
             "was aborted {n} times without finishing; an engine is aborting it repeatedly "
             "(is someone calling /abort_request?)"
         )
-        logger.debug("request %s aborted after %d tokens; resuming", self.rid, len(self.out_ids))
+        logger.debug("request %s aborted after %d tokens; resuming", self.rid, len(state.output_ids))
         return False
 
     def _count_resume(self, why: str) -> None:
-        self.num_resumes += 1
-        if self.num_resumes > self.max_resumes:
-            raise EngineError(f"request {self.rid} " + why.format(n=self.num_resumes))
+        self.progress.num_resumes += 1
+        if self.progress.num_resumes > self.max_resumes:
+            raise EngineError(f"request {self.rid} " + why.format(n=self.progress.num_resumes))
 
     def result(self) -> GenerationResult:
-        assert self.finish is not None
+        state = self.progress
+        assert state.finish_reason is not None
         return GenerationResult(
-            output_ids=self.out_ids,
-            logprobs=self.logprobs,
-            versions=self.versions,
-            finish_reason=self.finish,
-            num_resumes=self.num_resumes,
+            output_ids=list(state.output_ids),
+            logprobs=list(state.logprobs),
+            versions=list(state.versions),
+            finish_reason=state.finish_reason,
+            num_resumes=state.num_resumes,
             prompt_tokens=len(self.prompt),
             num_retries=self.retries,
             discarded_tokens=self.discarded,
@@ -200,14 +219,20 @@ async def generate_resumable(
     max_resumes: int = 64,
     partial_rollout: bool = True,
     run_seed: int | None = None,
+    progress: GenerationProgress | None = None,
 ) -> GenerationResult:
     """Generate from `input_ids` on `pool`, resuming across weight updates; see the module docstring.
 
     `partial_rollout=False`: an interrupted generation restarts from the prompt instead of being continued.
     `run_seed`: add `sampling_seed = core.ids.sampling_seed_for(run_seed, rid)` unless the params carry one.
+    `progress`: where the tokens so far are kept (and, restored from a checkpoint, where they are continued from).
     """
     params = dict(sampling_params or {})
-    state = _Resumption(input_ids, params, rid or uuid.uuid4().hex, max_resumes, partial_rollout, run_seed)
+    state = _Resumption(
+        input_ids, params, rid or uuid.uuid4().hex, max_resumes, partial_rollout, run_seed, progress=progress
+    )
+    if state.done:  # restored finished: its result is already known
+        return state.result()
     for piece_index in itertools.count():
         prompt, piece_params = state.next_input()
         payload = {"input_ids": prompt, "sampling_params": piece_params, "return_logprob": True}
@@ -228,6 +253,7 @@ async def generate_resumable_batch(
     max_resumes: int = 64,
     partial_rollout: bool = True,
     run_seed: int | None = None,
+    progress: list[GenerationProgress] | None = None,
 ) -> list[GenerationResult]:
     """`generate_resumable` for several prompts sent as SGLang batched requests (one /generate per round).
 
@@ -237,13 +263,18 @@ async def generate_resumable_batch(
     engine (JSON, connection, task and timer bookkeeping) was most of both processes' CPU on the embedded default.
     SGLang answers a batch when its last prompt finishes, so batch only what is consumed together (a group).
     """
-    if len(rids) != len(prompts):
-        raise ValueError(f"generate_resumable_batch: {len(prompts)} prompts but {len(rids)} rids")
+    if len(rids) != len(prompts) or (progress is not None and len(progress) != len(prompts)):
+        raise ValueError(
+            f"generate_resumable_batch: {len(prompts)} prompts but {len(rids)} rids"
+            + ("" if progress is None else f" and {len(progress)} progress records")
+        )
     params = dict(sampling_params or {})
+    records = progress if progress is not None else [None] * len(prompts)
     states = [
-        _Resumption(p, params, r, max_resumes, partial_rollout, run_seed) for p, r in zip(prompts, rids, strict=True)
+        _Resumption(p, params, r, max_resumes, partial_rollout, run_seed, progress=g)
+        for p, r, g in zip(prompts, rids, records, strict=True)
     ]
-    pending = list(states)
+    pending = [s for s in states if not s.done]  # restored finished ones are not sent again
     for piece_index in itertools.count():
         if not pending:
             return [s.result() for s in states]

@@ -8,6 +8,10 @@ last good state is untouched either way, but the episode is over: the workflow e
 reason. Shipping the object costs a pickle round trip per step (about a millisecond for small environments); an
 environment holding large state should keep it in a file or a service and pickle only a handle.
 
+Because the object only ever exists as those bytes between calls, its state is what a checkpoint saves for an
+episode in flight (`state`), and `restore` puts it back in a resumed run: a worker loads it (so an object whose pickle
+no longer loads, e.g. its class changed, raises `EnvError` there and its episode starts over).
+
 `pool=None` runs the calls in this process instead (trusted built-ins and unit tests only: no timeout can kill
 an in-process call).
 """
@@ -58,6 +62,12 @@ def env_step(reference: str, blob: bytes, action_text: str) -> tuple[bytes, str,
     return pickle.dumps(env), observation, reward, bool(done), dict(info or {}), _identity(env, observation)
 
 
+def env_restore(reference: str, blob: bytes) -> bytes:
+    """Worker side of restore: load a saved environment (its module imported first) and pickle it again."""
+    resolve_reference(reference)
+    return pickle.dumps(pickle.loads(blob))
+
+
 class IsolatedEnv:
     """Async `reset`/`step` over an environment that runs in `pool` (see the module docstring)."""
 
@@ -85,6 +95,15 @@ class IsolatedEnv:
             "reset", env_reset, self.spec.reference, dict(self.spec.kwargs), seed, task
         )
         return observation, identity
+
+    @property
+    def state(self) -> bytes | None:
+        """The environment as pickled bytes (None before reset): what a checkpoint saves of an episode in flight."""
+        return self._blob
+
+    async def restore(self, state: bytes) -> None:
+        """Continue from a saved `state`, loaded once in a worker to prove it still loads (EnvError if not)."""
+        self._blob = await self._call("restore", env_restore, self.spec.reference, state)
 
     async def step(self, action_text: str) -> tuple[str, float, bool, dict[str, Any], str]:
         """(observation, reward, done, info, state hash of the new state)."""

@@ -17,6 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from rllm.experimental.fully_async.api.progress import CONTINUED
 from rllm.experimental.fully_async.observe.progress import format_duration
 from rllm.experimental.fully_async.observe.summary import RunTotals
 
@@ -151,6 +152,13 @@ def summary_lines(summary: RunSummary) -> list[str]:
         lines.append("ledger: " + ", ".join(ledger))
     elif summary.ledger:
         lines.append("ledger: " + ", ".join(f"{k}={v}" for k, v in summary.ledger.items()))
+    resumed = t.resumed()
+    if resumed:
+        restarted = ", ".join(f"{n:,.0f} {why}" for why, n in resumed.items() if why != CONTINUED) or "none"
+        lines.append(
+            f"resumed (samples in flight at a checkpoint resumed from): {resumed.get(CONTINUED, 0):,.0f} continued "
+            f"from their saved tokens; generated again from the prompt: {restarted}"
+        )
     width = max((len(what) for what, _ in summary.outputs), default=0) + 1
     lines += [f"{what + ':':<{width}} {where}" for what, where in summary.outputs]
     return lines

@@ -14,7 +14,8 @@ both print the same numbers. Definitions, each written once here:
   wall time;
 - staleness: the mean of `staleness/mean` weighted by the step's samples, the max of `staleness/max`; the share
   of trained rows whose tokens come from several policy versions = Σ `partial/mixed_version_samples` / Σ rows;
-- ledger: the last record's `ledger/*` counts, each with its share of `ledger/issued`.
+- ledger: the last record's `ledger/*` counts, each with its share of `ledger/issued`; after a resume, its
+  `ledger/resumed/<outcome>` counts (samples in flight at the checkpoint: continued from their tokens, or why not).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rllm.experimental.fully_async.core.ledger_format import RESUMED
 from rllm.experimental.fully_async.observe.wall_time import STEP_KEY, WallClock
 
 LEDGER_PREFIX = "ledger/"
@@ -151,6 +153,11 @@ class RunTotals:
     @property
     def mixed_version_share(self) -> float | None:
         return self._mixed_rows / self._rows if self._rows > 0 else None
+
+    def resumed(self) -> dict[str, float]:
+        """outcome -> samples resumed from a checkpoint (the ledger's `resumed/<outcome>` counts), by outcome."""
+        prefix = f"{RESUMED}/"
+        return {k[len(prefix) :]: v for k, v in sorted(self.ledger.items()) if k.startswith(prefix)}
 
     def ledger_shares(self) -> list[tuple[str, float, float | None]]:
         """(state, count, share of issued) for the ledger's states in LEDGER_STATES order, then any other."""

@@ -43,18 +43,30 @@ and `extra_info` = the datum's plus "steps" (each turn's action, observation, en
 - with step_rewards: turn i gets r (turns not listed get None, which GiGPO counts as 0), and `reward` = s is the
   reported episode reward. Indices outside the episode fail the trajectory (reason reward_bad_step_rewards).
 With layout "concat" (one row) the step rewards collapse to [reward].
+
+Resuming (token-level resume, api/progress.py): given a `SampleProgress`, the workflow puts a mark of the episode
+into it at the start of every turn and when the episode ends (`_EpisodeMark`: the conversation, each finished turn's
+tokens, log-probs and versions, rewards, steps and state hashes, and the environment's pickled state, which is all
+the environment ever is between calls: envs/session.py), and the current turn's tokens go into its generation as
+they come back. A checkpoint therefore saves the episode as of the current turn's start plus that turn's tokens so
+far; a resumed run loads the environment back in a worker and plays on from that turn, continuing its generation
+from the saved tokens (a step or tool call that was running at the checkpoint runs again from the saved state). An
+environment whose saved state no longer loads restarts its episode from the prompt (outcome `env_not_restored`,
+logged and counted by the executor).
 """
 
 from __future__ import annotations
 
+import base64
 import logging
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from rllm.experimental.fully_async.api.progress import ENV_NOT_RESTORED, GenerationProgress, SampleProgress
 from rllm.experimental.fully_async.api.trajectory import Sequence, TrajectoryStatus, VersionedTrajectory
 from rllm.experimental.fully_async.api.workflow import GenerationClient
-from rllm.experimental.fully_async.engines.client import EngineHTTPError
+from rllm.experimental.fully_async.engines.client import EngineHTTPError, GenerationResult
 from rllm.experimental.fully_async.envs.base import EnvSpec, state_hash
 from rllm.experimental.fully_async.envs.session import EnvError, IsolatedEnv
 from rllm.experimental.fully_async.workers.pool import WorkerPool
@@ -79,16 +91,98 @@ def episode_seed(datum: Any) -> int:
 
 @dataclass
 class _Episode:
-    """The conversation and per-turn records while an episode runs."""
+    """The conversation and per-turn records while an episode runs. The lists only ever grow, so a prefix of each
+    is the episode as it was earlier (`_EpisodeMark`)."""
 
     context: list[int]
     first_obs_end: int
+    identity: str = ""  # the state hash the next turn acts on (GiGPO)
     turns: list[tuple[int, Any]] = field(default_factory=list)  # (start index in context, GenerationResult)
     rewards: list[float] = field(default_factory=list)
     hashes: list[str] = field(default_factory=list)
     steps: list[dict[str, Any]] = field(default_factory=list)
     end_reason: EndReason = "max_turns"
     failure: str | None = None
+    tool_seen: str = ""  # tool results since the last env step: part of the state the next turn acts on
+    next_turn: int = 0
+    finished: bool = False  # every turn played: only the reward is left
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> _Episode:
+        """An episode saved by `_EpisodeMark.to_json` (KeyError/TypeError/ValueError if malformed)."""
+        turns = [
+            (
+                int(t["start"]),
+                GenerationResult(
+                    output_ids=[int(x) for x in t["output_ids"]],
+                    logprobs=[float(x) for x in t["logprobs"]],
+                    versions=[int(x) for x in t["versions"]],
+                    finish_reason=str(t["finish_reason"]),
+                    num_resumes=int(t["num_resumes"]),
+                    prompt_tokens=int(t["start"]),
+                ),
+            )
+            for t in doc["turns"]
+        ]
+        return cls(
+            context=[int(x) for x in doc["context"]],
+            first_obs_end=int(doc["first_obs_end"]),
+            identity=str(doc["identity"]),
+            turns=turns,
+            rewards=[float(r) for r in doc["rewards"]],
+            hashes=[str(h) for h in doc["hashes"]],
+            steps=[dict(step) for step in doc["steps"]],
+            end_reason=doc["end_reason"],
+            failure=doc["failure"],
+            tool_seen=str(doc["tool_seen"]),
+            next_turn=int(doc["turn"]),
+            finished=bool(doc["finished"]),
+        )
+
+
+class _EpisodeMark:
+    """The episode at the start of a turn, for a checkpoint (`SampleProgress.episode`): the lengths of its growing
+    lists and the few values that change, taken in O(1) per turn; turned into JSON only when a checkpoint is taken."""
+
+    def __init__(self, episode: _Episode, env_state: bytes | None) -> None:
+        self.episode = episode
+        self.lengths = tuple(len(x) for x in (episode.context, episode.turns, episode.rewards, episode.hashes))
+        self.steps = len(episode.steps)
+        self.values = (episode.identity, episode.end_reason, episode.failure, episode.tool_seen)
+        self.turn, self.finished = episode.next_turn, episode.finished
+        self.env_state = env_state  # bytes are immutable: the environment as it was at the mark
+
+    def to_json(self) -> dict[str, Any]:
+        e = self.episode
+        n_context, n_turns, n_rewards, n_hashes = self.lengths
+        identity, end_reason, failure, tool_seen = self.values
+        turns = [
+            {
+                "start": start,
+                "output_ids": list(r.output_ids),
+                "logprobs": list(r.logprobs),
+                "versions": list(r.versions),
+                "finish_reason": r.finish_reason,
+                "num_resumes": r.num_resumes,
+            }
+            for start, r in e.turns[:n_turns]
+        ]
+        return {
+            "turn": self.turn,
+            "finished": self.finished,
+            "context": e.context[:n_context],
+            "first_obs_end": e.first_obs_end,
+            "identity": identity,
+            "turns": turns,
+            "rewards": e.rewards[:n_rewards],
+            "hashes": e.hashes[:n_hashes],
+            "steps": [dict(step) for step in e.steps[: self.steps]],
+            "end_reason": end_reason,
+            "failure": failure,
+            "tool_seen": tool_seen,
+            "env": base64.b64encode(self.env_state).decode("ascii") if self.env_state is not None else None,
+            "generated_tokens": sum(len(t["output_ids"]) for t in turns),
+        }
 
 
 @dataclass
@@ -117,34 +211,90 @@ class MultiTurnWorkflow:
             self._turns[key] = ChatTurns(tokenizer)
         return self._turns[key]
 
-    async def run(self, client: GenerationClient, tokenizer: Any, datum: Any, sample_index: int) -> VersionedTrajectory:
+    async def run(
+        self,
+        client: GenerationClient,
+        tokenizer: Any,
+        datum: Any,
+        sample_index: int,
+        progress: SampleProgress | None = None,
+    ) -> VersionedTrajectory:
+        """One episode. `progress` (api/progress.py): the episode is recorded into it turn by turn; restored from a
+        checkpoint, the episode goes on from the turn it was in (module docstring, "Resuming")."""
         uid = f"{datum.prompt_uid}/{sample_index}"
-        chat = self._chat(tokenizer)
         env = IsolatedEnv(self.env, self.pool)
-        task = {**(datum.extra_info or {}), "ground_truth": datum.ground_truth}
-        context = list(datum.prompt_ids)
+        episode = await self._restored(env, progress, uid) if progress is not None and progress.episode else None
+        if episode is None:
+            task = {**(datum.extra_info or {}), "ground_truth": datum.ground_truth}
+            try:
+                observation, identity = await env.reset(episode_seed(datum), task)
+            except EnvError as exc:
+                return self._failed(uid, datum, exc)
+            context = list(datum.prompt_ids)
+            context += self._chat(tokenizer).content_ids(self.observation_role, observation) if observation else []
+            episode = _Episode(context=context, first_obs_end=len(context), identity=identity)
+            if progress is not None:
+                progress.generation = GenerationProgress()  # nothing restored to continue
+        if not episode.finished:
+            await self._play(client, tokenizer, env, episode, uid, progress)
+        if episode.end_reason == "max_turns" and len(episode.context) >= self.env.max_total_tokens:
+            episode.end_reason = "length"
+        trajectory = self._trajectory(uid, datum, episode)
+        if self.reward_fn is not None and trajectory.status == TrajectoryStatus.OK:
+            await self._score(trajectory, datum, tokenizer, episode)
+        return trajectory
+
+    async def _restored(self, env: IsolatedEnv, progress: SampleProgress, uid: str) -> _Episode | None:
+        """The saved episode with its environment loaded back, or None (and the record reset) when the environment
+        cannot be: that episode starts over, counted under its outcome."""
+        doc = progress.episode
+        episode = _Episode.from_json(doc)
         try:
-            observation, identity = await env.reset(episode_seed(datum), task)
+            if doc.get("env") is None:
+                raise EnvError("env_error", "no saved environment state")
+            await env.restore(base64.b64decode(doc["env"]))
         except EnvError as exc:
-            return self._failed(uid, datum, exc)
-        context += chat.content_ids(self.observation_role, observation) if observation else []
-        episode = _Episode(context=context, first_obs_end=len(context))
-        tool_seen = ""  # tool results since the last env step: part of the state the next turn acts on
-        for turn in range(self.env.max_turns):
+            logger.warning("sample %s: its environment could not be restored (%s); restarting the episode", uid, exc)
+            progress.restart(ENV_NOT_RESTORED)
+            return None
+        return episode
+
+    async def _play(
+        self,
+        client: GenerationClient,
+        tokenizer: Any,
+        env: IsolatedEnv,
+        episode: _Episode,
+        uid: str,
+        progress: SampleProgress | None,
+    ) -> None:
+        """Play turns from `episode.next_turn` until the episode ends; records a mark in `progress` at each turn's
+        start (the generation record is new for each turn but a restored one's first) and when it ends."""
+        chat = self._chat(tokenizer)
+        keep_generation = True  # a restored turn goes on from its saved tokens
+        for turn in range(episode.next_turn, self.env.max_turns):
+            episode.next_turn = turn
+            if progress is not None:
+                if not keep_generation:
+                    progress.generation = GenerationProgress()
+                progress.episode = _EpisodeMark(episode, env.state)
+            keep_generation = False
             budget = self.env.max_total_tokens - len(episode.context)
             if budget <= 0:
                 episode.end_reason = "length"
                 break
             params = dict(self.sampling_params)
             params["max_new_tokens"] = min(int(params.get("max_new_tokens", budget)), budget)
+            kwargs = {} if progress is None else {"progress": progress.generation}
             try:
-                result = await client.generate(list(episode.context), params, rid=f"{uid}/turn{turn}")
+                result = await client.generate(list(episode.context), params, rid=f"{uid}/turn{turn}", **kwargs)
             except EngineHTTPError as exc:  # e.g. the conversation outgrew the engine's context length
                 episode.end_reason, episode.failure = "length", f"engine_rejected: {exc}"
                 break
             start = len(episode.context)
             episode.turns.append((start, result))
-            episode.hashes.append(state_hash(identity + tool_seen) if tool_seen else identity)
+            tool_seen = episode.tool_seen
+            episode.hashes.append(state_hash(episode.identity + tool_seen) if tool_seen else episode.identity)
             episode.context += result.output_ids
             text = tokenizer.decode(result.output_ids, skip_special_tokens=True)
             step: dict[str, Any] = {"index": turn, "start": start, "end": len(episode.context), "tool": False}
@@ -154,10 +304,10 @@ class MultiTurnWorkflow:
                     step["tool"] = True
                     reply, reward, done, info = await self.tools.run(call, self.pool), 0.0, False, {"tool": call.name}
                     role = "tool"
-                    tool_seen += reply
+                    episode.tool_seen += reply
                 else:
-                    reply, reward, done, info, identity = await env.step(text)
-                    role, tool_seen = self.observation_role, ""
+                    reply, reward, done, info, episode.identity = await env.step(text)
+                    role, episode.tool_seen = self.observation_role, ""
             except (EnvError, ToolError) as exc:
                 step["obs_end"] = len(episode.context)
                 episode.steps.append(step)
@@ -177,12 +327,10 @@ class MultiTurnWorkflow:
                 episode.context += chat.message_ids(role, reply, result.output_ids)
             step["obs_end"] = len(episode.context)
             episode.steps.append(step)
-        if episode.end_reason == "max_turns" and len(episode.context) >= self.env.max_total_tokens:
-            episode.end_reason = "length"
-        trajectory = self._trajectory(uid, datum, episode)
-        if self.reward_fn is not None and trajectory.status == TrajectoryStatus.OK:
-            await self._score(trajectory, datum, tokenizer, episode)
-        return trajectory
+        episode.finished = True
+        if progress is not None:
+            progress.generation = GenerationProgress()
+            progress.episode = _EpisodeMark(episode, env.state)
 
     async def _score(self, trajectory: VersionedTrajectory, datum: Any, tokenizer: Any, episode: _Episode) -> None:
         """Replace the environment's rewards by the reward function's (rules in the module docstring)."""

@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from rllm.experimental.fully_async.api.progress import SampleProgress
 from rllm.experimental.fully_async.api.trajectory import Sequence, TrajectoryStatus, VersionedTrajectory
 from rllm.experimental.fully_async.api.workflow import BatchGenerationClient, GenerationClient
 from rllm.experimental.fully_async.workflows.base import RewardFn, score_safely
@@ -27,19 +28,34 @@ class SingleTurnWorkflow:
     reward_timeout_s: float = 30.0
     name: str = field(default="single_turn", init=False)
 
-    async def run(self, client: GenerationClient, tokenizer: Any, datum: Any, sample_index: int) -> VersionedTrajectory:
+    async def run(
+        self,
+        client: GenerationClient,
+        tokenizer: Any,
+        datum: Any,
+        sample_index: int,
+        progress: SampleProgress | None = None,
+    ) -> VersionedTrajectory:
+        """`progress`: the sample's record (api/progress.py); its generation is continued from the tokens it holds."""
         uid = f"{datum.prompt_uid}/{sample_index}"
-        result = await client.generate(list(datum.prompt_ids), dict(self.sampling_params), rid=uid)
+        kwargs = {} if progress is None else {"progress": progress.generation}
+        result = await client.generate(list(datum.prompt_ids), dict(self.sampling_params), rid=uid, **kwargs)
         return await self._scored(tokenizer, datum, uid, result)
 
     async def run_group(
-        self, client: BatchGenerationClient, tokenizer: Any, datum: Any, sample_indexes: list[int]
+        self,
+        client: BatchGenerationClient,
+        tokenizer: Any,
+        datum: Any,
+        sample_indexes: list[int],
+        progress: list[SampleProgress] | None = None,
     ) -> list[VersionedTrajectory]:
         """All samples of one prompt in one batched request (`generate_batch`). The group is consumed together, so
-        waiting for its slowest sample costs nothing."""
+        waiting for its slowest sample costs nothing. `progress`: one record per sample, as for `run`."""
         uids = [f"{datum.prompt_uid}/{i}" for i in sample_indexes]
         prompt = list(datum.prompt_ids)
-        results = await client.generate_batch([prompt] * len(uids), dict(self.sampling_params), rids=uids)
+        kwargs = {} if progress is None else {"progress": [p.generation for p in progress]}
+        results = await client.generate_batch([prompt] * len(uids), dict(self.sampling_params), rids=uids, **kwargs)
         scored = (self._scored(tokenizer, datum, u, r) for u, r in zip(uids, results, strict=True))
         return list(await asyncio.gather(*scored))
 

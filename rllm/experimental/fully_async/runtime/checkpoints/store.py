@@ -9,7 +9,9 @@ On-disk layout (one directory per step under `root`):
                               weights_only=True, so the file cannot run code when it is read
         policy_shards/        the FSDP policy as torch.distributed.checkpoint shards, one per trainer rank,
                               written by the ranks themselves (runtime/checkpoints/trainer_state.py)
-        rollout.json          the rollout part (iterator position, sample ledger, staleness counters, version)
+        rollout.json          the rollout part (iterator position, sample ledger, staleness counters, version, and
+                              each generating sample's progress: tokens so far, an agent's episode; or, where JSON
+                              cannot hold it, its token count under in_flight_unsaved; executor.py)
         queue.json            the queued TrajectoryGroups as JSON (dataclasses.asdict), rebuilt into dataclasses
         meta.json             format_version, step, saved_at (wall time), plus the caller's meta (version,
                               config_hash, ...)

@@ -13,6 +13,18 @@ the queue it fills) with these guarantees:
   and `run()` raises it.
 The executor owns the prompt iterator, the ledger and the staleness counters, so its `state_dict()` is the
 rollout side of a checkpoint.
+
+Token-level resume (api/progress.py). For a workflow that records its samples' progress (its `run` takes `progress`:
+single-turn and multi-turn do, an rLLM rollout function does not), the executor holds one `SampleProgress` per
+running sample from `_start_group` until `_accept` queues or ends it, and the checkpoint saves every non-empty one
+(`in_flight_progress` in rollout.json): the tokens so far with their log-probs and versions, and an agent's episode.
+One that JSON cannot hold (a value such as a tuple or a numpy number in an environment's step info) is named in
+`in_flight_unsaved` with its token count instead, and restarts (`progress_not_saved`). Records leave in the same
+step of the event loop in which the ledger and the queue change, so a snapshot taken in one synchronous call is
+consistent with both. A resumed run starts each saved sample from its record, as after a weight sync (with
+partial_rollout off, an unfinished generation restarts from its prompt, as after a sync); the staleness rule applies
+to its tokens as to any (their versions are kept). How each one went on is journaled (`SampleLedger.mark_resumed`)
+as it leaves the rollout side, and counted in `ExecutorStats`.
 """
 
 from __future__ import annotations
@@ -23,7 +35,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from rllm.experimental.fully_async.api.progress import (
+    CONTINUED,
+    NOTHING_SAVED,
+    PARTIAL_ROLLOUT_OFF,
+    PROGRESS_NOT_SAVED,
+    WORKFLOW_NOT_RESUMABLE,
+    SampleProgress,
+)
 from rllm.experimental.fully_async.api.trajectory import TrajectoryGroup, TrajectoryStatus, VersionedTrajectory
+from rllm.experimental.fully_async.api.workflow import resumes_samples
 from rllm.experimental.fully_async.core.ids import SampleId, prompt_uid
 from rllm.experimental.fully_async.core.ledger import SampleLedger
 from rllm.experimental.fully_async.core.staleness import StalenessManager
@@ -47,13 +68,16 @@ class ExecutorSettings:
     groups_per_version: int  # B (core/versions.groups_per_version)
     max_concurrent_rollouts: int  # samples
     total_epochs: int | None = None  # None: until stopped
+    partial_rollout: bool = True  # False: a resumed sample's unfinished generation restarts from its prompt
 
     @classmethod
     def from_spec(cls, spec: Any) -> ExecutorSettings:
         """From the run spec (run_spec.py): the schedule's η and B, the executor's sample counts."""
         s, ex = spec.schedule, spec.executor
         B = groups_per_version(s.required_samples, s.trigger_parameter_sync_step)
-        return cls(ex.samples_per_prompt, s.max_staleness, B, ex.max_concurrent_rollouts)
+        return cls(
+            ex.samples_per_prompt, s.max_staleness, B, ex.max_concurrent_rollouts, partial_rollout=ex.partial_rollout
+        )
 
 
 @dataclass
@@ -66,6 +90,11 @@ class ExecutorStats:
     filter_input_groups: int = 0  # groups offered to the group filter (algorithm.group_filter)
     filter_kept_groups: int = 0
     filter_dropped: dict[str, int] = field(default_factory=dict)  # trajectories dropped, by the ledger's reason
+    # Samples in flight at the checkpoint this run resumed from, by how they went on (api.progress.RESUME_OUTCOMES),
+    # and their saved tokens: restored, and of those thrown away (restarted from the prompt after all).
+    resumed: dict[str, int] = field(default_factory=dict)
+    resumed_tokens_restored: int = 0
+    resumed_tokens_discarded: int = 0
     started_at: float = field(default_factory=time.monotonic)
 
 
@@ -103,8 +132,12 @@ class RolloutExecutor:
         self._tasks: set[asyncio.Task] = set()
         self._paused = False
         queue.subscribe(self._state_changed.set)  # space freed or groups removed: maybe start more
-        # Prompts whose samples were in flight when the checkpoint we resumed from was taken: run them first.
-        self._reissue: list[tuple[Any, list[int]]] = []
+        self.resumable = resumes_samples(workflow)  # records each sample's progress (module docstring)
+        # Each running sample's record (resumable workflows; for others, only resumed samples, for their outcome).
+        self._progress: dict[str, SampleProgress] = {}
+        # Prompts whose samples were in flight when the checkpoint we resumed from was taken: run them first, each
+        # sample from its saved record.
+        self._reissue: list[tuple[Any, list[int], dict[str, SampleProgress]]] = []
 
     # ---- control, called from the trainer side ------------------------------------------------------------
 
@@ -151,6 +184,11 @@ class RolloutExecutor:
         self._stopping = True
         self._state_changed.set()
 
+    @property
+    def running_samples(self) -> int:
+        """Samples generating now (started, not yet queued or ended)."""
+        return self._running_samples
+
     # ---- main loop -----------------------------------------------------------------------------------------
 
     async def run(self) -> ExecutorStats:
@@ -164,8 +202,8 @@ class RolloutExecutor:
                     await self._state_changed.wait()
                     continue
                 if self._reissue:
-                    datum, indexes = self._reissue.pop(0)
-                    self._start_group(datum, indexes, issue=False)  # already issued before the restart
+                    datum, indexes, saved = self._reissue.pop(0)
+                    self._start_group(datum, indexes, issue=False, saved=saved)  # issued before the restart
                     continue
                 datum = next(self.prompts, None)
                 if datum is None:
@@ -195,27 +233,38 @@ class RolloutExecutor:
             return False  # back-pressure: the queue is full and finished groups are waiting for space
         return self.staleness.capacity(self.version) > 0
 
-    def _start_group(self, datum: Any, indexes: list[int], *, issue: bool = True) -> None:
+    def _start_group(
+        self, datum: Any, indexes: list[int], *, issue: bool = True, saved: dict[str, SampleProgress] | None = None
+    ) -> None:
+        uids = [str(SampleId(datum.epoch, datum.record.index, i)) for i in indexes]
         if issue:
-            self.ledger.issue([str(SampleId(datum.epoch, datum.record.index, i)) for i in indexes])
+            self.ledger.issue(uids)
+        saved = saved or {}
+        for uid in uids:
+            if uid in saved:
+                self._progress[uid] = saved[uid]
+            elif self.resumable:
+                self._progress[uid] = SampleProgress(uid)
         self.staleness.on_start()
         self._running_samples += len(indexes)
         self.stats.groups_started += 1
-        task = asyncio.create_task(self._run_group(datum, indexes))
+        task = asyncio.create_task(self._run_group(datum, indexes, uids))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _run_group(self, datum: Any, indexes: list[int]) -> None:
+    async def _run_group(self, datum: Any, indexes: list[int], uids: list[str]) -> None:
         n = len(indexes)
         accepted = False
         try:
-            results = await self._run_samples(datum, indexes)
+            records = [self._progress[uid] for uid in uids] if self.resumable else None
+            results = await self._run_samples(datum, indexes, records)
             trajectories = [self._as_trajectory(datum, i, result) for i, result in zip(indexes, results, strict=True)]
             group = TrajectoryGroup(
                 prompt_uid=datum.prompt_uid,
                 trajectories=trajectories,
                 data_source=getattr(datum, "data_source", ""),
             )
+            self._journal_resumed(uids)
             accepted = self._accept(group)
         except asyncio.CancelledError:
             raise
@@ -223,25 +272,46 @@ class RolloutExecutor:
             logger.exception("group %s crashed", datum.prompt_uid)
             self._fatal = exc
         finally:
+            for uid in uids:  # in the step that queued or ended them (no await since `_accept`)
+                self._progress.pop(uid, None)
             self._running_samples -= n
             self.staleness.on_finish(accepted=accepted)
             self._state_changed.set()
 
-    async def _run_samples(self, datum: Any, indexes: list[int]) -> list[Any]:
+    async def _run_samples(self, datum: Any, indexes: list[int], records: list[SampleProgress] | None) -> list[Any]:
         """One result per sample: a VersionedTrajectory, or the exception its workflow raised. A workflow with
         `run_group` runs the group at once (one batched engine request); an exception there is every sample's
-        result."""
+        result. `records`: each sample's progress, for a resumable workflow."""
         run_group = getattr(self.workflow, "run_group", None)
         if run_group is None:
-            return await asyncio.gather(
-                *(self.workflow.run(self.client, self.tokenizer, datum, i) for i in indexes), return_exceptions=True
+            progress = records or [None] * len(indexes)
+            runs = (
+                self.workflow.run(self.client, self.tokenizer, datum, i, **({"progress": p} if p is not None else {}))
+                for i, p in zip(indexes, progress, strict=True)
             )
+            return await asyncio.gather(*runs, return_exceptions=True)
         try:
-            return list(await run_group(self.client, self.tokenizer, datum, indexes))
+            kwargs = {} if records is None else {"progress": records}
+            return list(await run_group(self.client, self.tokenizer, datum, indexes, **kwargs))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             return [exc] * len(indexes)
+
+    def _journal_resumed(self, uids: list[str]) -> None:
+        """Journal and count how this group's samples restored from a checkpoint went on (their records' outcome:
+        continued, or restarted from the prompt and why), right before they are queued or end."""
+        by_outcome: dict[str, list[str]] = {}
+        for uid in uids:
+            record = self._progress.get(uid)
+            if record is None or record.outcome is None:
+                continue  # a fresh sample
+            by_outcome.setdefault(record.outcome, []).append(uid)
+            self.stats.resumed_tokens_restored += record.restored_tokens
+            self.stats.resumed_tokens_discarded += record.discarded_tokens
+        for outcome, batch in by_outcome.items():
+            self.ledger.mark_resumed(batch, outcome)
+            self.stats.resumed[outcome] = self.stats.resumed.get(outcome, 0) + len(batch)
 
     def _as_trajectory(self, datum: Any, index: int, result: Any) -> VersionedTrajectory:
         uid = str(SampleId(datum.epoch, datum.record.index, index))
@@ -297,40 +367,120 @@ class RolloutExecutor:
         Taken in one synchronous call on the service's loop, so nothing moves meanwhile: the ledger's in-flight
         samples are exactly those in the returned groups, those in the trainer's hands (none, when the trainer
         acknowledged its last batch first, as the checkpoint flow does), and those still generating (which
-        `load_state_dict` re-issues).
+        `load_state_dict` re-issues), whose progress so far is in the state's `in_flight_progress`.
         """
         return self.state_dict(), self.queue.snapshot()
 
+    def in_flight_progress(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(saved, unsaved) for every sample still generating that has something to continue from (running, or
+        restored and not yet restarted): saved maps uid -> its JSON record; unsaved, uid -> {reason, tokens} for a
+        record JSON would not hold unchanged (an environment's `info` with a non-JSON value), which is logged and
+        restarts from the prompt after a crash, counted as `progress_not_saved`."""
+        from rllm.experimental.fully_async.runtime.checkpoints.store import check_json
+
+        records = list(self._progress.values()) + [r for _, _, saved in self._reissue for r in saved.values()]
+        saved: dict[str, Any] = {}
+        unsaved: dict[str, Any] = {}
+        for record in records:
+            if not record.saved_anything():
+                continue
+            doc = record.to_json()
+            try:
+                check_json(doc, f"the progress of {record.uid}")
+            except TypeError as exc:
+                logger.warning("%s; it is not checkpointed and restarts from the prompt after a crash", exc)
+                unsaved[record.uid] = {"reason": str(exc), "tokens": record.tokens()}
+                continue
+            saved[record.uid] = doc
+        return saved, unsaved
+
     def load_state_dict(self, state: dict[str, Any], queued: list[TrajectoryGroup] | None = None) -> None:
-        """Restore a checkpoint. Samples in flight that are not in `queued` are generated again, first."""
+        """Restore a checkpoint. Samples in flight that are not in `queued` are run again, first, each from its saved
+        progress when there is one (module docstring)."""
         self.version = int(state["version"])
         self._tell_workflow(self.version)
         self.ledger.load_state_dict(state["ledger"])
         self.prompts.load_state_dict(state["prompts"])
         self.staleness.load_state_dict(state["staleness"])
+        saved_docs = state.get("in_flight_progress") or {}  # absent from checkpoints of before token-level resume
+        unsaved_docs = state.get("in_flight_unsaved") or {}
         queued_uids = {t.uid for g in queued or [] for t in g.trajectories}
         by_prompt: dict[tuple[int, int], list[int]] = {}
+        restored: dict[str, SampleProgress] = {}
         for uid in self.ledger.in_flight_uids():
             if uid in queued_uids:
                 continue
             sample = SampleId.parse(uid)
             by_prompt.setdefault((sample.epoch, sample.record), []).append(sample.index)
+            restored[uid] = self._restore_progress(uid, saved_docs.get(uid), unsaved_docs.get(uid))
+        unknown = sorted((set(saved_docs) | set(unsaved_docs)) - set(restored))
+        if unknown:
+            raise ValueError(
+                f"the checkpoint saves progress for samples its ledger does not have in flight: {unknown[:3]}"
+            )
         records = {record.index: record for record in self.prompts.dataset}
         from rllm.experimental.fully_async.data.prompts import PromptDatum
 
         for (epoch, record), indexes in sorted(by_prompt.items()):
             datum = PromptDatum(prompt_uid=prompt_uid(epoch, record), epoch=epoch, record=records[record])
-            self._reissue.append((datum, sorted(indexes)))
-        if self._reissue:
-            logger.info("re-issuing %d prompts that were in flight at the checkpoint", len(self._reissue))
+            saved = {str(SampleId(epoch, record, i)): restored[str(SampleId(epoch, record, i))] for i in indexes}
+            self._reissue.append((datum, sorted(indexes), saved))
+        if restored:
+            _log_resume(restored.values())
+
+    def _restore_progress(self, uid: str, doc: Any, unsaved: Any = None) -> SampleProgress:
+        """The record a sample in flight at the checkpoint starts from, with the outcome it is bound for."""
+        if not self.resumable:
+            return SampleProgress(uid, outcome=WORKFLOW_NOT_RESUMABLE)
+        if unsaved is not None:  # its progress was there but could not be written: its tokens are lost
+            tokens = int(unsaved.get("tokens", 0)) if isinstance(unsaved, dict) else 0
+            return SampleProgress(uid, outcome=PROGRESS_NOT_SAVED, restored_tokens=tokens, discarded_tokens=tokens)
+        if doc is None:
+            return SampleProgress(uid, outcome=NOTHING_SAVED)
+        record = SampleProgress.from_json(doc, f"in_flight_progress[{uid!r}]")
+        record.outcome = CONTINUED
+        if not self.settings.partial_rollout and record.generation.finish_reason is None and record.generation:
+            # As after a weight sync without partial rollouts: the unfinished generation restarts from its prompt
+            # (an agent keeps its finished turns).
+            record.discarded_tokens += record.generation.discard()
+            if not record.episode:
+                record.outcome = PARTIAL_ROLLOUT_OFF
+        return record
 
     def state_dict(self) -> dict[str, Any]:
+        saved, unsaved = self.in_flight_progress()
         return {
             "version": self.version,
             "ledger": self.ledger.state_dict(),
             "prompts": self.prompts.state_dict(),
             "staleness": self.staleness.state_dict(),
+            "in_flight_progress": saved,
+            "in_flight_unsaved": unsaved,
         }
+
+
+def _log_resume(records: Any) -> None:
+    """One line for the operator: how many samples in flight at the checkpoint go on from their tokens."""
+    records = list(records)
+    outcomes: dict[str, int] = {}
+    for record in records:
+        outcomes[record.outcome] = outcomes.get(record.outcome, 0) + 1
+    tokens = sum(r.restored_tokens - r.discarded_tokens for r in records if r.outcome == CONTINUED)
+    restarts = ", ".join(f"{n} {why}" for why, n in sorted(outcomes.items()) if why != CONTINUED) or "none"
+    logger.warning(
+        "resuming %d samples that were in flight at the checkpoint: %d continue from their saved tokens (%d tokens); "
+        "restarting from the prompt: %s",
+        len(records),
+        outcomes.get(CONTINUED, 0),
+        tokens,
+        restarts,
+    )
+    if outcomes.get(WORKFLOW_NOT_RESUMABLE):
+        logger.warning(
+            "the workflow does not record its samples' progress (e.g. an rLLM rollout function, which is arbitrary "
+            "code): its %d samples in flight restart from the prompt",
+            outcomes[WORKFLOW_NOT_RESUMABLE],
+        )
 
 
 def _reason_key(reason: str | None) -> str:

@@ -74,7 +74,10 @@ def journaled_ledger(path: str | os.PathLike[str]) -> SampleLedger:
     return SampleLedger(JournalFile(path))
 
 
-def read_journal(path: str | os.PathLike[str]) -> dict[str, tuple[SampleState, str | None]]:
-    """Replay and audit a journal file (`core.ledger_format.replay_journal`): each sample's final (state, reason)."""
+def read_journal(
+    path: str | os.PathLike[str], resumed: dict[str, str] | None = None
+) -> dict[str, tuple[SampleState, str | None]]:
+    """Replay and audit a journal file (`core.ledger_format.replay_journal`): each sample's final (state, reason);
+    `resumed`, when given, gets each resumed sample's outcome (continued, or why it restarted from the prompt)."""
     with open(path, "rb") as f:
-        return replay_journal(f, str(path))
+        return replay_journal(f, str(path), resumed)

@@ -43,15 +43,26 @@ if TYPE_CHECKING:
     from rllm.experimental.fully_async.run_spec import ExecutorSpec, RunSpec
 
 logger = logging.getLogger(__name__)
+# The most a checkpoint waits for the tokens in flight (and, before that, for a weight sync to finish).
+CHECKPOINT_COLLECT_TIMEOUT_S = 30.0
 
 
 class RolloutService:
     """The executor and its queue behind the one-call contract of the module docstring."""
 
-    def __init__(self, executor: RolloutExecutor, queue: MessageQueue, max_staleness: int) -> None:
+    def __init__(
+        self,
+        executor: RolloutExecutor,
+        queue: MessageQueue,
+        max_staleness: int,
+        gate: SyncGate | None = None,
+        collect_timeout_s: float = 60.0,
+    ) -> None:
         self.executor = executor
         self.queue = queue
         self.max_staleness = max_staleness
+        self.gate = gate if gate is not None else SyncGate()  # syncs vs validations and checkpoint pauses
+        self.collect_timeout_s = collect_timeout_s  # bounds the wait for a sync and for the tokens in flight
         self.ledger = executor.ledger
         self._filter_seen: dict[str, float] = {}  # the executor's cumulative filter counts at the last batch
         # Throughput and engine idleness are reported per interval between batches (see `_generation_metrics`).
@@ -157,6 +168,12 @@ class RolloutService:
             "tokens_generated": stats.tokens_generated,  # cumulative (experiments: generated per trained token)
             "max_staleness": self.max_staleness,
         }
+        if stats.resumed:  # after a resume: how the samples in flight at the checkpoint went on, and their tokens
+            rollout |= {f"resume/{outcome}": n for outcome, n in stats.resumed.items()}
+            rollout |= {
+                "resume/tokens_restored": stats.resumed_tokens_restored,
+                "resume/tokens_discarded": stats.resumed_tokens_discarded,
+            }
         return (
             prefixed("queue", self.queue.stats())
             | prefixed("ledger", self.ledger.counts())
@@ -166,12 +183,35 @@ class RolloutService:
     def checkpoint_state(self) -> tuple[dict[str, Any], list[TrajectoryGroup]]:
         return self.executor.checkpoint_state()
 
-    def write_checkpoint(self, directory: str) -> dict[str, Any]:
+    async def collected_checkpoint_state(self) -> tuple[dict[str, Any], list[TrajectoryGroup]]:
+        """`checkpoint_state` with every sample's tokens up to now in it (token-level resume).
+
+        Tokens reach the rollout side when a /generate call returns, which for a long generation may be long after
+        they were made. So, when samples are generating and their progress is recorded, the engines are paused
+        with mode abort, as for a weight sync but keeping the weights (SyncGate: no sync meanwhile): each call in
+        flight comes back with its tokens, which land in the samples' records, and is re-sent, held by the paused
+        engine; the state is taken, then the engines continue. With partial_rollout off a paused generation would
+        restart from its prompt, so nothing is paused: the records hold what has come back.
+        """
+        executor = self.executor
+        if not (executor.settings.partial_rollout and executor.resumable and executor.running_samples):
+            return self.checkpoint_state()
+        timeout_s = self.collect_timeout_s
+        async with self.gate.collecting(timeout_s), executor.client.tokens_collected(timeout_s) as complete:
+            if not complete:
+                logger.warning(
+                    "checkpoint: some generations did not come back within %gs of pausing the engines; "
+                    "their latest tokens are not in this checkpoint",
+                    timeout_s,
+                )
+            return self.checkpoint_state()
+
+    async def write_checkpoint(self, directory: str) -> dict[str, Any]:
         """Write the rollout part (rollout.json, queue.json) into a checkpoint's temporary directory; returns the
         manifest entries. The trainer must have acknowledged its last batch first (the driver's checkpoint flow)."""
         from rllm.experimental.fully_async.runtime.checkpoints.store import write_rollout_part
 
-        state, groups = self.checkpoint_state()
+        state, groups = await self.collected_checkpoint_state()
         return write_rollout_part(Path(directory), state, groups)
 
 
@@ -254,10 +294,18 @@ class RolloutServiceActor:
         if state is not None:
             executor.load_state_dict(state, queued)
             queue.put(queued)
-        self.service = RolloutService(executor, queue, max_staleness=spec.schedule.max_staleness)
         # Validations beside training, pinned to one weight version (runtime/rollout/validation.py).
         self.gate = SyncGate()
         self.gate_timeout_s = spec.param_sync.timeout_s
+        self.service = RolloutService(
+            executor,
+            queue,
+            max_staleness=spec.schedule.max_staleness,
+            gate=self.gate,
+            # Under the driver's 120 s wait for write_checkpoint (a sync to wait out, the collection, the continue):
+            # a call held by a paused SGLang engine only returns at the continue, so the collection ends by timeout.
+            collect_timeout_s=min(spec.param_sync.timeout_s, CHECKPOINT_COLLECT_TIMEOUT_S),
+        )
         self._validation: asyncio.Task | None = None
         self._finished_validations: list[dict[str, float]] = []
 
@@ -273,8 +321,8 @@ class RolloutServiceActor:
     def acknowledge(self, ack: Ack) -> None:
         self.service.acknowledge(ack)
 
-    def write_checkpoint(self, directory: str) -> dict[str, Any]:
-        return self.service.write_checkpoint(directory)
+    async def write_checkpoint(self, directory: str) -> dict[str, Any]:
+        return await self.service.write_checkpoint(directory)
 
     def set_paused(self, paused: bool) -> None:
         self.service.executor.set_paused(paused)

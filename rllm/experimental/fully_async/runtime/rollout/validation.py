@@ -16,6 +16,10 @@ and validations exclude each other through a `SyncGate` in the service process:
 - a sync (the trainer's `begin_weight_sync`, before ParamSync pauses the engines) waits for a running validation to
   finish, up to a timeout whose error names the validation.
 
+A checkpoint's collection of the tokens in flight (`RolloutService.write_checkpoint`) also pauses and continues the
+engines, without changing their weights: it excludes syncs (their pause and continue must not interleave) but not
+validations (whose requests are continued from their tokens at the same version).
+
 So the trainer keeps taking batches and making optimizer steps during a validation; only a weight push that falls
 inside one waits for it (`sync/wait_validation_s`). The result carries the step it was started at (`val/step`), the
 pinned version and whether every answer came from it (`val/off_version_answers`); the driver logs it at that step.
@@ -122,6 +126,7 @@ class SyncGate:
     def __init__(self) -> None:
         self._syncing = False
         self._validating = False
+        self._collecting = False  # a checkpoint has the engines paused to collect the tokens in flight
         self._changed: asyncio.Condition | None = None  # created in the loop that uses it
 
     def _condition(self) -> asyncio.Condition:
@@ -143,14 +148,35 @@ class SyncGate:
         started = time.monotonic()
         async with changed:
             try:
-                await asyncio.wait_for(changed.wait_for(lambda: not self._validating), timeout_s)
+                await asyncio.wait_for(
+                    changed.wait_for(lambda: not self._validating and not self._collecting), timeout_s
+                )
             except asyncio.TimeoutError as exc:
+                what = "the running validation" if self._validating else "a checkpoint's pause"
                 raise TimeoutError(
-                    f"weight sync waited {timeout_s:g}s for the running validation to finish (raise "
+                    f"weight sync waited {timeout_s:g}s for {what} to finish (raise "
                     "param_sync.timeout_s, or validate fewer prompts with task.val_size)"
                 ) from exc
             self._syncing = True
         return time.monotonic() - started
+
+    @contextlib.asynccontextmanager
+    async def collecting(self, timeout_s: float) -> AsyncIterator[None]:
+        """Hold the gate while a checkpoint pauses the engines to collect the tokens in flight: waits for a sync in
+        progress to finish first, and keeps the next one waiting until the engines are continued."""
+        changed = self._condition()
+        async with changed:
+            try:
+                await asyncio.wait_for(changed.wait_for(lambda: not self._syncing and not self._collecting), timeout_s)
+            except asyncio.TimeoutError as exc:
+                raise TimeoutError(f"checkpoint waited {timeout_s:g}s for a weight sync to finish") from exc
+            self._collecting = True
+        try:
+            yield
+        finally:
+            async with changed:
+                self._collecting = False
+                changed.notify_all()
 
     async def end_sync(self) -> None:
         changed = self._condition()
