@@ -74,6 +74,22 @@ async def wait_for_decoding(client: Any, url: str, timeout_s: float = 60.0) -> N
         await asyncio.sleep(0.02)
 
 
+async def wait_for_decode_passes(client: Any, url: str, n: int, timeout_s: float = 60.0) -> None:
+    """Poll the engine's counters until it has run `n` more decode passes than now: a request that is decoding has
+    produced tokens by then (a fixed sleep assumed so, and failed on a loaded machine)."""
+
+    async def decode_passes() -> int:
+        stats = (await client.get_server_info(url))["internal_states"][0]
+        return stats["forward_passes"] - stats["prefill_passes"]
+
+    deadline = time.monotonic() + timeout_s
+    target = await decode_passes() + n
+    while await decode_passes() < target:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} ran fewer than {n} decode passes within {timeout_s:g}s")
+        await asyncio.sleep(0.02)
+
+
 async def wait_for_running(client: Any, url: str, n: int, timeout_s: float = 30.0) -> None:
     """Poll the engine's counters (another process: nothing to wait on) until n requests are decoding."""
     deadline = time.monotonic() + timeout_s

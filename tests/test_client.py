@@ -14,6 +14,7 @@ from engine_helpers import (
     engine_command,
     max_abs_diff,
     reference_logprobs,
+    wait_for_decode_passes,
     wait_for_running,
 )
 
@@ -126,7 +127,7 @@ def test_without_partial_rollout_an_interrupted_generation_restarts_on_the_new_w
         async with EngineClient([url], partial_rollout=False) as client:
             task = asyncio.ensure_future(client.generate(prompt, LONG))
             await wait_for_running(client, url, 1)
-            await asyncio.sleep(0.05)  # let it produce some tokens of version 0
+            await wait_for_decode_passes(client, url, 3)  # some tokens of version 0
             await sync_weights(client, url, path_b, "1")
             result = await asyncio.wait_for(task, 60)
             await load_weights(client, url, path_a, "0")
@@ -185,7 +186,7 @@ def test_a_batch_without_partial_rollout_restarts_every_interrupted_prompt(engin
         async with EngineClient([url], partial_rollout=False) as client:
             task = asyncio.ensure_future(client.generate_batch(prompts, LONG, rids=["h/0", "h/1"]))
             await wait_for_running(client, url, 2)
-            await asyncio.sleep(0.05)  # let them produce some tokens of version 0
+            await wait_for_decode_passes(client, url, 3)  # some tokens of version 0 each
             await sync_weights(client, url, path_b, "1")
             results = await asyncio.wait_for(task, 60)
             await load_weights(client, url, path_a, "0")
@@ -230,7 +231,7 @@ def test_tokens_collected_at_a_checkpoint_pause_are_the_start_of_each_finished_s
                 client.generate_batch(prompts[1:], LONG, rids=["c/1", "c/2"], progress=records[1:])
             )
             await wait_for_running(client, url, 3)
-            await asyncio.sleep(0.05)  # some tokens each
+            await wait_for_decode_passes(client, url, 3)  # some tokens each
             async with client.tokens_collected(timeout_s=30) as complete:
                 collected = [list(r.output_ids) for r in records]
                 logprobs = [list(r.logprobs) for r in records]
