@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -102,7 +103,7 @@ def tool_world(tmp_path_factory) -> tuple[Path, Path, Path]:
 
 
 def test_a_deepresearch_shaped_tool_agent_calls_its_tool_and_trains(tmp_path, tool_world):
-    from rllm_tool_world import build_tokenizer
+    from rllm_tool_world import EOS, build_tokenizer
 
     model_dir, train, val = tool_world
     log = tmp_path / "tool_calls.jsonl"
@@ -132,6 +133,7 @@ def test_a_deepresearch_shaped_tool_agent_calls_its_tool_and_trains(tmp_path, to
     tok = build_tokenizer()
     called = [r for r in records if r["metadata"]["rllm"]["total_tool_calls"] > 0]
     assert called, "no trained episode called the tool"
+    canonical_replies = 0
     for record in called:
         if record["metadata"]["rllm"]["overlong"]:
             # The agent's rule (deepresearch's): an episode cut short (here: a long tool error left no room under
@@ -139,10 +141,19 @@ def test_a_deepresearch_shaped_tool_agent_calls_its_tool_and_trains(tmp_path, to
             assert not any(m for seq in record["sequences"] for m in seq["loss_mask"])
             continue
         first, second = record["sequences"][:2]
-        # The model's call, parsed and executed: the next turn's prompt is this turn's tokens, then the tool's result.
-        assert second["prompt_ids"][: len(first["prompt_ids"]) + len(first["response_ids"])] == (
-            first["prompt_ids"] + first["response_ids"]
-        )
+        # The model's call, parsed and executed: the next turn's prompt is this turn's conversation, then the tool's
+        # result. chat_completion re-renders the messages each turn (as rLLM's client does): a reply that is one
+        # well-formed call, spelled as the tokenizer spells it, comes back token for token; anything else (a sampled
+        # model now and then writes a stray "</tool_call>" after its call, or spells a piece byte by byte) comes
+        # back as the template renders the parsed message.
+        assert second["prompt_ids"][: len(first["prompt_ids"])] == first["prompt_ids"]
+        reply = tok.decode(first["response_ids"], skip_special_tokens=False)
+        one_call = re.fullmatch(r"<tool_call>[^<]*</tool_call>" + re.escape(EOS), reply) is not None
+        if one_call and tok.encode(reply, add_special_tokens=False) == first["response_ids"]:
+            canonical_replies += 1
+            assert second["prompt_ids"][: len(first["prompt_ids"]) + len(first["response_ids"])] == (
+                first["prompt_ids"] + first["response_ids"]
+            )
         call_text = tok.decode(first["response_ids"], skip_special_tokens=True)
         args = json.loads(call_text.split("<tool_call>")[1].split("</tool_call>")[0])["arguments"]
         valid = set(args) == {"a", "b"} and all(type(v) is int for v in args.values())  # the tool's own rule
@@ -155,4 +166,7 @@ def test_a_deepresearch_shaped_tool_agent_calls_its_tool_and_trains(tmp_path, to
         answer = record["metadata"]["rllm"]["final_answer"]
         assert record["reward"] == (1.0 if answer == str(a * b) else 0.0), (answer, a * b, record["reward"])
     assert any(r["reward"] == 1.0 for r in called), "no episode copied the tool's result into its answer"
+    assert canonical_replies, (
+        "no tool-calling reply was spelled as the tokenizer spells it: nothing compared token for token"
+    )
     assert any(len(r["sequences"]) >= 2 for r in records)  # several sequences (training rows) per trajectory
