@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from engine_helpers import wait_for_running
+from workflow_helpers import Datum
 
 from rllm.experimental.fully_async.api.progress import (
     CONTINUED,
@@ -359,15 +360,6 @@ def test_a_weight_sync_waits_for_a_checkpoint_pause_and_a_checkpoint_for_a_sync(
 # --- agents: the multi-turn workflow ----------------------------------------------------------------------------------
 
 EOS = VOCAB["<eos>"]
-
-
-@dataclass
-class Datum:
-    prompt_uid: str
-    prompt_ids: list[int]
-    extra_info: dict[str, Any]
-    ground_truth: Any = "4"
-    data_source: str = "test"
 
 
 @dataclass

@@ -18,13 +18,13 @@ import asyncio
 import math
 import statistics
 from collections import defaultdict
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, compute_grpo_outcome_advantage
+from workflow_helpers import Datum, ScriptedClient
 
 from rllm.experimental.fully_async.algorithms.advantages import (
     SUPPORTED_ESTIMATORS,
@@ -35,10 +35,9 @@ from rllm.experimental.fully_async.algorithms.credit import chain_tokens, index_
 from rllm.experimental.fully_async.algorithms.gigpo import GiGPOConfig
 from rllm.experimental.fully_async.api.trajectory import Sequence, TrajectoryGroup, VersionedTrajectory
 from rllm.experimental.fully_async.core.batch import groups_to_dataproto
-from rllm.experimental.fully_async.engines.client import GenerationResult
 from rllm.experimental.fully_async.envs import EnvSpec
 from rllm.experimental.fully_async.settings.loader import ConfigError, load_config
-from rllm.experimental.fully_async.tasks.number_line import VOCAB, build_tokenizer
+from rllm.experimental.fully_async.tasks.number_line import build_tokenizer
 from rllm.experimental.fully_async.workflows.multi_turn import MultiTurnWorkflow
 
 OUTCOME = ["grpo", "rloo", "reinforce_plus_plus_baseline"]
@@ -196,38 +195,6 @@ def test_gigpo_episode_level_is_grpo_over_the_same_trajectories():
 
 
 # --- the same episodes in both layouts ----------------------------------------------------------------------------
-
-EOS = VOCAB["<eos>"]
-
-
-@dataclass
-class Datum:
-    prompt_uid: str
-    prompt_ids: list[int]
-    extra_info: dict[str, Any]
-    ground_truth: Any = "7"
-    data_source: str = "number_line"
-
-
-@dataclass
-class ScriptedClient:
-    """Plays the scripted moves in order (the engine is not what is under test here)."""
-
-    tokenizer: Any
-    actions: list[str]
-    calls: int = field(default=0)
-
-    async def generate(self, input_ids, sampling_params, *, rid=None) -> GenerationResult:
-        ids = [*self.tokenizer.encode(self.actions[self.calls], add_special_tokens=False), EOS]
-        self.calls += 1
-        return GenerationResult(
-            output_ids=ids,
-            logprobs=[-0.2] * len(ids),
-            versions=[0] * len(ids),
-            finish_reason="stop",
-            num_resumes=0,
-            prompt_tokens=len(input_ids),
-        )
 
 
 # From 4 to 7 on the number line: two wins (in two turns and in one), two misses (four turns each, max_turns).
