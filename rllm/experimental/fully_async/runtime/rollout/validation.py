@@ -160,23 +160,10 @@ class SyncGate:
             self._syncing = True
         return time.monotonic() - started
 
-    @contextlib.asynccontextmanager
-    async def collecting(self, timeout_s: float) -> AsyncIterator[None]:
+    def collecting(self, timeout_s: float) -> contextlib.AbstractAsyncContextManager[None]:
         """Hold the gate while a checkpoint pauses the engines to collect the tokens in flight: waits for a sync in
         progress to finish first, and keeps the next one waiting until the engines are continued."""
-        changed = self._condition()
-        async with changed:
-            try:
-                await asyncio.wait_for(changed.wait_for(lambda: not self._syncing and not self._collecting), timeout_s)
-            except asyncio.TimeoutError as exc:
-                raise TimeoutError(f"checkpoint waited {timeout_s:g}s for a weight sync to finish") from exc
-            self._collecting = True
-        try:
-            yield
-        finally:
-            async with changed:
-                self._collecting = False
-                changed.notify_all()
+        return self._held("_collecting", "checkpoint", timeout_s)
 
     async def end_sync(self) -> None:
         changed = self._condition()
@@ -184,21 +171,28 @@ class SyncGate:
             self._syncing = False
             changed.notify_all()
 
-    @contextlib.asynccontextmanager
-    async def validation(self, timeout_s: float) -> AsyncIterator[None]:
+    def validation(self, timeout_s: float) -> contextlib.AbstractAsyncContextManager[None]:
         """Hold the gate for one validation: waits for a sync in progress to finish first."""
+        return self._held("_validating", "validation", timeout_s)
+
+    @contextlib.asynccontextmanager
+    async def _held(self, flag: str, holder: str, timeout_s: float) -> AsyncIterator[None]:
+        """Set `flag` (one holder of that kind at a time) once no sync runs and no other holder of the kind holds
+        it; a sync waits while it is set (`begin_sync`)."""
         changed = self._condition()
         async with changed:
             try:
-                await asyncio.wait_for(changed.wait_for(lambda: not self._syncing and not self._validating), timeout_s)
+                await asyncio.wait_for(
+                    changed.wait_for(lambda: not self._syncing and not getattr(self, flag)), timeout_s
+                )
             except asyncio.TimeoutError as exc:
-                raise TimeoutError(f"validation waited {timeout_s:g}s for a weight sync to finish") from exc
-            self._validating = True
+                raise TimeoutError(f"{holder} waited {timeout_s:g}s for a weight sync to finish") from exc
+            setattr(self, flag, True)
         try:
             yield
         finally:
             async with changed:
-                self._validating = False
+                setattr(self, flag, False)
                 changed.notify_all()
 
 
