@@ -56,17 +56,10 @@ class RunRecords:
         xs: list[float] = []
         ys: list[float] = []
         for r in self.records:
-            value = r.get(key)
-            if not _is_number(value):
+            value, at = r.get(key), _x_of(r, x, start)
+            if not _is_number(value) or at is None:
                 continue
-            if x == "wall":
-                if start is None or not _is_number(r.get("time")):
-                    continue
-                xs.append(float(r["time"]) - start)
-            else:
-                if not _is_number(r.get("step")):
-                    continue
-                xs.append(float(r["step"]))
+            xs.append(at)
             ys.append(float(value))
         return xs, ys
 
@@ -119,21 +112,23 @@ def parse_metrics(lines: Iterable[str], source: str) -> list[dict[str, Any]]:
     return records
 
 
+def _x_of(record: dict[str, Any], x: str, start: float | None) -> float | None:
+    """A record's x coordinate: its step, or with x="wall" its seconds since `start`; None when it has none."""
+    if x == "wall":
+        return float(record["time"]) - start if start is not None and _is_number(record.get("time")) else None
+    return float(record["step"]) if _is_number(record.get("step")) else None
+
+
 def trained_tokens_per_s(run: RunRecords, x: str = "step") -> tuple[list[float], list[float]]:
     """Tokens trained per second of trainer step: `batch/tokens / timing/step_s`, per step."""
     start = run.start_time()
     xs: list[float] = []
     ys: list[float] = []
     for r in run.records:
-        tokens, seconds = r.get("batch/tokens"), r.get("timing/step_s")
-        if not (_is_number(tokens) and _is_number(seconds) and seconds > 0):
+        tokens, seconds, at = r.get("batch/tokens"), r.get("timing/step_s"), _x_of(r, x, start)
+        if not (_is_number(tokens) and _is_number(seconds) and seconds > 0) or at is None:
             continue
-        if x == "wall":
-            if start is None or not _is_number(r.get("time")):
-                continue
-            xs.append(float(r["time"]) - start)
-        else:
-            xs.append(float(r["step"]))
+        xs.append(at)
         ys.append(float(tokens) / float(seconds))
     return xs, ys
 
