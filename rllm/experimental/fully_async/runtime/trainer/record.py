@@ -208,15 +208,21 @@ def read_segment_lines(directory: Path) -> list[dict[str, Any]]:
     path = Path(directory) / SEGMENTS_FILE
     if not path.is_file():
         return []
+    return read_json_lines(path, damaged="the record is damaged")
+
+
+def read_json_lines(path: Path, damaged: str = "") -> list[dict[str, Any]]:
+    """The JSON documents of a JSONL file (blank lines skipped); a line that is not JSON is a RecordError naming
+    file:line (and `damaged`, what that means)."""
     lines = []
-    for number, text in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, text in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
         if not text.strip():
             continue
         try:
-            doc = json.loads(text)
+            lines.append(json.loads(text))
         except ValueError as exc:
-            raise RecordError(f"{path}:{number} is not JSON ({exc}): the record is damaged") from exc
-        lines.append(doc)
+            what = f": {damaged}" if damaged else ""
+            raise RecordError(f"{path}:{number} is not JSON ({exc}){what}") from exc
     return lines
 
 

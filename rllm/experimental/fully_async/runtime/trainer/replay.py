@@ -41,6 +41,7 @@ from rllm.experimental.fully_async.runtime.trainer.record import (
     RecordError,
     Segment,
     machine_description,
+    read_json_lines,
     restore_step_rng,
     weights_fingerprint,
 )
@@ -220,18 +221,10 @@ class _Verdicts:
 
 def logged_step_metrics(path: Path) -> dict[int, dict[str, Any]]:
     """Each training step's metrics line from metrics.jsonl; where a resume trained a step again, its last line."""
-    import json
-
     if not path.is_file():
         raise RecordError(f"{path} is missing: replay compares against the run's logged metrics")
     out: dict[int, dict[str, Any]] = {}
-    for number, text in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not text.strip():
-            continue
-        try:
-            line = json.loads(text)
-        except ValueError as exc:
-            raise RecordError(f"{path}:{number} is not JSON ({exc})") from exc
+    for line in read_json_lines(path):
         if "trainer/step" in line:  # a training step's line (validation lines carry val/* only)
             out[int(line["step"])] = line
     return out
