@@ -18,13 +18,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import string
 import subprocess
 import sys
-from collections import Counter
 from pathlib import Path
 
 import pytest
+
+from rllm.rewards.reward_types import RewardConfig
+from rllm.rewards.search_reward import RewardSearchFn
 
 REPO = Path(__file__).resolve().parents[1]
 PROGRAMS = Path(__file__).resolve().parent / "rllm_programs"
@@ -97,21 +98,6 @@ def test_a_dapo_style_function_trains_with_tokenize_true_ids(tmp_path, addition_
     assert any(r["metadata"]["rllm"]["is_correct"] for r in records), "the warmed-up model answers some sums right"
 
 
-def _squad_f1(prediction: str, truth: str) -> float:
-    """SQuAD's token F1 (lower-cased, punctuation and articles dropped), the score deepresearch's reward uses."""
-
-    def tokens(text: str) -> list[str]:
-        text = "".join(ch for ch in text.lower() if ch not in set(string.punctuation))
-        return re.sub(r"\b(a|an|the)\b", " ", text).split()
-
-    pred, gold = tokens(prediction), tokens(truth)
-    same = sum((Counter(pred) & Counter(gold)).values())
-    if same == 0:
-        return 0.0
-    precision, recall = same / len(pred), same / len(gold)
-    return 2 * precision * recall / (precision + recall)
-
-
 @pytest.fixture(scope="module")
 def tool_world(tmp_path_factory) -> tuple[Path, Path, Path]:
     from rllm_tool_world import prepare
@@ -182,7 +168,8 @@ def test_a_deepresearch_shaped_tool_agent_calls_its_tool_and_trains(tmp_path, to
         a, b = (int(x) for x in question.split("*"))
         answer = record["metadata"]["rllm"]["final_answer"]
         # deepresearch's reward is the token F1 of the answer (RewardSearchFn's f1_score): "6, b: 2" against 6 is 0.5.
-        assert record["reward"] == pytest.approx(_squad_f1(answer or "", str(a * b))), (answer, a * b, record["reward"])
+        f1, _, _ = RewardSearchFn(RewardConfig()).f1_score(answer or "", str(a * b))
+        assert record["reward"] == pytest.approx(f1), (answer, a * b, record["reward"])
     assert any(r["reward"] == 1.0 for r in called), "no episode copied the tool's result into its answer"
     assert canonical_replies, (
         "no tool-calling reply was spelled as the tokenizer spells it: nothing compared token for token"
