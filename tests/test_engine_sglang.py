@@ -107,12 +107,18 @@ def test_requests_sent_while_paused_are_held_and_waiting_queue_aborts_carry_no_v
     async def run() -> tuple[dict, dict]:
         async with httpx.AsyncClient(headers=auth(), timeout=60) as http:
             body = {"sampling_params": LONG, "return_logprob": True}
+
+            async def wait_until(field: str, what: str) -> None:
+                deadline = time.monotonic() + 30
+                while (await http.get(f"{standin}/get_server_info")).json()["internal_states"][0][field] < 1:
+                    assert time.monotonic() < deadline, what
+                    await asyncio.sleep(0.02)
+
+            # The second is sent once the first decodes: sent together, either could take the one running slot.
             first = asyncio.ensure_future(http.post(f"{standin}/generate", json={"input_ids": [3], **body}))
+            await wait_until("num_running", "the first request never started decoding")
             second = asyncio.ensure_future(http.post(f"{standin}/generate", json={"input_ids": [4], **body}))
-            deadline = time.monotonic() + 30
-            while (await http.get(f"{standin}/get_server_info")).json()["internal_states"][0]["num_waiting"] < 1:
-                assert time.monotonic() < deadline, "the second request never queued"
-                await asyncio.sleep(0.02)
+            await wait_until("num_waiting", "the second request never queued")
             await http.post(f"{standin}/pause_generation", json={"mode": "abort"})
             running, waiting = (await first).json(), (await second).json()
             held = asyncio.ensure_future(http.post(f"{standin}/generate", json={"input_ids": [5], **body}))

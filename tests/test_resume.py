@@ -188,9 +188,12 @@ def test_sigkill_between_checkpoints_continues_every_sample_in_flight_from_its_s
         "trainer.total_training_steps=null",
         "trainer.total_epochs=1",
         "trainer.save_freq=1",
-        # Long generations (40 tokens, EOS ignored), one at a time on one engine: generation is slower than
-        # training, so samples are mid-generation at the checkpoints (two engines running two each kept the
-        # staleness budget full of finished groups at some checkpoints).
+        # A sample is mid-generation at a checkpoint only while the staleness budget has room: a checkpoint taken
+        # with the budget full of finished groups has nothing in flight. At η=8 the budget (9 batches) exceeds the
+        # epoch (5 batches), so the one engine, running one 40-token request at a time, is generating at every
+        # checkpoint until it has generated the whole epoch, however fast it is next to the trainer (at η=1 the
+        # budget filled before the first checkpoint on a machine whose engine outpaced its trainer by a quarter).
+        "async_training.max_staleness=8",
         "actor_rollout_ref.rollout.ignore_eos=true",
         "data.max_response_length=40",
         "engines.num_engines=1",
@@ -199,7 +202,7 @@ def test_sigkill_between_checkpoints_continues_every_sample_in_flight_from_its_s
     first = _start([*command, f"trainer.rollout_data_dir={tmp_path / 'dumps_first'}"], tmp_path)
     checkpoints = CheckpointManager(run_dir / "checkpoints")
 
-    def mid_generation(rollout: dict) -> bool:  # on a loaded machine a checkpoint may find no sample begun
+    def mid_generation(rollout: dict) -> bool:  # a checkpoint may fall between two requests
         return any(doc["generation"]["output_ids"] for doc in rollout["in_flight_progress"].values())
 
     _sigkill_at_a_checkpoint_where(first, checkpoints, mid_generation, timeout_s=400)
@@ -256,10 +259,12 @@ def test_sigkill_with_agent_episodes_in_flight_continues_each_episode_from_its_s
         "trainer.save_freq=1",
         "trainer.test_freq=0",
         "trainer.val_before_train=false",
-        # Rollouts slower than training (32 episodes a step, one request at a time): the staleness budget is not
-        # full of finished episodes, so episodes are mid-way at the checkpoints. With rollouts ahead, a checkpoint
-        # (taken right after the trainer's acknowledgement, before freed capacity is used) finds every episode in
-        # flight finished and queued, and there is nothing to continue.
+        # Episodes are mid-way at a checkpoint only while the staleness budget has room: with the budget full, a
+        # checkpoint (taken right after the trainer's acknowledgement, before freed capacity is used) finds every
+        # episode in flight finished and queued, and there is nothing to continue. At η=8 the budget (9 steps of
+        # 32 episodes, run one request at a time) fills within the run's 10 steps only if rollouts outpace training
+        # about twofold; at η=1 it filled before the first checkpoint where they outpaced it by a tenth.
+        "async_training.max_staleness=8",
         "async_training.required_samples=8",
         "actor_rollout_ref.rollout.n=4",
         "engines.max_running_requests=1",
@@ -270,8 +275,8 @@ def test_sigkill_with_agent_episodes_in_flight_continues_each_episode_from_its_s
     def mid_episode(rollout: dict) -> bool:
         return any(doc["episode"] and doc["episode"]["turns"] for doc in rollout["in_flight_progress"].values())
 
-    # Whether episodes are mid-way at a given checkpoint depends on the rollout/training speed ratio (at step 1 the
-    # queue often holds every episode the staleness budget allows): kill at the first checkpoint that has some.
+    # An episode may sit between turns or be queued unstarted at a given checkpoint: kill at the first checkpoint
+    # that has one mid-way.
     _sigkill_at_a_checkpoint_where(first, checkpoints, mid_episode, timeout_s=400)
     killed_at = checkpoints.latest()
     assert killed_at is not None
