@@ -38,11 +38,10 @@ from rllm.experimental.fully_async.runtime.checkpoints.store import (
     TRAINER_FILE,
     CheckpointError,
     CheckpointManager,
-    capture_rng_state,
     config_hash,
     find_resume_checkpoint,
-    restore_rng_state,
 )
+from rllm.experimental.fully_async.runtime.checkpoints.trainer_state import capture_rng_state, restore_rng_state
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -26,7 +26,7 @@ from rllm.experimental.fully_async.api.trajectory import (
     TrajectoryStatus,
     VersionedTrajectory,
 )
-from rllm.experimental.fully_async.runtime.checkpoints.store import capture_rng_state
+from rllm.experimental.fully_async.runtime.checkpoints.trainer_state import capture_rng_state
 from rllm.experimental.fully_async.runtime.trainer.record import (
     BatchRecorder,
     Record,

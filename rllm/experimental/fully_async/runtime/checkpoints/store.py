@@ -60,9 +60,8 @@ torch.load(weights_only=True) (which cannot run code), a rollout/queue/meta part
 TypeError naming the offending place (e.g. ``rollout['ledger'][3]``). The queue part is TrajectoryGroups as JSON
 objects (dataclasses.asdict one way, the dataclasses rebuilt the other): a field the dataclass no longer has is an
 error, a missing one takes its default. Each part's writer returns its manifest entry ({bytes, sha256}), hashing
-what it writes rather than reading it back. The trainer part carries the global RNG state (`capture_rng_state` /
-`restore_rng_state`: python, numpy, torch CPU and CUDA, in types weights_only loads), and meta the run's
-`config_hash`.
+what it writes rather than reading it back. The trainer part carries the global RNG state (trainer_state.py's
+`capture_rng_state` / `restore_rng_state`), and meta the run's `config_hash`.
 
 Reading back (`load_checkpoint`) verifies each file's size and sha256 against the `COMPLETE` manifest before parsing
 it, so damage is a `CheckpointError` naming the file. That includes the files it does not parse itself: the policy's
@@ -79,7 +78,6 @@ import io
 import json
 import logging
 import os
-import random
 import re
 import secrets
 import shutil
@@ -90,7 +88,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 import torch
 
 from rllm.experimental.fully_async.api.trajectory import (
@@ -113,11 +110,9 @@ __all__ = [
     "Checkpoint",
     "CheckpointError",
     "CheckpointManager",
-    "capture_rng_state",
     "config_hash",
     "find_resume_checkpoint",
     "load_checkpoint",
-    "restore_rng_state",
 ]
 
 logger = logging.getLogger(__name__)
@@ -407,52 +402,6 @@ def config_hash(config: Mapping[str, Any]) -> str:
     """A short stable hash of a (nested) config mapping for meta['config_hash']; key order does not matter."""
     text = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def capture_rng_state() -> dict[str, Any]:
-    """The python, numpy and torch (CPU and, if present, CUDA) global RNG states, in types that weights_only loads."""
-    version, internal, gauss_next = random.getstate()
-    np_state = np.random.get_state(legacy=False)
-    state: dict[str, Any] = {
-        "python": {"version": version, "state": list(internal), "gauss_next": gauss_next},
-        "numpy": {
-            "bit_generator": np_state["bit_generator"],
-            "key": [int(k) for k in np_state["state"]["key"]],
-            "pos": int(np_state["state"]["pos"]),
-            "has_gauss": int(np_state["has_gauss"]),
-            "gauss": float(np_state["gauss"]),
-        },
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["torch_cuda"] = list(torch.cuda.get_rng_state_all())
-    return state
-
-
-def restore_rng_state(state: Mapping[str, Any]) -> None:
-    """Put back what `capture_rng_state` returned, so the following random draws repeat."""
-    py = state["python"]
-    random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
-    npy = state["numpy"]
-    np.random.set_state(
-        {
-            "bit_generator": npy["bit_generator"],
-            "state": {"key": np.asarray(npy["key"], dtype=np.uint32), "pos": npy["pos"]},
-            "has_gauss": npy["has_gauss"],
-            "gauss": npy["gauss"],
-        }
-    )
-    torch.set_rng_state(state["torch"])
-    cuda_states = state.get("torch_cuda")
-    if cuda_states and torch.cuda.is_available():
-        if len(cuda_states) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(cuda_states)
-        else:
-            logger.warning(
-                "CUDA RNG states for %d devices but %d visible: not restored",
-                len(cuda_states),
-                torch.cuda.device_count(),
-            )
 
 
 # ---- input checks ------------------------------------------------------------------------------------------------

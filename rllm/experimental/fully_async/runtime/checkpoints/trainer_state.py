@@ -30,9 +30,13 @@ when N > 1) still load where the full state fits: world size 1 into 1, and a gat
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+import torch
 
 from rllm.experimental.fully_async.api.policy_backend import ShardedCheckpoint
 from rllm.experimental.fully_async.runtime.checkpoints.store import CheckpointError, manifest_entries
@@ -97,3 +101,49 @@ def _full_state_world(policy: Any) -> str | None:
     if not params:
         return None
     return "1" if all(isinstance(p, int) for p in params) else "> 1"
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """The python, numpy and torch (CPU and, if present, CUDA) global RNG states, in types that weights_only loads."""
+    version, internal, gauss_next = random.getstate()
+    np_state = np.random.get_state(legacy=False)
+    state: dict[str, Any] = {
+        "python": {"version": version, "state": list(internal), "gauss_next": gauss_next},
+        "numpy": {
+            "bit_generator": np_state["bit_generator"],
+            "key": [int(k) for k in np_state["state"]["key"]],
+            "pos": int(np_state["state"]["pos"]),
+            "has_gauss": int(np_state["has_gauss"]),
+            "gauss": float(np_state["gauss"]),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["torch_cuda"] = list(torch.cuda.get_rng_state_all())
+    return state
+
+
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    """Put back what `capture_rng_state` returned, so the following random draws repeat."""
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
+    npy = state["numpy"]
+    np.random.set_state(
+        {
+            "bit_generator": npy["bit_generator"],
+            "state": {"key": np.asarray(npy["key"], dtype=np.uint32), "pos": npy["pos"]},
+            "has_gauss": npy["has_gauss"],
+            "gauss": npy["gauss"],
+        }
+    )
+    torch.set_rng_state(state["torch"])
+    cuda_states = state.get("torch_cuda")
+    if cuda_states and torch.cuda.is_available():
+        if len(cuda_states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda_states)
+        else:
+            logger.warning(
+                "CUDA RNG states for %d devices but %d visible: not restored",
+                len(cuda_states),
+                torch.cuda.device_count(),
+            )

@@ -297,7 +297,7 @@ class FullyAsyncTrainer:
     def state_dict(self, policy: dict[str, Any] | None = None) -> dict[str, Any]:
         """Step, version, RNG states (and the critic's state) with the policy's: the backend's full state dict, or
         `policy` when given (a reference to shards the backend wrote itself, runtime/checkpoints/trainer_state.py)."""
-        from rllm.experimental.fully_async.runtime.checkpoints.store import capture_rng_state
+        from rllm.experimental.fully_async.runtime.checkpoints.trainer_state import capture_rng_state
 
         return {
             "backend": self.backend.state_dict() if policy is None else policy,
@@ -310,7 +310,7 @@ class FullyAsyncTrainer:
 
     def load_state_dict(self, state: dict[str, Any], *, load_policy: bool = True) -> None:
         """Restore `state_dict`'s result; `load_policy=False` when the caller has restored the policy already."""
-        from rllm.experimental.fully_async.runtime.checkpoints.store import restore_rng_state
+        from rllm.experimental.fully_async.runtime.checkpoints.trainer_state import restore_rng_state
 
         if load_policy:
             self.backend.load_state_dict(state["backend"])

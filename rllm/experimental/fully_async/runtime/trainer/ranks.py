@@ -134,12 +134,12 @@ class _PolicyRank:
 
     def rng_state(self) -> dict[str, Any]:
         """This rank's python, numpy and torch RNG states (the batch record keeps them for replay)."""
-        from rllm.experimental.fully_async.runtime.checkpoints.store import capture_rng_state
+        from rllm.experimental.fully_async.runtime.checkpoints.trainer_state import capture_rng_state
 
         return capture_rng_state()
 
     def set_rng_state(self, state: dict[str, Any]) -> None:
-        from rllm.experimental.fully_async.runtime.checkpoints.store import restore_rng_state
+        from rllm.experimental.fully_async.runtime.checkpoints.trainer_state import restore_rng_state
 
         restore_rng_state(state)
 
