@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -160,6 +161,69 @@ def test_a_two_node_cluster_runs_every_process_on_its_planned_node_and_gpus(tmp_
     assert out["too_big"] is not None and "\n" not in out["too_big"]
     assert "could not reserve the placement in 3 s" in out["too_big"] and "node 1 (127.0.0.1" in out["too_big"]
     assert "8 GPU + 8 CPU of its 4 GPU + 4 CPU" in out["too_big"]
+
+
+class _OneNodeWithoutReservation:
+    """A one-node plan on the session's Ray (tests/conftest.py), which has no GPUs to reserve: the plan is real, only
+    the placement group is left out, so the engine host asks for no resources (ClusterPlacement's other method)."""
+
+    def __init__(self, plan: object) -> None:
+        self.plan = plan
+
+    def engine_host_options(self, node: int) -> dict:
+        return {"num_cpus": 0}
+
+
+def test_cluster_engines_start_kill_restart_and_stop_an_engine_through_its_host(ray_session, tiny_model_dir, tmp_path):
+    """The driver's side of the cluster engines, in the inner loop: a real embedded engine started by an engine host
+    actor answers at the address it reports (with the run's secret), is seen dead once killed through the host,
+    comes back on a new port through `restart` and `probe` (as the supervisor drives it), and `stop` ends it."""
+    import httpx
+    import psutil
+
+    from rllm.experimental.fully_async.engines.launcher import EmbeddedEngineCommand
+    from rllm.experimental.fully_async.runtime.cluster.engine_hosts import ClusterEngines
+
+    key = "run-secret"
+    plan = plan_on_nodes([1], nnodes=1, num_engines=1, tp_size=1, trainer_ranks=0)
+    command = EmbeddedEngineCommand(
+        str(tiny_model_dir), max_running_requests=4, num_threads=1, extra_args=("--api-key", key)
+    )
+    engines = ClusterEngines(
+        command,
+        _OneNodeWithoutReservation(plan),
+        api_key=key,
+        bind_host="127.0.0.1",
+        startup_timeout_s=90,
+        log_dir=tmp_path,
+    )
+    auth = {"Authorization": f"Bearer {key}"}
+
+    def wait_for(condition, what: str, timeout_s: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.2)
+
+    with engines:
+        [first] = engines.processes
+        assert first.alive() and first.returncode is None
+        assert httpx.get(f"{first.url}/get_weight_version", headers=auth, timeout=10).status_code == 200
+        assert httpx.get(f"{first.url}/get_weight_version", timeout=10).status_code == 401  # the secret is required
+        engines.kill(0)
+        wait_for(lambda: not first.alive(), "the killed engine still looks alive")
+        assert first.returncode is not None
+        second = engines.restart(0)
+        wait_for(lambda: engines.probe(0), "the restarted engine never became healthy")
+        second = engines.processes[0]
+        assert second.pid != first.pid and second.url != first.url  # a new process on a new port
+        assert httpx.get(f"{second.url}/health", timeout=10).status_code == 200
+    assert engines.processes == [] and engines.hosts == {}
+    wait_for(
+        lambda: not psutil.pid_exists(second.pid) or psutil.Process(second.pid).status() == "zombie",
+        "the engine outlived stop()",
+        30,
+    )
 
 
 def test_plan_on_nodes_uses_the_first_nnodes_nodes_and_names_what_is_missing():

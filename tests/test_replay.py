@@ -168,6 +168,15 @@ def _replay(run_dir: Path) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, timeout=600)
 
 
+def test_replay_of_a_run_without_a_record_says_how_to_keep_one_and_exits_2(tmp_path):
+    """The CLI on a run directory trained without `run.record_batches`: one line naming the folder and the key."""
+    replayed = _replay(tmp_path)
+    assert replayed.returncode == 2, replayed.stderr[-2000:]
+    lines = replayed.stderr.strip().splitlines()
+    assert len(lines) == 1, replayed.stderr
+    assert str(tmp_path) in lines[0] and "no batch record" in lines[0] and "run.record_batches=true" in lines[0]
+
+
 @pytest.fixture(scope="module")
 def small_task(addition_cache, tmp_path_factory):
     """The addition task's model and 40 of its prompts (the resume tests' shape: 8 groups of 4 a step)."""
