@@ -177,7 +177,7 @@ class _OneNodeWithoutReservation:
 def test_cluster_engines_start_kill_restart_and_stop_an_engine_through_its_host(ray_session, tiny_model_dir, tmp_path):
     """The driver's side of the cluster engines, in the inner loop: a real embedded engine started by an engine host
     actor answers at the address it reports (with the run's secret), is seen dead once killed through the host,
-    comes back on a new port through `restart` and `probe` (as the supervisor drives it), and `stop` ends it."""
+    comes back as a new process through `restart` and `probe` (as the supervisor drives it), and `stop` ends it."""
     import httpx
     import psutil
 
@@ -205,6 +205,12 @@ def test_cluster_engines_start_kill_restart_and_stop_an_engine_through_its_host(
             assert time.monotonic() < deadline, what
             time.sleep(0.2)
 
+    def ended(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
     with engines:
         [first] = engines.processes
         assert first.alive() and first.returncode is None
@@ -213,17 +219,14 @@ def test_cluster_engines_start_kill_restart_and_stop_an_engine_through_its_host(
         engines.kill(0)
         wait_for(lambda: not first.alive(), "the killed engine still looks alive")
         assert first.returncode is not None
-        second = engines.restart(0)
+        engines.restart(0)
         wait_for(lambda: engines.probe(0), "the restarted engine never became healthy")
         second = engines.processes[0]
-        assert second.pid != first.pid and second.url != first.url  # a new process on a new port
+        assert second.pid != first.pid  # a new process (on a port picked afresh)
         assert httpx.get(f"{second.url}/health", timeout=10).status_code == 200
     assert engines.processes == [] and engines.hosts == {}
-    wait_for(
-        lambda: not psutil.pid_exists(second.pid) or psutil.Process(second.pid).status() == "zombie",
-        "the engine outlived stop()",
-        30,
-    )
+
+    wait_for(lambda: ended(second.pid), "the engine outlived stop()", 30)
 
 
 def test_plan_on_nodes_uses_the_first_nnodes_nodes_and_names_what_is_missing():
