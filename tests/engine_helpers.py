@@ -90,6 +90,20 @@ async def wait_for_decode_passes(client: Any, url: str, n: int, timeout_s: float
         await asyncio.sleep(0.02)
 
 
+async def wait_for_idle(client: Any, url: str, timeout_s: float = 60.0) -> None:
+    """Poll the engine's counters until nothing runs or waits on it: on an engine shared by a module's tests, the
+    requests of a test that stopped its callers may still be decoding (nothing aborts them), and a count of running
+    requests taken then would count theirs."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = (await client.get_server_info(url))["internal_states"][0]
+        if state["num_running"] == 0 and state["num_waiting"] == 0:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s}s waiting for {url} to be idle: {state}")
+        await asyncio.sleep(0.02)
+
+
 async def wait_for_running(client: Any, url: str, n: int, timeout_s: float = 30.0) -> None:
     """Poll the engine's counters (another process: nothing to wait on) until n requests are decoding."""
     deadline = time.monotonic() + timeout_s

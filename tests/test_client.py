@@ -15,6 +15,7 @@ from engine_helpers import (
     max_abs_diff,
     reference_logprobs,
     wait_for_decode_passes,
+    wait_for_idle,
     wait_for_running,
 )
 
@@ -96,6 +97,7 @@ def test_aborted_generation_is_resumed_across_a_weight_update_and_stitched(engin
 
     async def run() -> GenerationResult:
         async with EngineClient([url]) as client:
+            await wait_for_idle(client, url)  # the engine is the module's: no earlier test's requests counted
             task = asyncio.ensure_future(client.generate(prompt, LONG))
             await wait_for_running(client, url, 1)
             await sync_weights(client, url, path_b, "1")
@@ -125,6 +127,7 @@ def test_without_partial_rollout_an_interrupted_generation_restarts_on_the_new_w
 
     async def run() -> GenerationResult:
         async with EngineClient([url], partial_rollout=False) as client:
+            await wait_for_idle(client, url)  # the engine is the module's: no earlier test's requests counted
             task = asyncio.ensure_future(client.generate(prompt, LONG))
             await wait_for_running(client, url, 1)
             await wait_for_decode_passes(client, url, 3)  # some tokens of version 0
@@ -154,6 +157,7 @@ def test_a_batch_is_aborted_by_a_weight_update_and_each_prompt_is_resumed_on_its
 
     async def run() -> tuple[list[GenerationResult], tuple[int, int]]:
         async with EngineClient([url]) as client:
+            await wait_for_idle(client, url)  # the engine is the module's: no earlier test's requests counted
             before = await counts(client)
             task = asyncio.ensure_future(client.generate_batch(prompts, LONG, rids=["g/0", "g/1", "g/2"]))
             await wait_for_running(client, url, 3)
@@ -184,6 +188,7 @@ def test_a_batch_without_partial_rollout_restarts_every_interrupted_prompt(engin
 
     async def run() -> list[GenerationResult]:
         async with EngineClient([url], partial_rollout=False) as client:
+            await wait_for_idle(client, url)  # the engine is the module's: no earlier test's requests counted
             task = asyncio.ensure_future(client.generate_batch(prompts, LONG, rids=["h/0", "h/1"]))
             await wait_for_running(client, url, 2)
             await wait_for_decode_passes(client, url, 3)  # some tokens of version 0 each
@@ -225,6 +230,7 @@ def test_tokens_collected_at_a_checkpoint_pause_are_the_start_of_each_finished_s
 
     async def run() -> tuple[list[list[int]], list[list[float]], list[GenerationResult], bool]:
         async with EngineClient([url]) as client:
+            await wait_for_idle(client, url)  # the engine is the module's: no earlier test's requests counted
             records = [GenerationProgress() for _ in prompts]
             alone = asyncio.ensure_future(client.generate(prompts[0], LONG, rid="c/0", progress=records[0]))
             batch = asyncio.ensure_future(

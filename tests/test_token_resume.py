@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from engine_helpers import wait_for_running
+from engine_helpers import wait_for_idle, wait_for_running
 from workflow_helpers import Datum
 
 from rllm.experimental.fully_async.api.progress import (
@@ -100,8 +100,9 @@ def make_service(
 async def checkpoint_mid_generation(service: RolloutService) -> tuple[dict, list]:
     """Run the service until samples are mid-generation, take its checkpoint state as `write_checkpoint` does (the
     engines paused to collect the tokens in flight), and stop it: the crash."""
-    rollouts = asyncio.create_task(service.run())
     client = service.executor.client
+    await wait_for_idle(client, client.urls[0])  # so the requests counted next are this service's
+    rollouts = asyncio.create_task(service.run())
     await wait_for_running(client, client.urls[0], 4)  # decoding: each has its first tokens, none its last
     state, queued = await service.collected_checkpoint_state()
     service.stop()
