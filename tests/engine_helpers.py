@@ -64,53 +64,47 @@ def max_abs_diff(a: list[float], b: list[float]) -> float:
     return max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
 
 
+async def wait_for_engine_state(
+    client: Any, url: str, done: Callable[[dict[str, Any]], bool], what: str, timeout_s: float = 60.0
+) -> dict[str, Any]:
+    """Poll the engine's counters (`/get_server_info`: another process, there is no event to wait on) until
+    `done(counters)`; returns them. `client` is an `EngineClient`; `what` names the awaited state for the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while not done(state := (await client.get_server_info(url))["internal_states"][0]):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url}: no {what} within {timeout_s:g}s (counters: {state})")
+        await asyncio.sleep(0.02)
+    return state
+
+
+async def wait_for_running(client: Any, url: str, n: int, timeout_s: float = 60.0) -> None:
+    """Until n requests are decoding."""
+    await wait_for_engine_state(client, url, lambda s: s["num_running"] >= n, f"{n} requests decoding", timeout_s)
+
+
 async def wait_for_decoding(client: Any, url: str, timeout_s: float = 60.0) -> None:
-    """Poll the engine's counters (another process: there is no event to wait on) until a request is decoding.
-    `client` is an `EngineClient`."""
-    deadline = time.monotonic() + timeout_s
-    while (await client.get_server_info(url))["internal_states"][0]["num_running"] < 1:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no request started decoding on {url} within {timeout_s:g}s")
-        await asyncio.sleep(0.02)
-
-
-async def wait_for_decode_passes(client: Any, url: str, n: int, timeout_s: float = 60.0) -> None:
-    """Poll the engine's counters until it has run `n` more decode passes than now: a request that is decoding has
-    produced tokens by then (a fixed sleep assumed so, and failed on a loaded machine)."""
-
-    async def decode_passes() -> int:
-        stats = (await client.get_server_info(url))["internal_states"][0]
-        return stats["forward_passes"] - stats["prefill_passes"]
-
-    deadline = time.monotonic() + timeout_s
-    target = await decode_passes() + n
-    while await decode_passes() < target:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{url} ran fewer than {n} decode passes within {timeout_s:g}s")
-        await asyncio.sleep(0.02)
+    """Until a request is decoding."""
+    await wait_for_running(client, url, 1, timeout_s)
 
 
 async def wait_for_idle(client: Any, url: str, timeout_s: float = 60.0) -> None:
-    """Poll the engine's counters until nothing runs or waits on it: on an engine shared by a module's tests, the
-    requests of a test that stopped its callers may still be decoding (nothing aborts them), and a count of running
-    requests taken then would count theirs."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        state = (await client.get_server_info(url))["internal_states"][0]
-        if state["num_running"] == 0 and state["num_waiting"] == 0:
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s}s waiting for {url} to be idle: {state}")
-        await asyncio.sleep(0.02)
+    """Until nothing runs or waits on the engine: on an engine shared by a module's tests, the requests of a test
+    that stopped its callers may still be decoding (nothing aborts them), and a count of running requests taken then
+    would count theirs."""
+    await wait_for_engine_state(
+        client, url, lambda s: s["num_running"] == 0 and s["num_waiting"] == 0, "idle engine", timeout_s
+    )
 
 
-async def wait_for_running(client: Any, url: str, n: int, timeout_s: float = 30.0) -> None:
-    """Poll the engine's counters (another process: nothing to wait on) until n requests are decoding."""
-    deadline = time.monotonic() + timeout_s
-    while (await client.get_server_info(url))["internal_states"][0]["num_running"] < n:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s}s waiting for {n} running requests on {url}")
-        await asyncio.sleep(0.02)
+async def wait_for_decode_passes(client: Any, url: str, n: int, timeout_s: float = 60.0) -> None:
+    """Until the engine has run `n` more decode passes than now: a request that is decoding has produced tokens by
+    then (a fixed sleep assumed so, and failed on a loaded machine)."""
+
+    def decode_passes(state: dict[str, Any]) -> int:
+        return state["forward_passes"] - state["prefill_passes"]
+
+    target = decode_passes((await client.get_server_info(url))["internal_states"][0]) + n
+    await wait_for_engine_state(client, url, lambda s: decode_passes(s) >= target, f"{n} decode passes", timeout_s)
 
 
 def restarted(launcher: Any, index: int) -> Any:

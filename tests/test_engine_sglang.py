@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from engine_helpers import engine_command
+from engine_helpers import engine_command, wait_for_engine_state, wait_for_running
 from omegaconf import OmegaConf
 from test_client import sync_weights
 
@@ -105,20 +105,13 @@ def test_http_error_codes_are_sglangs(standin):
 
 def test_requests_sent_while_paused_are_held_and_waiting_queue_aborts_carry_no_version(standin):
     async def run() -> tuple[dict, dict]:
-        async with httpx.AsyncClient(headers=auth(), timeout=60) as http:
+        async with httpx.AsyncClient(headers=auth(), timeout=60) as http, EngineClient([standin], api_key=KEY) as info:
             body = {"sampling_params": LONG, "return_logprob": True}
-
-            async def wait_until(field: str, what: str) -> None:
-                deadline = time.monotonic() + 30
-                while (await http.get(f"{standin}/get_server_info")).json()["internal_states"][0][field] < 1:
-                    assert time.monotonic() < deadline, what
-                    await asyncio.sleep(0.02)
-
             # The second is sent once the first decodes: sent together, either could take the one running slot.
             first = asyncio.ensure_future(http.post(f"{standin}/generate", json={"input_ids": [3], **body}))
-            await wait_until("num_running", "the first request never started decoding")
+            await wait_for_running(info, standin, 1)
             second = asyncio.ensure_future(http.post(f"{standin}/generate", json={"input_ids": [4], **body}))
-            await wait_until("num_waiting", "the second request never queued")
+            await wait_for_engine_state(info, standin, lambda s: s["num_waiting"] >= 1, "request waiting")
             await http.post(f"{standin}/pause_generation", json={"mode": "abort"})
             running, waiting = (await first).json(), (await second).json()
             held = asyncio.ensure_future(http.post(f"{standin}/generate", json={"input_ids": [5], **body}))
@@ -171,16 +164,10 @@ def test_waiting_queue_aborts_are_resumed_as_unstarted_pieces(standin, models):
         async with EngineClient([standin], api_key=KEY) as client:
             # The first request decodes before the second is sent: which one runs and which waits is then known
             # (sent together, either could reach the one running slot first).
-            async def wait_for(state: str) -> None:
-                deadline = time.monotonic() + 30
-                while (await client.get_server_info(standin))["internal_states"][0][state] < 1:
-                    assert time.monotonic() < deadline, f"no request reached {state}"
-                    await asyncio.sleep(0.02)
-
             tasks = [asyncio.ensure_future(client.generate([3], LONG))]
-            await wait_for("num_running")
+            await wait_for_running(client, standin, 1)
             tasks.append(asyncio.ensure_future(client.generate([4], LONG)))
-            await wait_for("num_waiting")
+            await wait_for_engine_state(client, standin, lambda s: s["num_waiting"] >= 1, "request waiting")
             await sync_weights(client, standin, models["a"][0], "1")
             results = await asyncio.gather(*tasks)
             await client.update_weight_version(standin, "0")
