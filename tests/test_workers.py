@@ -72,6 +72,32 @@ def test_crash_fails_one_call_only(pool):
     asyncio.run(scenario())
 
 
+def test_a_worker_dead_before_its_call_start_is_read_fails_that_call_alone_with_its_exit_code():
+    """pebble reads a call's start on one thread and notices dead workers on another; under load a call that kills
+    its worker at once was noticed first, which broke the whole pool ("All workers expired") and lost the exit code.
+    Reading every message late here makes that order certain."""
+    with WorkerPool(max_workers=2, kill_grace_s=10.0) as late_pool:
+        manager = late_pool._get_pool()._pool_manager
+        read_next_message = manager.process_next_message
+
+        def read_late(timeout: float) -> None:
+            time.sleep(0.2)
+            read_next_message(timeout)
+
+        manager.process_next_message = read_late
+
+        async def scenario():
+            return await asyncio.gather(
+                late_pool.call(die, timeout_s=30), late_pool.call(add, 4, 5, timeout_s=30), return_exceptions=True
+            )
+
+        crashed, added = asyncio.run(scenario())
+        assert isinstance(crashed, IsolatedCallError) and crashed.kind == "crash", crashed
+        assert "exit code 7" in crashed.reason, crashed.reason
+        assert added == 9
+        assert asyncio.run(late_pool.call(add, 1, 2, timeout_s=30)) == 3
+
+
 def test_exception_comes_back_as_one_line_reason(pool):
     with pytest.raises(IsolatedCallError) as info:
         asyncio.run(pool.call(fail, timeout_s=30))

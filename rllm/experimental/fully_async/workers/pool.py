@@ -33,12 +33,14 @@ import logging
 import multiprocessing
 import pickle
 import sys
+import time
 from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any, Literal
 
 from pebble import ProcessExpired, ProcessPool
+from pebble.pool.process import PoolManager
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +57,37 @@ class IsolatedCallError(RuntimeError):
         super().__init__(reason)
         self.kind: FailureKind = kind
         self.reason = reason
+
+
+class _PoolManagerThatReadsTheCallFirst(PoolManager):
+    """pebble's pool manager, except a dead worker is matched to its call only after the call's start was read.
+
+    A worker acknowledges a call before it runs it, but pebble reads acknowledgements on one thread and notices dead
+    workers on another. A call that kills its worker at once (`os._exit` on entry) can be noticed dead before its
+    acknowledgement is read; pebble then finds no call to blame and either breaks the whole pool ("All workers
+    expired": every call in flight fails, the exit code is lost) or, with other calls running, forgets the death and
+    leaves the call to its timeout. Waiting a moment for the acknowledgement blames the right call, with its exit
+    code, and leaves the others alone.
+    """
+
+    ACKNOWLEDGEMENT_WAIT_S = 1.0  # acknowledgements are read within milliseconds; a worker with no call waits this
+
+    def handle_worker_expiration(self, expiration: tuple) -> None:
+        worker_id, _ = expiration
+        deadline = time.monotonic() + self.ACKNOWLEDGEMENT_WAIT_S
+        while time.monotonic() < deadline and not any(
+            task.worker_id == worker_id for task in list(self.task_manager.tasks.values())
+        ):
+            time.sleep(0.005)
+        super().handle_worker_expiration(expiration)
+
+
+class _ProcessPool(ProcessPool):
+    """pebble's ProcessPool with the manager above (its `_context` and `_pool_manager` as of pebble==5.2.3, pinned)."""
+
+    def __init__(self, *, context: Any, **kwargs: Any) -> None:
+        super().__init__(context=context, **kwargs)
+        self._pool_manager = _PoolManagerThatReadsTheCallFirst(self._context, context)
 
 
 _RESOLVED: dict[str, Callable[..., Any]] = {}  # per worker process: reference string -> callable
@@ -144,13 +177,13 @@ class WorkerPool:
         if self._closed:
             raise IsolatedCallError("closed", "worker_pool_closed: the worker pool was closed")
         if self._pool is not None and not self._pool.active:
-            # pebble marks the whole pool broken when a worker dies before the pool has recorded which task it
-            # had taken (a race seen under load with os._exit): start a fresh pool rather than fail every call.
+            # pebble marks the whole pool broken when a worker dies with no call to blame (for example its preload
+            # failed): start a fresh pool rather than fail every call.
             logger.warning("worker pool broke (a worker died unexpectedly); starting a fresh one")
             broken, self._pool = self._pool, None
             broken.stop()
         if self._pool is None:
-            self._pool = ProcessPool(
+            self._pool = _ProcessPool(
                 max_workers=self.max_workers,
                 max_tasks=self.max_tasks,
                 context=multiprocessing.get_context(self.start_method),
