@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rllm.experimental.fully_async.api.trajectory import Sequence, TrajectoryGroup, VersionedTrajectory
-from rllm.experimental.fully_async.core.staleness import StalenessManager, is_too_stale, split_by_staleness
+from rllm.experimental.fully_async.core.staleness import StalenessBounds, StalenessManager, is_too_stale
 from rllm.experimental.fully_async.core.versions import groups_per_version, is_sync_step
 from rllm.experimental.fully_async.settings.compat import max_staleness_from_rllm
 
@@ -133,7 +133,7 @@ def test_in_order_pipeline_trains_nothing_staler_than_max_staleness_and_never_de
         elif choice == "train" and len(queued) >= required_samples:
             batch, queued = queued[:required_samples], queued[required_samples:]
             assert all(version - v <= eta for v in batch)
-            assert not split_by_staleness([group(f"p{i}", [v]) for i, v in enumerate(batch)], version, eta)[1]
+            assert not StalenessBounds(eta).split([group(f"p{i}", [v]) for i, v in enumerate(batch)], version)[1]
             manager.on_consumed(required_samples)
             step += 1
             if is_sync_step(step, sync_every):
@@ -214,12 +214,32 @@ def test_is_too_stale_compares_lag_with_max_staleness(min_version, trainer_versi
     assert is_too_stale(min_version, trainer_version, max_staleness) is expected
 
 
-def test_split_by_staleness_uses_the_oldest_token_of_a_resumed_trajectory():
+def test_the_split_uses_the_oldest_token_of_a_resumed_trajectory():
     resumed = group("a", [1, 1, 4])  # started at version 1, resumed after a sync to 4
     fresh = group("b", [4, 4])
-    split = split_by_staleness([resumed, fresh], trainer_version=4, max_staleness=2)
+    split = StalenessBounds(2).split([resumed, fresh], trainer_version=4)
     assert split.fresh == [fresh]
     assert split.too_stale == [resumed]
+
+
+def test_a_group_keeps_the_eta_it_was_admitted_under_when_eta_falls_and_gains_when_it_rises():
+    bounds = StalenessBounds(8)
+    bounds.set(1, version=3)  # lowered at the sync to version 3
+    assert bounds.current == 1
+    assert bounds.bound(2) == 8 and bounds.bound(3) == 8  # started before, or during the version η fell
+    assert bounds.bound(4) == 1 and bounds.bound(None) == 1
+    split = bounds.split([group("old", [2, 9]), group("new", [4]), group("older", [0])], 10)
+    assert [g.prompt_uid for g in split.fresh] == ["old"] and [g.prompt_uid for g in split.too_stale] == [
+        "new",
+        "older",
+    ]
+    bounds.set(4, version=6)  # raised: every group may now reach 4, the old ones still 8
+    assert (bounds.bound(4), bounds.bound(7), bounds.bound(2)) == (4, 4, 8)
+    bounds.set(4, version=9)  # unchanged: no new entry
+    bounds.set(2, version=9)
+    assert (bounds.bound(8), bounds.bound(9), bounds.bound(10)) == (4, 4, 2)
+    with pytest.raises(ValueError, match="max_staleness must be >= 0"):
+        bounds.set(-1, version=10)
 
 
 # --- rLLM keys --------------------------------------------------------------------------------------------------

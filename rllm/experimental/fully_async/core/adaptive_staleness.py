@@ -22,10 +22,11 @@ weights at the step (pi_theta, the proximal policy of decoupled PPO with prox_la
 Why lower fast and raise slowly: a batch beyond the thresholds is already trained on; the data in flight was admitted
 under the old η and reaches the trainer over the next η versions, so the rule lowers at once and raises only after
 `raise_after` clear windows. Why a dead band: the statistics grow with the staleness η allows, so a rule that raised
-as soon as they were inside would hover at the threshold, and every lowering drops the queued groups now too stale
-(simulated in tests/test_adaptive_staleness.py); with m = 0.5 η rises only while the statistics are at most half
-their limits. Why per sync: η only changes what the rollout service admits, and the service learns the new η with
-the trainer's next request (with the new version), so deciding more often than versions change is moot.
+as soon as they were inside would overshoot: the groups admitted under the higher η keep it (core/staleness.py,
+`StalenessBounds`) and keep the statistics outside while they are trained, so η swings from its top to its floor
+and back (simulated in tests/test_adaptive_staleness.py); with m = 0.5 η rises only while the statistics are at
+most half their limits. Why per sync: η only changes what the rollout service admits, and the service learns the
+new η with the trainer's next request (with the new version), so deciding more often than versions change is moot.
 
 `StalenessController` applies the rule; the trainer owns one (its state is in the trainer's checkpoint) and sends
 its η with every batch request; the simulator (simulate/engine.py) drives the same class with modelled statistics.

@@ -6,11 +6,12 @@ The scheduling decisions are the runtime's own pure functions, called exactly wh
   more group (`RolloutExecutor._can_start`); the manager is built as the runtime builds it
   (`runtime/rollout/service.py`): B = `groups_per_version(required_samples, K)`, η = max_staleness;
 - finished groups go through `on_finish(accepted)`, the trainer takes `required_samples` groups oldest first
-  (`MessageQueue.get_batch`), drops what `split_by_staleness` calls too stale (`on_discarded`) and asks again, and
+  (`MessageQueue.get_batch`), drops what `StalenessBounds.split` calls too stale (`on_discarded`) and asks again, and
   reports the trained ones (`on_consumed`) after the update (`FullyAsyncTrainer`);
 - a step ends with a weight sync that bumps the version by one when `is_sync_step` says so (core/versions.py);
 - `adaptive.enable`: each batch's modelled statistics go to the runtime's `StalenessController`, which decides at the
-  sync; its η reaches the budget and the drop rule when the sync completes (the runtime's next request).
+  sync; its η reaches the budget and the drop rule when the sync completes (the runtime's next request), and a
+  group keeps the η it was admitted under (`StalenessBounds`, as the rollout service does).
 Partial rollouts: with `partial_rollout` a sync pauses the engines, and running requests continue with the new
 weights, so their later tokens carry the new version (a sample's oldest token keeps its start version); without
 it the sync waits until the running requests have finished and no new group starts meanwhile (verl's mode without
@@ -27,7 +28,7 @@ from collections import deque
 from typing import Any
 
 from rllm.experimental.fully_async.core.adaptive_staleness import StalenessController
-from rllm.experimental.fully_async.core.staleness import StalenessManager, split_by_staleness
+from rllm.experimental.fully_async.core.staleness import StalenessBounds, StalenessManager
 from rllm.experimental.fully_async.core.versions import groups_per_version, is_sync_step
 from rllm.experimental.fully_async.simulate.model import SimConfig, check
 from rllm.experimental.fully_async.simulate.result import SimResult
@@ -41,7 +42,7 @@ class _Group:
     def __init__(self, n: int, accept: bool) -> None:
         self.remaining = n
         self.accept = accept
-        self.min_version: int | None = None  # read by split_by_staleness, as TrajectoryGroup.min_version
+        self.min_version: int | None = None  # read by StalenessBounds.split, as TrajectoryGroup.min_version
         self.tokens = 0
         self.mixed = 0
 
@@ -87,6 +88,7 @@ class Simulation:
         self.manager = StalenessManager(groups_per_version(self.R, self.K), max_staleness=self.eta)
         self.controller = StalenessController(cfg.adaptive.rule(), self.eta) if cfg.adaptive.enable else None
         self.next_eta = self.eta  # decided at a sync, applied when it completes
+        self.bounds = StalenessBounds(self.eta)  # each group's drop bound, as the rollout service keeps it
         self.rng = random.Random(cfg.seed)
         self.engines = [_Engine() for _ in range(p.num_engines)]
         self.events: list[tuple[float, int, str, Any]] = []
@@ -262,7 +264,7 @@ class Simulation:
                 return
             got = [self.queue.popleft() for _ in range(self.requested)]
             self.requested = 0
-            kept, stale = split_by_staleness(got, self.version, self.eta)  # type: ignore[arg-type]
+            kept, stale = self.bounds.split(got, self.version)  # type: ignore[arg-type]
             self._note("split", self.version, tuple(g.min_version for g in got), len(stale))
             self.fresh.extend(kept)
             if stale:
@@ -388,6 +390,7 @@ class Simulation:
         if self.next_eta != self.eta:  # the trainer's next request carries the η decided at this sync
             self.eta = self.next_eta
             self.manager.set_max_staleness(self.eta)
+            self.bounds.set(self.eta, self.version)
         self.result.syncs += 1
         self.result.trainer_sync_s += self.t - self.sync_started
         self.draining = False

@@ -7,9 +7,10 @@ loop with no lock and no call to another process. The trainer talks to it with o
     take_batch(BatchRequest(n_groups, version, ack, timeout_s)) -> Batch        (api/step_messages.py)
 
 which, in order: applies the acknowledgement of the previous batch (ledger: trained; budget: consumed), takes
-the trainer's η when it sends one (adaptive staleness: the budget and the drop rule follow it) and its policy
-version (core/versions.py; new rollouts may start against it), drops every queued group too stale for that
-version (ledger: dropped_stale; their budget slots come back), waits up to timeout_s for n_groups fresh groups
+the trainer's η when it sends one (adaptive staleness: the budget follows it, and the drop rule from the groups
+started next: a group keeps the η it was admitted under, core/staleness.StalenessBounds) and its policy version
+(core/versions.py; new rollouts may start against it), drops every queued group too stale for that version
+(ledger: dropped_stale; their budget slots come back), waits up to timeout_s for n_groups fresh groups
 and returns them with the queue, ledger and rollout statistics the driver reports.
 Guarantees: a stale group never leaves this process; a request that times out takes nothing; after the
 rollouts end the last request gets what is left (fewer groups), the next one status "closed".
@@ -33,7 +34,7 @@ import ray
 
 from rllm.experimental.fully_async.api.step_messages import Ack, Batch, BatchRequest
 from rllm.experimental.fully_async.api.trajectory import TrajectoryGroup
-from rllm.experimental.fully_async.core.staleness import is_too_stale
+from rllm.experimental.fully_async.core.staleness import StalenessBounds
 from rllm.experimental.fully_async.observe.metrics_sink import prefixed
 from rllm.experimental.fully_async.runtime.rollout.executor import RolloutExecutor
 from rllm.experimental.fully_async.runtime.rollout.message_queue import MessageQueue
@@ -60,7 +61,7 @@ class RolloutService:
     ) -> None:
         self.executor = executor
         self.queue = queue
-        self.max_staleness = max_staleness
+        self.bounds = StalenessBounds(max_staleness)  # each queued group's drop bound
         self.gate = gate if gate is not None else SyncGate()  # syncs vs validations and checkpoint pauses
         self.collect_timeout_s = collect_timeout_s  # bounds the wait for a sync and for the tokens in flight
         self.ledger = executor.ledger
@@ -93,7 +94,7 @@ class RolloutService:
             raise ValueError(f"take_batch(n_groups={request.n_groups}) must ask for 1..{self.queue.max_groups}")
         self.acknowledge(request.ack)
         if request.max_staleness is not None:  # adaptive staleness: budget and drop rule follow the trainer's η
-            self.max_staleness = request.max_staleness
+            self.bounds.set(request.max_staleness, request.version)
             self.executor.set_max_staleness(request.max_staleness)
         self.executor.set_version(request.version)
         n, started = request.n_groups, time.monotonic()
@@ -147,10 +148,8 @@ class RolloutService:
         return out
 
     def _drop_stale(self, version: int) -> int:
-        """Remove every queued group older than max_staleness at `version`; ledger it and free its budget slot."""
-        stale: list[TrajectoryGroup] = self.queue.remove_if(
-            lambda g: is_too_stale(g.min_version, version, self.max_staleness)
-        )
+        """Remove every queued group staler at `version` than its bound; ledger it and free its budget slot."""
+        stale: list[TrajectoryGroup] = self.queue.remove_if(lambda g: self.bounds.is_too_stale(g.min_version, version))
         if stale:
             uids = [t.uid for g in stale for t in g.trajectories]
             self.executor.report_consumed([], 0, uids, len(stale))
@@ -166,7 +165,7 @@ class RolloutService:
             "samples_resumed": stats.samples_resumed,
             "version": self.executor.version,
             "tokens_generated": stats.tokens_generated,  # cumulative (experiments: generated per trained token)
-            "max_staleness": self.max_staleness,
+            "max_staleness": self.bounds.current,
         }
         if stats.resumed:  # after a resume: how the samples in flight at the checkpoint went on, and their tokens
             rollout |= {f"resume/{outcome}": n for outcome, n in stats.resumed.items()}
