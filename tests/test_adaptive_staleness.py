@@ -150,6 +150,7 @@ def test_config_builds_the_rule_refuses_its_keys_without_enable_and_sizes_the_qu
         ("min_ess", "0.5"),
         ("max_kl", "0.1"),
         ("max_cut", "0.1"),
+        ("raise_when_waiting", "0.3"),
     ],
 )
 def test_every_rule_key_changes_the_run_spec_when_enabled(key, value):
@@ -196,14 +197,21 @@ def test_the_rollout_service_budget_follows_the_eta_a_request_carries_and_admitt
     assert service.executor.staleness.eta == 0 and service.metrics()["rollout/max_staleness"] == 0
 
 
-def _simulated(kl_per_version: float, raise_margin: float = 0.5, eta: int = 2, steps: int = 60):
+def _simulated(
+    kl_per_version: float,
+    raise_margin: float = 0.5,
+    eta: int = 2,
+    steps: int = 60,
+    engines: int = 2,
+    raise_when_waiting: float = 0.0,
+):
     from rllm.experimental.fully_async.simulate.engine import simulate
     from rllm.experimental.fully_async.simulate.model import SimConfig
 
     cfg = SimConfig(steps=steps)
-    cfg.pipeline.max_staleness = eta
+    cfg.pipeline.max_staleness, cfg.pipeline.num_engines = eta, engines
     cfg.adaptive.enable, cfg.adaptive.kl_per_version, cfg.adaptive.raise_margin = True, kl_per_version, raise_margin
-    cfg.adaptive.cut_per_version = 0.0
+    cfg.adaptive.cut_per_version, cfg.adaptive.raise_when_waiting = 0.0, raise_when_waiting
     return simulate(cfg)
 
 
@@ -213,6 +221,27 @@ def test_the_simulator_drives_the_same_rule_up_when_data_stays_on_policy_and_dow
     assert calm.mean_staleness > 2  # the budget followed: groups are trained staler than the starting η allows
     rough = _simulated(kl_per_version=0.05, eta=4)  # kl 0.05 per version of staleness: outside at any η >= 1
     assert rough.final_eta == 1 and max(rough.staleness) <= 4
+
+
+def test_eta_rises_only_while_the_trainer_waits_and_settles_at_the_smallest_eta_that_feeds_it():
+    # One engine: at η = 1 the trainer waits for 13% of the run, at η = 2 for 2% (and no less at any higher η).
+    rule = AdaptiveStalenessRule()
+    fed = _simulated(kl_per_version=0.0005, eta=1, engines=1, raise_when_waiting=rule.raise_when_waiting)
+    on_statistics_alone = _simulated(kl_per_version=0.0005, eta=1, engines=1, raise_when_waiting=0.0)
+    assert fed.final_eta == 2 and on_statistics_alone.final_eta > 4
+    assert fed.mean_staleness < on_statistics_alone.mean_staleness
+    assert fed.wall_s <= 1.02 * on_statistics_alone.wall_s  # the staleness it did not take bought no time
+    alone = StalenessController(AdaptiveStalenessRule(max=5, raise_after=1, raise_when_waiting=0), eta=2)
+    waits = StalenessController(AdaptiveStalenessRule(max=5, raise_after=1), eta=2)
+    for controller in (alone, waits):
+        controller.observe(INSIDE, trainer_wait=0.02)
+        controller.observe(INSIDE, trainer_wait=0.04)
+    decision = waits.decide()
+    assert decision.after == 2 and decision.trainer_wait == pytest.approx(0.03)
+    assert "trainer waited 3%" in decision.describe()
+    assert alone.decide().after == 3
+    waits.observe(INSIDE, trainer_wait=0.3)
+    assert waits.decide().after == 3
 
 
 def test_the_dead_band_keeps_eta_steady_where_a_rule_without_it_swings_and_lowering_drops_nothing_admitted():

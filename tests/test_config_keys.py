@@ -516,7 +516,17 @@ REFUSED: dict[str, str] = {
     "data.train_batch_size": "is read only when async_training.required_samples is null",
     **{
         f"async_training.adaptive_staleness.{key}": "is read only with async_training.adaptive_staleness.enable=true"
-        for key in ("min", "max", "step", "raise_after", "raise_margin", "min_ess", "max_kl", "max_cut")
+        for key in (
+            "min",
+            "max",
+            "step",
+            "raise_after",
+            "raise_margin",
+            "min_ess",
+            "max_kl",
+            "max_cut",
+            "raise_when_waiting",
+        )
     },
     "algorithm.gigpo": "read only with algorithm.adv_estimator=gigpo",
     # a built-in task (the default) makes its own data and model: refused, never replaced (test_task.py)

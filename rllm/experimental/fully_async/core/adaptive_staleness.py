@@ -8,9 +8,11 @@ core/versions.py) by one step:
     window   = the batches trained since the previous sync (their statistics averaged)
     outside  = ess < min_ess  or  kl > max_kl  or  cut > max_cut                (over the statistics measured)
     clear    = 1 − ess <= m (1 − min_ess)  and  kl <= m max_kl  and  cut <= m max_cut,   m = raise_margin
+    waiting  = the trainer waited for its batches >= w of its step time,   w = raise_when_waiting (unmeasured: yes)
     η  <-  max(min, η − step)   if outside
-    η  <-  min(max, η + step)   if clear for `raise_after` syncs in a row
-    η  unchanged                 otherwise (between the two: the dead band), or when nothing was measured
+    η  <-  min(max, η + step)   if clear and waiting for `raise_after` syncs in a row
+    η  unchanged                 otherwise (the dead band; or clear while the trainer had its batches at once),
+                                 or when nothing was measured
 
 The statistics (`OffPolicySignals`), all between the policy that generated each token (pi_behav) and the trainer's
 weights at the step (pi_theta, the proximal policy of decoupled PPO with prox_lag 0):
@@ -27,6 +29,11 @@ as soon as they were inside would overshoot: the groups admitted under the highe
 and back (simulated in tests/test_adaptive_staleness.py); with m = 0.5 η rises only while the statistics are at
 most half their limits. Why per sync: η only changes what the rollout service admits, and the service learns the
 new η with the trainer's next request (with the new version), so deciding more often than versions change is moot.
+Why raise only while the trainer waits: a higher η lets more rollouts run ahead of the trainer, which buys
+throughput only when the trainer waits for data; when its batches are there at once, a higher η adds staleness and
+nothing else. On the embedded default the trainer waits 1-6% of its step at any η >= 1 (the wait after a sync),
+against 46% when synchronous, and a fixed η=1 reached the accuracy threshold before every higher η and before the
+rule without this condition (tests/bench/README.md); w = 0 raises on the statistics alone.
 
 `StalenessController` applies the rule; the trainer owns one (its state is in the trainer's checkpoint) and sends
 its η with every batch request; the simulator (simulate/engine.py) drives the same class with modelled statistics.
@@ -51,6 +58,7 @@ class AdaptiveStalenessRule:
     min_ess: float = 0.8  # ESS of the token importance weights as a fraction of the tokens
     max_kl: float = 0.02  # KL(pi_behav || pi_theta) per token (k3)
     max_cut: float = 0.02  # share of tokens clipped or masked by the trust region
+    raise_when_waiting: float = 0.1  # w: η rises only while the trainer waited at least this share of its steps
 
     def __post_init__(self) -> None:
         if not 0 <= self.min <= self.max:
@@ -61,6 +69,8 @@ class AdaptiveStalenessRule:
             )
         if not 0 < self.raise_margin <= 1:
             raise ValueError(f"adaptive_staleness.raise_margin must be in (0, 1], got {self.raise_margin}")
+        if not 0 <= self.raise_when_waiting <= 1:
+            raise ValueError(f"adaptive_staleness.raise_when_waiting must be in [0, 1], got {self.raise_when_waiting}")
         for name in ("min_ess", "max_kl", "max_cut"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
@@ -84,6 +94,7 @@ class StalenessDecision:
     after: int
     signals: OffPolicySignals  # the window's means
     outside: tuple[str, ...]  # the statistics outside their thresholds ("ess", "kl", "cut")
+    trainer_wait: float | None = None  # the window's mean share of step time the trainer waited for its batch
 
     @property
     def changed(self) -> bool:
@@ -95,6 +106,8 @@ class StalenessDecision:
         parts = [
             f"{name} {value:.3g}" for name, value in (("ess", s.ess), ("kl", s.kl), ("cut", s.cut)) if value is not None
         ]
+        if self.trainer_wait is not None:
+            parts.append(f"trainer waited {self.trainer_wait:.0%}")
         why = "outside: " + ", ".join(self.outside) if self.outside else "inside"
         return f"η {self.before} -> {self.after} ({', '.join(parts) or 'no statistics'}; {why})"
 
@@ -102,8 +115,8 @@ class StalenessDecision:
 class StalenessController:
     """The rule of the module docstring over a window of batches. Not thread-safe: its owner is the trainer loop.
 
-    `observe(signals)` after each trained batch; `decide()` at each weight sync returns the decision and starts a
-    new window; `eta` is the η in force.
+    `observe(signals, trainer_wait)` after each trained batch; `decide()` at each weight sync returns the decision
+    and starts a new window; `eta` is the η in force.
     """
 
     def __init__(self, rule: AdaptiveStalenessRule, eta: int) -> None:
@@ -117,13 +130,17 @@ class StalenessController:
         self._clear_streak = 0
         self._sums = {"ess": 0.0, "kl": 0.0, "cut": 0.0}
         self._counts = {"ess": 0, "kl": 0, "cut": 0}
+        self._waits: list[float] = []
 
-    def observe(self, signals: OffPolicySignals) -> None:
+    def observe(self, signals: OffPolicySignals, trainer_wait: float | None = None) -> None:
+        """One trained batch: its statistics, and the share of its step the trainer waited for it (None: unknown)."""
         for name in self._sums:
             value = getattr(signals, name)
             if value is not None and math.isfinite(value):
                 self._sums[name] += float(value)
                 self._counts[name] += 1
+        if trainer_wait is not None and math.isfinite(trainer_wait):
+            self._waits.append(float(trainer_wait))
 
     def window(self) -> OffPolicySignals:
         """The means of the statistics observed since the last decision (None where none was)."""
@@ -150,19 +167,24 @@ class StalenessController:
                 seen.cut is not None and seen.cut > m * r.max_cut,
             )
         )
+        trainer_wait = sum(self._waits) / len(self._waits) if self._waits else None
+        waiting = trainer_wait is None or trainer_wait >= r.raise_when_waiting
         if outside:
             self.eta = max(r.min, self.eta - r.step)
             self._clear_streak = 0
-        elif clear:
+        elif clear and waiting:
             self._clear_streak += 1
             if self._clear_streak >= r.raise_after:
                 self.eta = min(r.max, self.eta + r.step)
                 self._clear_streak = 0
         elif measured:
-            self._clear_streak = 0  # in the dead band: hold, and start counting clear windows again
+            # In the dead band, or clear while the trainer had its batches at once: hold, and count clear windows
+            # again from the next.
+            self._clear_streak = 0
         self._sums = dict.fromkeys(self._sums, 0.0)
         self._counts = dict.fromkeys(self._counts, 0)
-        return StalenessDecision(before, self.eta, seen, outside)
+        self._waits = []
+        return StalenessDecision(before, self.eta, seen, outside, trainer_wait)
 
     def state_dict(self) -> dict[str, Any]:
         """η and the streak, for the trainer's checkpoint (the window restarts empty on resume)."""

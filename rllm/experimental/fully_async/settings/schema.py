@@ -39,6 +39,9 @@ class AdaptiveStalenessConfig:
     min_ess: float = _RULE.min_ess  # effective sample size of the token importance weights / tokens
     max_kl: float = _RULE.max_kl  # KL(pi_behav || pi_theta) per token (k3 estimator)
     max_cut: float = _RULE.max_cut  # share of tokens the trust region clipped or masked (PPO clip, m2po or mask)
+    # η rises only while the trainer waited for its batches at least this share of its step time (a higher η
+    # only buys throughput when the trainer waits for data); 0: raise on the statistics alone.
+    raise_when_waiting: float = _RULE.raise_when_waiting
 
 
 @dataclass

@@ -314,7 +314,9 @@ class Simulation:
             r.mixed_version_samples += group.mixed
         r.step_wait_s.append(self.step_wait)
         if self.controller is not None:
-            self.controller.observe(self.cfg.adaptive.signals(sum(batch_staleness) / max(1, len(batch_staleness))))
+            signals = self.cfg.adaptive.signals(sum(batch_staleness) / max(1, len(batch_staleness)))
+            step_s = self.step_wait + (self.t - self.train_started)
+            self.controller.observe(signals, trainer_wait=self.step_wait / step_s if step_s > 0 else 0.0)
         if is_sync_step(self.step, self.K):
             if self.controller is not None:
                 decision = self.controller.decide()

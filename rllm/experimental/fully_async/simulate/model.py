@@ -143,6 +143,7 @@ class AdaptiveModel:
     min_ess: float = _RULE.min_ess
     max_kl: float = _RULE.max_kl
     max_cut: float = _RULE.max_cut
+    raise_when_waiting: float = _RULE.raise_when_waiting
     kl_per_version: float = 0.005  # modelled KL(pi_behav || pi_theta) per token per version of staleness
     cut_per_version: float = 0.003  # modelled share of tokens clipped or masked per version of staleness
 

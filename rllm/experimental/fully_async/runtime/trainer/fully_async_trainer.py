@@ -178,7 +178,10 @@ class FullyAsyncTrainer:
         metrics["timing/update_s"] = clock.lap()
         self.step += 1
         if self.staleness is not None:
-            self.staleness.observe(offpolicy_signals(metrics))
+            # The wait for groups, not the call around it: what a higher η could shorten.
+            waited = metrics["timing/wait_batch_s"] - metrics["timing/take_overhead_s"]
+            trainer_wait = waited / max(time.monotonic() - step_started, 1e-9)
+            self.staleness.observe(offpolicy_signals(metrics), trainer_wait=trainer_wait)
 
         self._pending_ack = Ack.of(groups)  # delivered with the next request (or by flush_ack)
         metrics.update(_batch_metrics(groups, data))
@@ -234,6 +237,8 @@ class FullyAsyncTrainer:
         seen = decision.signals
         out = {f"adaptive/{k}": v for k, v in (("ess", seen.ess), ("kl", seen.kl), ("cut", seen.cut)) if v is not None}
         out["adaptive/outside"] = float(len(decision.outside))
+        if decision.trainer_wait is not None:
+            out["adaptive/trainer_wait"] = decision.trainer_wait
         if decision.changed:
             out["staleness/eta_change"] = float(decision.after - decision.before)
             logger.info("step %d: adaptive staleness %s", self.step, decision.describe())
