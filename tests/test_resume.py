@@ -194,12 +194,12 @@ def test_sigkill_between_checkpoints_continues_every_sample_in_flight_from_its_s
         "trainer.save_freq=1",
         # A sample is mid-generation at a checkpoint only while the staleness budget has room: a checkpoint taken
         # with the budget full of finished groups has nothing in flight. At η=8 the budget (9 batches) exceeds the
-        # epoch (5 batches), so the one engine, running one 40-token request at a time, is generating at every
+        # epoch (5 batches), so the one engine, running one 80-token request at a time, is generating at every
         # checkpoint until it has generated the whole epoch, however fast it is next to the trainer (at η=1 the
         # budget filled before the first checkpoint on a machine whose engine outpaced its trainer by a quarter).
         "async_training.max_staleness=8",
         "actor_rollout_ref.rollout.ignore_eos=true",
-        "data.max_response_length=40",
+        "data.max_response_length=80",  # the epoch takes ~13 s of generation at CI's 1,000 tok/s
         "engines.num_engines=1",
         "engines.max_running_requests=1",
     )
