@@ -95,10 +95,12 @@ def test_two_ranks_broadcast_what_a_disk_sync_of_the_same_weights_gives(two_rank
 
 @pytest.mark.slow  # two gloo rank actors, an engine killed and restarted (~30 s on a busy 2-core machine)
 def test_an_engine_killed_mid_broadcast_leaves_no_rank_waiting(two_ranks, models, tmp_path, monkeypatch):
-    """Rank 0 broadcasts in its own actor, so the kill happens from the engine's side: SIGKILL once its second
-    bucket's call is in flight. The sync fails in time naming it; the next sync (the survivor alone) and a training
-    call on both ranks then go through: no rank waits in a collective for the dead engine. Its restart catches up
-    and the next sync rebuilds the group over both."""
+    """Rank 0 broadcasts in its own actor, so the kill happens from the engine's side: SIGKILL before the second
+    bucket's broadcast, which starts once rank 0 can know the engine is dead (gloo's root then raises at that peer
+    before it sends to the next: CI once saw the survivor wait out its timeout and fail too). The sync fails in time
+    naming the dead engine alone and the survivor gets the version through a group without it; the next sync and a
+    training call on both ranks go through: no rank waits in a collective for the dead engine. Its restart catches
+    up and the next sync rebuilds the group over both."""
     cmd = EmbeddedEngineCommand(str(models["a"][0]), num_threads=1)
     with EngineLauncher(cmd, 2, log_dir=tmp_path / "logs") as launcher:
         victim, survivor = launcher.urls
@@ -111,6 +113,8 @@ def test_an_engine_killed_mid_broadcast_leaves_no_rank_waiting(two_ranks, models
             calls["n"] += 1
             if calls["n"] == 2:
                 os.kill(victim_pid, signal.SIGKILL)
+                launcher.processes[0].process.wait()
+                time.sleep(1.0)  # rank 0's gloo pair reads the closed socket
             real_broadcast(name, version, index)
 
         monkeypatch.setattr(transport.sender, "broadcast", broadcast_killing_at_the_second_bucket)

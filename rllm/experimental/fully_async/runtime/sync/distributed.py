@@ -63,7 +63,10 @@ class DistributedTransport:
     under a new name, whenever the set of engines changes. An engine that restarts therefore rejoins by a rebuild:
     `ParamSync.replace_engine` loads the kept buckets into it through a group of its own, and the next sync
     rebuilds the group over all engines. An engine that fails mid-sync (e.g. killed) is reported failed; the
-    others, which may hold part of the version, get all buckets again through a group without it.
+    others, which may hold part of the version, get all buckets again through a group without it. That includes an
+    engine whose load failed only because rank 0's broadcast failed first (gloo's root raises at a peer it knows is
+    dead before it sends to the next one): rank 0 then leaves the group at once, so such an engine's receive fails
+    at once too, and it is retried, not blamed.
     Backend: nccl when the sender's device is CUDA (buckets live on the GPU), else gloo: the same code on CPU.
     Every rendezvous and broadcast has `timeout_s` (the load's timeout), and errors name the engine and version.
 
@@ -146,9 +149,12 @@ class DistributedTransport:
                 bad = exc.failures
             if not bad:
                 return failures
-            self._drop_group(client, [u for u in targets if u not in bad], timeout_s)
-            failures.update(bad)
-            targets = [u for u in targets if u not in bad]
+            # An engine that missed a bucket because rank 0's broadcast failed (on a dead peer) is not to blame:
+            # it gets the retry. On the retry every failure counts.
+            blamed = bad if attempt else {u: e for u, e in bad.items() if not isinstance(e, _BroadcastMissed)}
+            self._drop_group(client, [u for u in targets if u not in blamed], timeout_s)
+            failures.update(blamed)
+            targets = [u for u in targets if u not in blamed]
             if not targets:
                 break
             if attempt == 0:
@@ -237,8 +243,19 @@ class DistributedTransport:
             what = f"weights v{version} bucket {i + 1}/{len(headers)}"
             calls = [self._post(client, u, "/update_weights_from_distributed", payload, timeout_s, what) for u in urls]
             broadcast = asyncio.ensure_future(asyncio.to_thread(self.sender.broadcast, name, version, i))
+            # gloo's root raises at the first peer it knows is dead, so the engines after it never get the bucket
+            # and would wait out the group's timeout: leaving the group at once makes their receive fail now.
+            broadcast.add_done_callback(lambda f: self._leave_if_failed(f, name))
             answers = await asyncio.gather(*calls, return_exceptions=True)
             bad = {u: a for u, a in zip(urls, answers, strict=True) if isinstance(a, BaseException)}
+            if bad and broadcast.done() and not broadcast.cancelled() and broadcast.exception() is not None:
+                cause = broadcast.exception()
+                bad = {
+                    u: a
+                    if isinstance(a, EngineConnectionError)
+                    else _BroadcastMissed(f"{u}: missed {what}: rank 0's broadcast failed ({cause!r}); {a}")
+                    for u, a in bad.items()
+                }
             if bad:
                 # The broadcast may wait for a dead rank until the group's timeout: leave it; the sender destroys
                 # the group once it ends (the group is dropped).
@@ -249,6 +266,10 @@ class DistributedTransport:
             except Exception as exc:
                 return {u: EngineError(f"{u}: broadcast of {what} failed: {exc!r}") for u in urls}
         return {}
+
+    def _leave_if_failed(self, broadcast: asyncio.Future, name: str) -> None:
+        if not broadcast.cancelled() and broadcast.exception() is not None:
+            self.sender.leave(name)
 
     async def _post(
         self, client: EngineClient, url: str, path: str, payload: dict[str, Any], timeout_s: float, what: str
@@ -280,6 +301,10 @@ class DistributedTransport:
         """Leave the group (trainer side) and drop the staged buckets."""
         self.group_name, self.members, self._staged = None, [], None
         self.sender.close()
+
+
+class _BroadcastMissed(EngineError):
+    """An engine's load failed because rank 0's broadcast failed before it reached it (retried, not blamed)."""
 
 
 class _GroupError(Exception):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -268,6 +269,12 @@ class LocalSender:
             self._busy[name] = self._busy.get(name, 0) + 1
         try:
             dist.broadcast(staged[1][index].flat, 0, pg)
+        except Exception as exc:
+            # The traceback's frames would keep the group alive, and with it its connections: freed, leaving the
+            # group closes them, so the engines still waiting in this broadcast fail now, not at its timeout.
+            traceback.clear_frames(exc.__traceback__)
+            del pg
+            raise
         finally:
             with self._lock:
                 self._busy[name] -= 1
