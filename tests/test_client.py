@@ -317,9 +317,14 @@ def test_killed_engine_is_routed_around_and_only_an_empty_fleet_raises(engine_la
 
     async def run() -> None:
         async with EngineClient(engine_launcher.urls, backoff_base_s=0.01, request_timeout_s=60) as client:
-            # Both engines busy; SIGKILL one mid-generation: its requests finish on the other.
+            # Both engines given requests; SIGKILL one while it holds some: they finish on the other. The victim is
+            # paused first, so it holds them until the kill (unpaused, it generated its 200 tokens before a loaded
+            # suite's poll saw one running, and the wait for a running request timed out).
+            await client.pause_generation(victim.url, "in_place")
             tasks = [asyncio.ensure_future(client.generate([2 + i], LONG)) for i in range(6)]
-            await wait_for_running(client, victim.url, 1)
+            while client.pool.in_flight()[victim.url] < 3:  # least-loaded routing gives it half
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.5)  # the requests reach it
             os.kill(victim.pid, signal.SIGKILL)
             results = await asyncio.gather(*tasks)
             assert all(len(r.output_ids) == len(r.logprobs) == len(r.versions) == 200 for r in results)
