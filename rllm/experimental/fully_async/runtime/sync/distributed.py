@@ -248,7 +248,7 @@ class DistributedTransport:
             broadcast.add_done_callback(lambda f: self._leave_if_failed(f, name))
             answers = await asyncio.gather(*calls, return_exceptions=True)
             bad = {u: a for u, a in zip(urls, answers, strict=True) if isinstance(a, BaseException)}
-            if bad and broadcast.done() and not broadcast.cancelled() and broadcast.exception() is not None:
+            if bad and _failed(broadcast):
                 cause = broadcast.exception()
                 bad = {
                     u: a
@@ -257,9 +257,8 @@ class DistributedTransport:
                     for u, a in bad.items()
                 }
             if bad:
-                # The broadcast may wait for a dead rank until the group's timeout: leave it; the sender destroys
-                # the group once it ends (the group is dropped).
-                broadcast.add_done_callback(lambda f: f.cancelled() or f.exception())
+                # The broadcast may wait for a dead rank until the group's timeout: leave it (its error is read by
+                # `_leave_if_failed`); the sender destroys the group once it ends (the group is dropped).
                 return bad
             try:
                 await asyncio.wait_for(broadcast, timeout=timeout_s)
@@ -268,7 +267,7 @@ class DistributedTransport:
         return {}
 
     def _leave_if_failed(self, broadcast: asyncio.Future, name: str) -> None:
-        if not broadcast.cancelled() and broadcast.exception() is not None:
+        if _failed(broadcast):
             self.sender.leave(name)
 
     async def _post(
@@ -301,6 +300,11 @@ class DistributedTransport:
         """Leave the group (trainer side) and drop the staged buckets."""
         self.group_name, self.members, self._staged = None, [], None
         self.sender.close()
+
+
+def _failed(future: asyncio.Future) -> bool:
+    """Done with an exception (reading it, so asyncio never logs it as unretrieved)."""
+    return future.done() and not future.cancelled() and future.exception() is not None
 
 
 class _BroadcastMissed(EngineError):
