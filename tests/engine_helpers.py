@@ -4,11 +4,13 @@ generate-while-syncing scenario both weight transports are held to."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
@@ -75,6 +77,22 @@ async def wait_for_engine_state(
             raise TimeoutError(f"{url}: no {what} within {timeout_s:g}s (counters: {state})")
         await asyncio.sleep(0.02)
     return state
+
+
+@contextlib.asynccontextmanager
+async def slowed_down(url: str, step_s: float = 0.05, headers: dict[str, str] | None = None) -> AsyncIterator[None]:
+    """While inside, the engine at `url` sleeps `step_s` before every step (SGLang's `/slow_down`, which the
+    embedded engine and the stand-in serve). The tiny test models decode 240 tokens in 0.2 s: a test that must act
+    while a request decodes (abort it, pause, sync) misses that window when a loaded machine stalls it that long,
+    and at 0.05 s a step the window is 12 s. Leave before waiting for the requests to finish; an engine killed
+    inside has nothing left to lift."""
+    async with httpx.AsyncClient(headers=headers, timeout=30) as http:
+        (await http.post(f"{url}/slow_down", json={"forward_sleep_time": step_s})).raise_for_status()
+        try:
+            yield
+        finally:
+            with contextlib.suppress(httpx.TransportError):
+                (await http.post(f"{url}/slow_down", json={"forward_sleep_time": None})).raise_for_status()
 
 
 async def wait_for_running(client: Any, url: str, n: int, timeout_s: float = 60.0) -> None:

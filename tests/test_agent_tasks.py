@@ -8,7 +8,7 @@ import asyncio
 import numpy as np
 import pytest
 from conftest import QUICK_WARMUP_STEPS
-from engine_helpers import wait_for_decoding
+from engine_helpers import slowed_down, wait_for_decoding
 from transformers import AutoTokenizer
 
 from rllm.experimental.fully_async.algorithms.gigpo import compute_gigpo
@@ -112,9 +112,10 @@ def test_weight_sync_in_the_middle_of_a_turn_resumes_it_with_new_versions(assets
 
     async def scenario():
         async with EngineClient([engine]) as client:
-            task = asyncio.ensure_future(workflow.run(client, tokenizer, datum, 0))
-            await wait_for_decoding(client, engine)
-            await client.pause_generation(engine, "abort")
+            async with slowed_down(engine):  # the pause must land inside a turn
+                task = asyncio.ensure_future(workflow.run(client, tokenizer, datum, 0))
+                await wait_for_decoding(client, engine)
+                await client.pause_generation(engine, "abort")
             await client.update_weights_from_disk(engine, str(assets.model_dir), weight_version="1")
             await client.continue_generation(engine)
             trajectory = await asyncio.wait_for(task, 120)

@@ -14,6 +14,7 @@ from engine_helpers import (
     engine_command,
     max_abs_diff,
     reference_logprobs,
+    slowed_down,
     wait_for_decode_passes,
     wait_for_idle,
     wait_for_running,
@@ -98,9 +99,10 @@ def test_aborted_generation_is_resumed_across_a_weight_update_and_stitched(engin
     async def run() -> GenerationResult:
         async with EngineClient([url]) as client:
             await wait_for_idle(client, url)  # the engine is the module's: no earlier test's requests counted
-            task = asyncio.ensure_future(client.generate(prompt, LONG))
-            await wait_for_running(client, url, 1)
-            await sync_weights(client, url, path_b, "1")
+            async with slowed_down(url):  # the sync must meet the requests mid-decode
+                task = asyncio.ensure_future(client.generate(prompt, LONG))
+                await wait_for_running(client, url, 1)
+                await sync_weights(client, url, path_b, "1")
             result = await asyncio.wait_for(task, 60)
             await load_weights(client, url, path_a, "0")  # restore for other tests
             return result
@@ -128,10 +130,11 @@ def test_without_partial_rollout_an_interrupted_generation_restarts_on_the_new_w
     async def run() -> GenerationResult:
         async with EngineClient([url], partial_rollout=False) as client:
             await wait_for_idle(client, url)  # the engine is the module's: no earlier test's requests counted
-            task = asyncio.ensure_future(client.generate(prompt, LONG))
-            await wait_for_running(client, url, 1)
-            await wait_for_decode_passes(client, url, 3)  # some tokens of version 0
-            await sync_weights(client, url, path_b, "1")
+            async with slowed_down(url):  # the sync must meet the requests mid-decode
+                task = asyncio.ensure_future(client.generate(prompt, LONG))
+                await wait_for_running(client, url, 1)
+                await wait_for_decode_passes(client, url, 3)  # some tokens of version 0
+                await sync_weights(client, url, path_b, "1")
             result = await asyncio.wait_for(task, 60)
             await load_weights(client, url, path_a, "0")
             return result
@@ -159,10 +162,11 @@ def test_a_batch_is_aborted_by_a_weight_update_and_each_prompt_is_resumed_on_its
         async with EngineClient([url]) as client:
             await wait_for_idle(client, url)  # the engine is the module's: no earlier test's requests counted
             before = await counts(client)
-            task = asyncio.ensure_future(client.generate_batch(prompts, LONG, rids=["g/0", "g/1", "g/2"]))
-            await wait_for_running(client, url, 3)
-            assert client.in_flight() == {url: 3}, "a batch counts each of its prompts toward the engine's load"
-            await sync_weights(client, url, path_b, "1")
+            async with slowed_down(url):  # the sync must meet the requests mid-decode
+                task = asyncio.ensure_future(client.generate_batch(prompts, LONG, rids=["g/0", "g/1", "g/2"]))
+                await wait_for_running(client, url, 3)
+                assert client.in_flight() == {url: 3}, "a batch counts each of its prompts toward the engine's load"
+                await sync_weights(client, url, path_b, "1")
             results = await asyncio.wait_for(task, 60)
             after = await counts(client)
             assert client.in_flight() == {url: 0}
@@ -189,10 +193,11 @@ def test_a_batch_without_partial_rollout_restarts_every_interrupted_prompt(engin
     async def run() -> list[GenerationResult]:
         async with EngineClient([url], partial_rollout=False) as client:
             await wait_for_idle(client, url)  # the engine is the module's: no earlier test's requests counted
-            task = asyncio.ensure_future(client.generate_batch(prompts, LONG, rids=["h/0", "h/1"]))
-            await wait_for_running(client, url, 2)
-            await wait_for_decode_passes(client, url, 3)  # some tokens of version 0 each
-            await sync_weights(client, url, path_b, "1")
+            async with slowed_down(url):  # the sync must meet the requests mid-decode
+                task = asyncio.ensure_future(client.generate_batch(prompts, LONG, rids=["h/0", "h/1"]))
+                await wait_for_running(client, url, 2)
+                await wait_for_decode_passes(client, url, 3)  # some tokens of version 0 each
+                await sync_weights(client, url, path_b, "1")
             results = await asyncio.wait_for(task, 60)
             await load_weights(client, url, path_a, "0")
             return results
@@ -232,16 +237,17 @@ def test_tokens_collected_at_a_checkpoint_pause_are_the_start_of_each_finished_s
         async with EngineClient([url]) as client:
             await wait_for_idle(client, url)  # the engine is the module's: no earlier test's requests counted
             records = [GenerationProgress() for _ in prompts]
-            alone = asyncio.ensure_future(client.generate(prompts[0], LONG, rid="c/0", progress=records[0]))
-            batch = asyncio.ensure_future(
-                client.generate_batch(prompts[1:], LONG, rids=["c/1", "c/2"], progress=records[1:])
-            )
-            await wait_for_running(client, url, 3)
-            await wait_for_decode_passes(client, url, 3)  # some tokens each
-            async with client.tokens_collected(timeout_s=30) as complete:
-                collected = [list(r.output_ids) for r in records]
-                logprobs = [list(r.logprobs) for r in records]
-                assert [r.versions == [0] * len(r) for r in records] == [True] * 3
+            async with slowed_down(url):  # the pause must meet the requests mid-decode
+                alone = asyncio.ensure_future(client.generate(prompts[0], LONG, rid="c/0", progress=records[0]))
+                batch = asyncio.ensure_future(
+                    client.generate_batch(prompts[1:], LONG, rids=["c/1", "c/2"], progress=records[1:])
+                )
+                await wait_for_running(client, url, 3)
+                await wait_for_decode_passes(client, url, 3)  # some tokens each
+                async with client.tokens_collected(timeout_s=30) as complete:
+                    collected = [list(r.output_ids) for r in records]
+                    logprobs = [list(r.logprobs) for r in records]
+                    assert [r.versions == [0] * len(r) for r in records] == [True] * 3
             results = [await asyncio.wait_for(alone, 60), *await asyncio.wait_for(batch, 60)]
             return collected, logprobs, results, complete
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from engine_helpers import LOGPROB_TOL, max_abs_diff, reference_logprobs
+from engine_helpers import LOGPROB_TOL, max_abs_diff, reference_logprobs, slowed_down
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from rllm.experimental.fully_async.engines import (
@@ -190,11 +190,12 @@ def test_pause_abort_returns_partial_output_and_holds_new_requests_until_continu
 
     async def scenario() -> None:
         async with httpx.AsyncClient(timeout=60) as http:
-            first = asyncio.ensure_future(
-                http.post(f"{engine}/generate", json={"input_ids": [4, 5, 6], "sampling_params": long_params})
-            )
-            await asyncio.to_thread(wait_until, lambda: stats(engine)["num_running"] == 1, 30, "the request to run")
-            await http.post(f"{engine}/pause_generation", json={"mode": "abort"})
+            async with slowed_down(engine):  # the pause must meet the request mid-decode
+                first = asyncio.ensure_future(
+                    http.post(f"{engine}/generate", json={"input_ids": [4, 5, 6], "sampling_params": long_params})
+                )
+                await asyncio.to_thread(wait_until, lambda: stats(engine)["num_running"] == 1, 30, "the request to run")
+                await http.post(f"{engine}/pause_generation", json={"mode": "abort"})
             partial = (await asyncio.wait_for(first, 30)).json()
             assert partial["meta_info"]["finish_reason"]["type"] == "abort"
             assert 0 < len(partial["output_ids"]) < 240
@@ -219,14 +220,15 @@ def test_abort_request_by_rid_ends_only_that_request(engine):
 
     async def scenario() -> None:
         async with httpx.AsyncClient(timeout=60) as http:
-            victim = asyncio.ensure_future(
-                http.post(f"{engine}/generate", json={"input_ids": [3], "sampling_params": params, "rid": "victim"})
-            )
-            other = asyncio.ensure_future(
-                http.post(f"{engine}/generate", json={"input_ids": [3], "sampling_params": params, "rid": "other"})
-            )
-            await asyncio.to_thread(wait_until, lambda: stats(engine)["num_running"] == 2, 30, "both requests")
-            await http.post(f"{engine}/abort_request", json={"rid": "victim"})
+            async with slowed_down(engine):  # the abort must meet both requests mid-decode
+                victim = asyncio.ensure_future(
+                    http.post(f"{engine}/generate", json={"input_ids": [3], "sampling_params": params, "rid": "victim"})
+                )
+                other = asyncio.ensure_future(
+                    http.post(f"{engine}/generate", json={"input_ids": [3], "sampling_params": params, "rid": "other"})
+                )
+                await asyncio.to_thread(wait_until, lambda: stats(engine)["num_running"] == 2, 30, "both requests")
+                await http.post(f"{engine}/abort_request", json={"rid": "victim"})
             aborted, finished = (await victim).json(), (await other).json()
             assert aborted["meta_info"]["finish_reason"]["type"] == "abort"
             assert finished["meta_info"]["finish_reason"]["type"] == "length"
@@ -235,17 +237,40 @@ def test_abort_request_by_rid_ends_only_that_request(engine):
     asyncio.run(scenario())
 
 
+def test_slow_down_sleeps_before_every_step_until_it_is_lifted(engine):
+    """SGLang's /slow_down {forward_sleep_time}: a sleep before each forward pass, null lifts it; bad bodies refused."""
+
+    def timed_generation() -> float:
+        started = time.monotonic()
+        body = post(
+            engine, "/generate", {"input_ids": [3], "sampling_params": {"max_new_tokens": 20, "ignore_eos": True}}
+        )
+        assert len(body.json()["output_ids"]) == 20
+        return time.monotonic() - started
+
+    slowed = post(engine, "/slow_down", {"forward_sleep_time": 0.05})
+    assert slowed.status_code == 200 and slowed.json() is None  # SGLang's handler returns None
+    try:
+        assert timed_generation() >= 20 * 0.05  # a prefill and 19 decode passes, each after its sleep
+    finally:
+        post(engine, "/slow_down", {"forward_sleep_time": None}).raise_for_status()
+    assert timed_generation() < 20 * 0.05, "the sleep outlived /slow_down null"
+    assert post(engine, "/slow_down", {}).status_code == 400
+    assert "forward_sleep_time" in post(engine, "/slow_down", {"forward_sleep_time": "1s"}).json()["error"]["message"]
+
+
 def test_a_client_that_disconnects_frees_its_row(engine):
     """The handler is cancelled on disconnect, so an abandoned request stops occupying the batch."""
     params = {"temperature": 1.0, "max_new_tokens": 240, "ignore_eos": True}
 
     async def scenario() -> None:
         async with httpx.AsyncClient(timeout=2.0) as impatient:
-            request = asyncio.ensure_future(
-                impatient.post(f"{engine}/generate", json={"input_ids": [3], "sampling_params": params})
-            )
-            await asyncio.to_thread(wait_until, lambda: stats(engine)["num_running"] == 1, 30, "the request to run")
-            post(engine, "/pause_generation", {"mode": "in_place"})  # keeps it running but never finishing
+            async with slowed_down(engine):  # the pause must meet the request mid-decode
+                request = asyncio.ensure_future(
+                    impatient.post(f"{engine}/generate", json={"input_ids": [3], "sampling_params": params})
+                )
+                await asyncio.to_thread(wait_until, lambda: stats(engine)["num_running"] == 1, 30, "the request to run")
+                post(engine, "/pause_generation", {"mode": "in_place"})  # keeps it running but never finishing
             try:
                 with pytest.raises(httpx.ReadTimeout):
                     await request

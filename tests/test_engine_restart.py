@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import addition_run_command, leftover_processes
-from engine_helpers import max_abs_diff, reference_logprobs, restarted, wait_for_decoding
+from engine_helpers import max_abs_diff, reference_logprobs, restarted, slowed_down, wait_for_decoding
 
 from rllm.experimental.fully_async.engines import EmbeddedEngineCommand, EngineLauncher, EngineProcess
 from rllm.experimental.fully_async.engines.client import EngineClient
@@ -176,11 +176,12 @@ def test_a_request_on_the_only_engine_waits_for_its_restart_and_finishes_there(e
 
         async def scenario():
             async with EngineClient(launcher.urls, wait_for_engine_s=90, backoff_base_s=0.01) as client:
-                request = asyncio.create_task(
-                    client.generate([4, 5], {"max_new_tokens": max_new, "ignore_eos": True, "temperature": 1.0})
-                )
-                await wait_for_decoding(client, old.url)
-                kill(old)
+                async with slowed_down(old.url):  # the kill must meet the request mid-decode
+                    request = asyncio.create_task(
+                        client.generate([4, 5], {"max_new_tokens": max_new, "ignore_eos": True, "temperature": 1.0})
+                    )
+                    await wait_for_decoding(client, old.url)
+                    kill(old)
                 new = await asyncio.to_thread(restarted, launcher, 0)
                 assert not request.done(), "with no engine alive the request waits instead of failing"
                 client.replace_engine(old.url, new.url)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from engine_helpers import engine_command, wait_for_engine_state, wait_for_running
+from engine_helpers import engine_command, slowed_down, wait_for_engine_state, wait_for_running
 from omegaconf import OmegaConf
 from test_client import sync_weights
 
@@ -97,6 +97,9 @@ def test_http_error_codes_are_sglangs(standin):
         assert http.post(f"{standin}/update_weights_from_disk", json={}).status_code == 422
         assert http.post(f"{standin}/update_weight_version", json={}).status_code == 422
         assert http.post(f"{standin}/pause_generation", json={"mode": "sideways"}).status_code == 422
+        assert http.post(f"{standin}/slow_down", json={}).status_code == 422
+        lifted = http.post(f"{standin}/slow_down", json={"forward_sleep_time": None})
+        assert lifted.status_code == 200 and lifted.json() is None
         bad = http.post(f"{standin}/update_weights_from_disk", json={"model_path": "/nonexistent"})
         assert bad.status_code == 400 and bad.json()["success"] is False
         aborted = http.post(f"{standin}/abort_request", json={"rid": "nobody"})
@@ -107,12 +110,13 @@ def test_requests_sent_while_paused_are_held_and_waiting_queue_aborts_carry_no_v
     async def run() -> tuple[dict, dict]:
         async with httpx.AsyncClient(headers=auth(), timeout=60) as http, EngineClient([standin], api_key=KEY) as info:
             body = {"sampling_params": LONG, "return_logprob": True}
-            # The second is sent once the first decodes: sent together, either could take the one running slot.
-            first = asyncio.ensure_future(http.post(f"{standin}/generate", json={"input_ids": [3], **body}))
-            await wait_for_running(info, standin, 1)
-            second = asyncio.ensure_future(http.post(f"{standin}/generate", json={"input_ids": [4], **body}))
-            await wait_for_engine_state(info, standin, lambda s: s["num_waiting"] >= 1, "request waiting")
-            await http.post(f"{standin}/pause_generation", json={"mode": "abort"})
+            async with slowed_down(standin, headers=auth()):  # the pause must meet the first mid-decode
+                # The second is sent once the first decodes: sent together, either could take the one running slot.
+                first = asyncio.ensure_future(http.post(f"{standin}/generate", json={"input_ids": [3], **body}))
+                await wait_for_running(info, standin, 1)
+                second = asyncio.ensure_future(http.post(f"{standin}/generate", json={"input_ids": [4], **body}))
+                await wait_for_engine_state(info, standin, lambda s: s["num_waiting"] >= 1, "request waiting")
+                await http.post(f"{standin}/pause_generation", json={"mode": "abort"})
             running, waiting = (await first).json(), (await second).json()
             held = asyncio.ensure_future(http.post(f"{standin}/generate", json={"input_ids": [5], **body}))
             await asyncio.sleep(0.5)
@@ -143,14 +147,15 @@ def test_a_pause_polls_a_second_while_a_request_is_in_flight_and_returns_at_once
     async def run() -> tuple[float, float, dict]:
         async with httpx.AsyncClient(headers=auth(), timeout=60) as http:
             idle = await timed_pause(http)
-            running = asyncio.ensure_future(
-                http.post(f"{standin}/generate", json={"input_ids": [3], "sampling_params": LONG})
-            )
-            deadline = time.monotonic() + 30
-            while (await http.get(f"{standin}/get_server_info")).json()["internal_states"][0]["num_running"] < 1:
-                assert time.monotonic() < deadline, "the request never started decoding"
-                await asyncio.sleep(0.02)
-            busy = await timed_pause(http)
+            async with slowed_down(standin, headers=auth()):  # the pause must meet the request mid-decode
+                running = asyncio.ensure_future(
+                    http.post(f"{standin}/generate", json={"input_ids": [3], "sampling_params": LONG})
+                )
+                deadline = time.monotonic() + 30
+                while (await http.get(f"{standin}/get_server_info")).json()["internal_states"][0]["num_running"] < 1:
+                    assert time.monotonic() < deadline, "the request never started decoding"
+                    await asyncio.sleep(0.02)
+                busy = await timed_pause(http)
             return idle, busy, (await running).json()
 
     idle, busy, answer = asyncio.run(run())
@@ -162,13 +167,14 @@ def test_a_pause_polls_a_second_while_a_request_is_in_flight_and_returns_at_once
 def test_waiting_queue_aborts_are_resumed_as_unstarted_pieces(standin, models):
     async def run() -> list:
         async with EngineClient([standin], api_key=KEY) as client:
-            # The first request decodes before the second is sent: which one runs and which waits is then known
-            # (sent together, either could reach the one running slot first).
-            tasks = [asyncio.ensure_future(client.generate([3], LONG))]
-            await wait_for_running(client, standin, 1)
-            tasks.append(asyncio.ensure_future(client.generate([4], LONG)))
-            await wait_for_engine_state(client, standin, lambda s: s["num_waiting"] >= 1, "request waiting")
-            await sync_weights(client, standin, models["a"][0], "1")
+            async with slowed_down(standin, headers=auth()):  # the sync must meet the first mid-decode
+                # The first request decodes before the second is sent: which one runs and which waits is then known
+                # (sent together, either could reach the one running slot first).
+                tasks = [asyncio.ensure_future(client.generate([3], LONG))]
+                await wait_for_running(client, standin, 1)
+                tasks.append(asyncio.ensure_future(client.generate([4], LONG)))
+                await wait_for_engine_state(client, standin, lambda s: s["num_waiting"] >= 1, "request waiting")
+                await sync_weights(client, standin, models["a"][0], "1")
             results = await asyncio.gather(*tasks)
             await client.update_weight_version(standin, "0")
             return results
@@ -188,17 +194,24 @@ def test_a_batch_answers_a_list_and_its_waiting_prompts_are_resumed_as_unstarted
         async with httpx.AsyncClient(headers=auth(), timeout=60) as http:
             raw = await http.post(
                 f"{standin}/generate",
-                json={"input_ids": [[3], [4, 5]], "rid": ["b0", "b1"], "sampling_params": {"max_new_tokens": 4}},
+                json={
+                    "input_ids": [[3], [4, 5]],
+                    "rid": ["b0", "b1"],
+                    "sampling_params": {"max_new_tokens": 4, "ignore_eos": True},  # a sampled eos ends one early
+                },
             )
             one_rid = await http.post(f"{standin}/generate", json={"input_ids": [[3], [4]], "rid": "c"})
             assert [r["meta_info"]["id"] for r in one_rid.json()] == ["c_0", "c_1"], "SGLang's _normalize_rid"
         async with EngineClient([standin], api_key=KEY) as client:
-            task = asyncio.ensure_future(client.generate_batch([[3], [4]], LONG, rids=["w/0", "w/1"]))
-            deadline = time.monotonic() + 30
-            while (await client.get_server_info(standin))["internal_states"][0]["num_waiting"] < 1:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.02)
-            await sync_weights(client, standin, models["a"][0], "1")
+            async with slowed_down(standin, headers=auth()):  # the sync must meet the first prompt mid-decode
+                task = asyncio.ensure_future(client.generate_batch([[3], [4]], LONG, rids=["w/0", "w/1"]))
+                await wait_for_engine_state(
+                    client,
+                    standin,
+                    lambda s: s["num_running"] >= 1 and s["num_waiting"] >= 1,
+                    "one decoding, one waiting",
+                )
+                await sync_weights(client, standin, models["a"][0], "1")
             results = await asyncio.wait_for(task, 60)
             await client.update_weight_version(standin, "0")
             return raw.json(), results

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from engine_helpers import wait_for_idle, wait_for_running
+from engine_helpers import slowed_down, wait_for_idle, wait_for_running
 from workflow_helpers import Datum
 
 from rllm.experimental.fully_async.api.progress import (
@@ -102,9 +102,10 @@ async def checkpoint_mid_generation(service: RolloutService) -> tuple[dict, list
     engines paused to collect the tokens in flight), and stop it: the crash."""
     client = service.executor.client
     await wait_for_idle(client, client.urls[0])  # so the requests counted next are this service's
-    rollouts = asyncio.create_task(service.run())
-    await wait_for_running(client, client.urls[0], 4)  # decoding: each has its first tokens, none its last
-    state, queued = await service.collected_checkpoint_state()
+    async with slowed_down(client.urls[0]):  # the checkpoint's pause must meet the samples mid-decode
+        rollouts = asyncio.create_task(service.run())
+        await wait_for_running(client, client.urls[0], 4)  # decoding: each has its first tokens, none its last
+        state, queued = await service.collected_checkpoint_state()
     service.stop()
     await rollouts
     await client.aclose()

@@ -26,6 +26,9 @@ against this server. Its HTTP layer reproduces what `sglang/srt/entrypoints/http
   with the default 42 (`SamplingParams.__init__`) and the kernels are batch-invariant (here: each request runs
   alone, the embedded scheduler's deterministic mode); without the flag the seed is ignored. A seeded request draws
   with SGLang's own rule (`multinomial_with_seed`), which is biased (engines/embedded/sampling.py).
+- `/slow_down {forward_sleep_time}` (GET or POST; a number, or null or <= 0 to stop) makes the scheduler sleep that
+  long before every batch and answers 200 with a null body (`Scheduler.slow_down`, `run_batch`): the tests' way to
+  catch a request mid-decode.
 The distributed weight-update routes are in `distributed_routes.py`. `/get_server_info` carries
 `internal_states: [<embedded scheduler stats>]` (SGLang's shape; the keys inside are the embedded engine's, which
 the tests read).
@@ -300,6 +303,17 @@ async def update_weight_version(request: web.Request) -> web.Response:
     )
 
 
+async def slow_down(request: web.Request) -> web.Response:
+    body = await _body(request)
+    if body is None or "forward_sleep_time" not in body:
+        return _detail("forward_sleep_time", "Field required")
+    seconds = body["forward_sleep_time"]
+    if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, int | float)):
+        return _detail("forward_sleep_time", "Input should be a valid number")
+    request.app[STATE].scheduler.slow_down(seconds)
+    return web.json_response(None)  # the handler returns None: FastAPI answers `null`
+
+
 async def weight_version(request: web.Request) -> web.Response:
     return web.json_response({"weight_version": request.app[STATE].weight_version})
 
@@ -352,6 +366,7 @@ def build_app(scheduler: Scheduler, args: argparse.Namespace) -> web.Application
         ("/update_weights_from_disk", update_weights_from_disk, ("POST",)),
         ("/update_weight_version", update_weight_version, ("POST",)),
         ("/flush_cache", flush_cache, ("GET", "POST")),
+        ("/slow_down", slow_down, ("GET", "POST")),
         ("/health", health, ("GET",)),
         ("/health_generate", health, ("GET",)),
         ("/get_weight_version", weight_version, ("GET",)),

@@ -26,6 +26,9 @@ Guarantees the HTTP layer and the client rely on (they mirror SGLang 0.5.6):
   42, when it sends none) and runs alone, one at a time, so its tokens and log-probs are bit-identical whatever
   else was sent; SGLang gets there with batch-invariant kernels, which a CPU matmul does not offer. Throughput is
   one request's.
+- `slow_down(seconds)` (SGLang's `/slow_down`, `Scheduler.run_batch`'s `forward_sleep_time`) sleeps that long before
+  every step, so a test can catch a request mid-decode: the tiny test models decode 240 tokens in 0.2 s, a window a
+  loaded machine misses. The sleep is on the loop, as SGLang's is in its scheduler process: HTTP keeps answering.
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ class Scheduler:
         self.swaps = WeightSwaps(self, weight_loader)
         self._task: asyncio.Task[None] | None = None
         self._pass_in_progress = False  # a forward pass runs in the worker thread: the KV cache is not ours
+        self.forward_sleep_s: float | None = None  # SGLang's /slow_down: a sleep before every step
         self.stats: dict[str, int] = {
             "requests_finished": 0,
             "requests_aborted": 0,
@@ -264,6 +268,11 @@ class Scheduler:
         self._wake.set()
         logger.info("generation continued")
 
+    def slow_down(self, forward_sleep_s: float | None) -> None:
+        """Sleep `forward_sleep_s` before every step from now on; None or <= 0 ends it (SGLang's `slow_down`)."""
+        self.forward_sleep_s = forward_sleep_s if forward_sleep_s is not None and forward_sleep_s > 0 else None
+        logger.info("forward sleep set to %s s", self.forward_sleep_s)
+
     # ---------------------------------------------------------------- weights (updates: `self.swaps`)
     def set_weight_version(self, new_version: str) -> None:
         """Relabel the current weights (SGLang /update_weight_version); requests already admitted keep theirs."""
@@ -307,6 +316,11 @@ class Scheduler:
                 self.runner.clear()
 
     async def _step(self) -> None:
+        if self.forward_sleep_s is not None:
+            await asyncio.sleep(self.forward_sleep_s)
+            self._drop_done_rows()  # rows aborted during the sleep
+            if not self._has_work():
+                return
         if self.swaps.pending is not None and not self._running:
             await self.swaps.apply_pending(self._in_thread)
             return

@@ -231,6 +231,23 @@ async def update_weight_version(request: web.Request) -> web.Response:
     return web.json_response({"success": True, "new_version": scheduler.weight_version, "message": "ok"})
 
 
+async def slow_down(request: web.Request) -> web.Response:
+    """GET|POST /slow_down {forward_sleep_time}: sleep that many seconds before every step, null or <= 0 to stop.
+    SGLang's test hook (SlowDownReqInput; it answers 200 with a null body), for tests that must catch a request
+    mid-decode."""
+    try:
+        body = await _json_body(request)
+        if "forward_sleep_time" not in body:
+            raise ValueError("forward_sleep_time is required (seconds, or null to stop)")
+        seconds = body["forward_sleep_time"]
+        if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, int | float)):
+            raise ValueError(f"forward_sleep_time must be a number of seconds or null, got {seconds!r}")
+    except ValueError as exc:
+        return _error(str(exc))
+    request.app[SCHEDULER_KEY].slow_down(seconds)
+    return web.json_response(None)
+
+
 async def get_weight_version(request: web.Request) -> web.Response:
     return web.json_response({"weight_version": request.app[SCHEDULER_KEY].weight_version})
 
@@ -301,6 +318,7 @@ def build_app(scheduler: Scheduler, args: argparse.Namespace) -> web.Application
         ("/update_weights_from_disk", update_weights_from_disk),
         ("/update_weight_version", update_weight_version),
         ("/flush_cache", flush_cache),
+        ("/slow_down", slow_down),
     ]:
         app.router.add_post(path, handler)
     for path, handler in [
@@ -309,6 +327,7 @@ def build_app(scheduler: Scheduler, args: argparse.Namespace) -> web.Application
         ("/get_model_info", get_model_info),
         ("/get_server_info", get_server_info),
         ("/flush_cache", flush_cache),
+        ("/slow_down", slow_down),
     ]:
         app.router.add_get(path, handler)
     add_weight_group_routes(app, scheduler, args.weight_update_timeout_s)  # /init_weights_update_group & co
