@@ -10,6 +10,10 @@ each η in `--etas` and each method in `--methods`, the arm `eta<η>-<method>`:
 - lag1:     decoupled PPO with the proximal policy one version back (log-linear, A-3PO; behaviour weight capped
             at 2): `algorithm.off_policy_correction={mode: decoupled, prox_log_probs: loglinear, prox_lag: 1}`;
 - m2po:     the second-moment trust region (M2PO; algorithms/second_moment.py): `{mode: m2po}` (tau 0.04);
+- lag-half: lag1 with the proximal policy η/2 versions back (`prox_lag: max(1, η // 2)`): for tokens η versions
+            old, as almost all are once generation outruns training, pi_prox is halfway between the behaviour and
+            the current policy, so the clip binds on half of the movement since the behaviour version (not in the
+            default grid);
 - lag1-m2:  lag1 with AReaL's form of M2PO: the second-moment mask on log pi_prox - log pi_behav before the clipped
             loss (`m2_threshold: 0.04`; not in the default grid);
 - adaptive: lag1 with adaptive staleness starting at η (`async_training.adaptive_staleness`, [min, max] =
@@ -71,6 +75,10 @@ METHODS: dict[str, tuple[str, tuple[str, ...]]] = {
     "lag1": ("decoupled PPO, proximal policy one version back (A-3PO log-linear), w capped at 2", (LAG1,)),
     "m2po": ("second-moment trust region (M2PO, tau 0.04)", ("algorithm.off_policy_correction={mode: m2po}",)),
     "adaptive": ("lag1 with adaptive staleness starting at η", (LAG1, "async_training.adaptive_staleness.enable=true")),
+    "lag-half": (
+        "decoupled PPO, proximal policy η/2 versions back (log-linear), w capped at 2",
+        ("algorithm.off_policy_correction={{mode: decoupled, prox_log_probs: loglinear, prox_lag: {half_eta}}}",),
+    ),
     "lag1-m2": (
         "lag1 with AReaL's M2PO mask on log pi_prox - log pi_behav (m2_threshold 0.04), the clip kept",
         (
@@ -125,7 +133,11 @@ def arms_for(etas: Sequence[int], methods: Sequence[str]) -> list[Arm]:
                 Arm(
                     f"eta{eta}-{method}",
                     f"η={eta}, {description}",
-                    (f"async_training.max_staleness={eta}", *overrides, *extra),
+                    (
+                        f"async_training.max_staleness={eta}",
+                        *(o.format(half_eta=max(1, eta // 2)) if "{half_eta}" in o else o for o in overrides),
+                        *extra,
+                    ),
                 )
             )
     return arms
