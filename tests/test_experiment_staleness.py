@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))
 
@@ -47,6 +48,15 @@ def test_other_overrides_reach_every_run_before_the_arms_own_keys():
         "async_training.adaptive_staleness.max=16",
     ]
     assert "async_training.max_staleness=8" in adaptive and "run.seed=1" in adaptive
+
+
+def test_the_lag_half_arm_puts_its_proximal_policy_half_its_eta_back():
+    corrections = [
+        OmegaConf.from_dotlist([next(o for o in arm.overrides if o.startswith("algorithm.off_policy_correction="))])
+        for arm in exp.arms_for([1, 8, 16], ["lag-half"])[1:]
+    ]
+    assert [c.algorithm.off_policy_correction.prox_lag for c in corrections] == [1, 4, 8]
+    assert {c.algorithm.off_policy_correction.mode for c in corrections} == {"decoupled"}
 
 
 def test_the_default_grid_is_four_etas_by_three_methods_beside_sync_per_seed():
