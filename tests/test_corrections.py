@@ -502,6 +502,26 @@ def test_a_proximal_lag_covering_every_token_is_naive_ppo_against_the_behaviour_
     assert torch.equal(data.batch["rollout_is_weights"], mask)
 
 
+def test_the_previous_weights_proximal_policy_is_taken_as_given_except_for_tokens_of_the_trainers_version():
+    # V = 5: pi_prox is the policy before the trainer's last step (the log-probs given). A token of version 5 is newer
+    # than that: its own policy is its proximal one (w = 1, clipped against pi_behav).
+    versions = torch.tensor([[5, 4, 3, 1], [2, 0, 5, -1]])
+    data, behav, previous = _lagged_batch(versions, seed=95)
+    corrector = OffPolicyCorrector(CorrectionConfig(prox_log_probs="previous", cap=10.0))
+    assert corrector.needs_recompute and corrector.uses_previous_weights and corrector.policy_loss_mode is None
+    corrector.apply(data, proximal_log_probs=previous, trainer_version=5)
+    for i in range(2):
+        for t in range(4):
+            v = int(versions[i, t])
+            if v < 0:
+                continue
+            prox = float(behav[i, t]) if v == 5 else float(previous[i, t])
+            assert float(data.batch["old_log_probs"][i, t]) == pytest.approx(prox, abs=1e-7), (i, t)
+            weight = float(data.batch["rollout_is_weights"][i, t])
+            assert weight == pytest.approx(min(math.exp(prox - float(behav[i, t])), 10.0), rel=1e-5), (i, t)
+    assert not OffPolicyCorrector(CorrectionConfig(prox_log_probs="loglinear", prox_lag=1)).uses_previous_weights
+
+
 def test_batch_function_needs_the_recomputed_and_rollout_log_probs():
     data = DataProto.from_dict(tensors={"rollout_log_probs": torch.zeros(1, 2), "response_mask": torch.ones(1, 2)})
     with pytest.raises(ValueError, match="recomputed log-probs"):
@@ -524,6 +544,8 @@ def test_batch_function_needs_the_recomputed_and_rollout_log_probs():
         ({"prox_log_probs": "loglinear", "prox_lag": -1}, "prox_lag"),
         ({"prox_log_probs": "loglinear", "prox_lag": True}, "prox_lag"),
         ({"prox_lag": 1}, "prox_lag"),  # recompute: only the weights before the step exist
+        ({"prox_log_probs": "previous", "prox_lag": 1}, "prox_lag"),  # its lag is one step, built in
+        ({"mode": "tis", "prox_log_probs": "previous"}, "prox_log_probs"),
         ({"mode": "tis", "prox_lag": 1}, "prox_lag"),
         ({"mode": "m2po", "tau": 0.0}, "tau"),
         ({"mode": "m2po", "tau": float("nan")}, "tau"),

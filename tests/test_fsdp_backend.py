@@ -168,6 +168,37 @@ def test_state_dict_restores_model_optimizer_and_schedule(model_dir):
     torch.testing.assert_close(params(restored), params(original), rtol=0, atol=1e-7)
 
 
+def test_previous_weights_answer_as_the_model_before_the_last_step_and_travel_in_checkpoints(model_dir, tmp_path):
+    """prox_log_probs=previous: log-probs under the weights before the last optimizer step, equal to a plain forward
+    of a copy of the model taken before it; the current weights are untouched by asking; a checkpoint carries them."""
+    import copy
+
+    with pytest.raises(ValueError, match="keep_previous_weights"):
+        FSDPPolicyBackend(model_dir, actor_cfg()).compute_log_prob(make_batch(seed=1), weights="previous")
+    backend = FSDPPolicyBackend(model_dir, actor_cfg(), keep_previous_weights=True)
+    probe = make_batch(seed=7)
+    torch.testing.assert_close(backend.compute_log_prob(probe, weights="previous"), backend.compute_log_prob(probe))
+    for step in range(2):
+        before = copy.deepcopy(backend.model)
+        backend.update_policy(trainer_batch(step, backend))
+        current = params(backend)
+        with torch.no_grad():
+            expected = response_log_probs(before, probe)
+        got = backend.compute_log_prob(probe, weights="previous")
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        assert torch.equal(params(backend), current), "asking for the previous weights put them back"
+        assert (got - backend.compute_log_prob(probe)).abs().max() > 1e-4, "the step moved the log-probs"
+
+    backend.save_checkpoint(tmp_path / "ckpt")
+    restored = FSDPPolicyBackend(model_dir, actor_cfg(), keep_previous_weights=True)
+    restored.load_checkpoint(tmp_path / "ckpt")
+    assert torch.equal(params(restored), params(backend))
+    torch.testing.assert_close(restored.compute_log_prob(probe, weights="previous"), got, rtol=0, atol=0)
+    in_memory = FSDPPolicyBackend(model_dir, actor_cfg(), keep_previous_weights=True)
+    in_memory.load_state_dict(backend.state_dict())
+    torch.testing.assert_close(in_memory.compute_log_prob(probe, weights="previous"), got, rtol=0, atol=0)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # World size 2: FSDP2 over a gloo CPU mesh, each rank holding half the batch
 # ----------------------------------------------------------------------------------------------------------------
@@ -184,13 +215,20 @@ spec = json.loads(sys.argv[6])
 # gloo honours the timeout: a collective left waiting by the other rank raises instead of hanging
 timeout = datetime.timedelta(seconds=60)
 dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world, timeout=timeout)
-backend = FSDPPolicyBackend(model_dir, actor_cfg(**spec["cfg"]))
+keep = spec["keep_previous"]
+backend = FSDPPolicyBackend(model_dir, actor_cfg(**spec["cfg"]), keep_previous_weights=keep)
 data = make_batch(seed=11)
 data.batch["response_mask"] = data.batch["response_mask"].float()
 data.batch["old_log_probs"] = torch.load(out + ".old.pt")
 shard = data[spec["rows"][rank]]  # each rank holds a different part of the batch
 log_probs = backend.compute_log_prob(shard)
 metrics = backend.update_policy(shard)
+if keep:  # the weights before the step, from this rank's shard copy, and again from a checkpoint of it
+    torch.save(backend.compute_log_prob(shard, weights="previous"), f"{out}.prev{rank}.pt")
+    backend.save_checkpoint(out + ".ckpt")
+    restored = FSDPPolicyBackend(model_dir, actor_cfg(**spec["cfg"]), keep_previous_weights=True)
+    restored.load_checkpoint(out + ".ckpt")
+    torch.save(restored.compute_log_prob(shard, weights="previous"), f"{out}.prevckpt{rank}.pt")
 state = backend.state_dict()["model"]  # collective; full tensors on rank 0
 torch.save(log_probs, f"{out}.logp{rank}.pt")
 if rank == 0:
@@ -203,7 +241,12 @@ WORLD_TIMEOUT_S = 240.0
 
 
 def _run_world(
-    rows: list[list[int]], model_dir: Path, tmp_path: Path, old_log_probs: torch.Tensor, **cfg
+    rows: list[list[int]],
+    model_dir: Path,
+    tmp_path: Path,
+    old_log_probs: torch.Tensor,
+    keep_previous: bool = False,
+    **cfg,
 ) -> tuple[dict, dict, list[torch.Tensor]]:
     """Run _FSDP2_WORKER on one process per entry of `rows` (a FileStore rendezvous: no ports).
 
@@ -215,7 +258,12 @@ def _run_world(
     store = tmp_path / f"store{world}"
     tests_dir = Path(__file__).parent
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(tests_dir), str(tests_dir.parent)])}
-    args = [str(store), str(model_dir), str(out), json.dumps({"rows": rows, "cfg": cfg})]
+    args = [
+        str(store),
+        str(model_dir),
+        str(out),
+        json.dumps({"rows": rows, "cfg": cfg, "keep_previous": keep_previous}),
+    ]
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", _FSDP2_WORKER, str(rank), str(world), *args],
@@ -265,12 +313,18 @@ def _assert_same_step(single: FSDPPolicyBackend, single_metrics: dict, sharded: 
 
 @pytest.mark.slow  # two gloo ranks in their own processes (~40-60 s on a busy 2-core machine)
 def test_fsdp2_world_of_two_takes_the_same_step_as_one_process(model_dir, tmp_path):
-    """Half the batch on each of two ranks (FSDP2, gloo) must give the whole-batch step of a single process."""
+    """Half the batch on each of two ranks (FSDP2, gloo) must give the whole-batch step of a single process. Each
+    rank also keeps its shard of the weights before the step (prox_log_probs=previous): the log-probs under them are
+    those before the step, and a checkpoint written at world size 2 gives them back."""
     single, old, _, single_metrics = _single_process_step(model_dir)
     rows = [list(range(0, BATCH_SIZE, 2)), list(range(1, BATCH_SIZE, 2))]
-    sharded, report, _ = _run_world(rows, model_dir, tmp_path, old)
+    sharded, report, before = _run_world(rows, model_dir, tmp_path, old, keep_previous=True)
     assert report["rows"] == BATCH_SIZE // 2
     _assert_same_step(single, single_metrics, sharded, report["metrics"])
+    for rank in range(2):
+        previous = torch.load(tmp_path / f"world2.pt.prev{rank}.pt")
+        torch.testing.assert_close(previous, before[rank], rtol=0, atol=1e-6)
+        torch.testing.assert_close(torch.load(tmp_path / f"world2.pt.prevckpt{rank}.pt"), previous, rtol=0, atol=0)
 
 
 # Rows 0, 3, 5 hold 25 tokens, rows 1, 2, 4 hold 12 (PROMPT_LENGTHS + RESPONSE_LENGTHS): with a budget of 9 tokens

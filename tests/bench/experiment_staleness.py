@@ -10,6 +10,8 @@ each η in `--etas` and each method in `--methods`, the arm `eta<η>-<method>`:
 - lag1:     decoupled PPO with the proximal policy one version back (log-linear, A-3PO; behaviour weight capped
             at 2): `algorithm.off_policy_correction={mode: decoupled, prox_log_probs: loglinear, prox_lag: 1}`;
 - m2po:     the second-moment trust region (M2PO; algorithms/second_moment.py): `{mode: m2po}` (tau 0.04);
+- prev:     decoupled PPO with the proximal policy recomputed under the trainer's weights before its last step
+            (`{mode: decoupled, prox_log_probs: previous}`): the policy one version back that lag1 interpolates;
 - lag-half: lag1 with the proximal policy η/2 versions back (`prox_lag: max(1, η // 2)`): for tokens η versions
             old, as almost all are once generation outruns training, pi_prox is halfway between the behaviour and
             the current policy, so the clip binds on half of the movement since the behaviour version (not in the
@@ -75,6 +77,10 @@ METHODS: dict[str, tuple[str, tuple[str, ...]]] = {
     "lag1": ("decoupled PPO, proximal policy one version back (A-3PO log-linear), w capped at 2", (LAG1,)),
     "m2po": ("second-moment trust region (M2PO, tau 0.04)", ("algorithm.off_policy_correction={mode: m2po}",)),
     "adaptive": ("lag1 with adaptive staleness starting at η", (LAG1, "async_training.adaptive_staleness.enable=true")),
+    "prev": (
+        "decoupled PPO, proximal policy recomputed under the weights before the last step, w capped at 2",
+        ("algorithm.off_policy_correction={mode: decoupled, prox_log_probs: previous}",),
+    ),
     "lag-half": (
         "decoupled PPO, proximal policy η/2 versions back (log-linear), w capped at 2",
         ("algorithm.off_policy_correction={{mode: decoupled, prox_log_probs: loglinear, prox_lag: {half_eta}}}",),

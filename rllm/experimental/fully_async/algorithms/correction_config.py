@@ -21,6 +21,11 @@ When to use which (``algorithm.off_policy_correction.mode``):
   clip never binds and nothing bounds a step on old data. With a lagged pi_prox (interpolated in log space, A-3PO)
   tokens older than V - L are clipped against it and weighted by pi_prox / pi_behav, while newer tokens have
   w = 1 and are clipped against pi_behav as under bypass; L >= max_staleness is exactly bypass.
+  prox "previous" recomputes pi_prox with the trainer's weights before its last optimizer step (the trainer keeps a
+  copy of them): the policy one version back that loglinear at prox_lag 1 interpolates, exactly. The clip then binds
+  on what the last step moved, whatever the staleness, as it does on one-version-old data. At a fixed η of 8 and 16,
+  where almost every token is η versions old, it ended ahead of sync where prox_lag 1 ended 3-7 points behind
+  (tests/bench/README.md). Cost: one forward pass per step and one more copy of the weights (FSDP only).
 - m2po: the second-moment trust region (`second_moment`; M2PO, arXiv 2510.01161): no clip; the policy gradient
   weighted by r = pi_theta / pi_behav, with the tokens of largest (log r)^2 masked until the batch's mean (log r)^2
   is under ``tau`` (0.04: AReaL's example). Runs inside the update (no forward pass before the step); watch
@@ -48,7 +53,7 @@ from typing import Any, Literal
 from rllm.experimental.fully_async.api.config import dataclass_from_config
 
 CorrectionMode = Literal["none", "bypass", "tis", "decoupled", "m2po"]
-ProxMethod = Literal["recompute", "loglinear"]
+ProxMethod = Literal["recompute", "loglinear", "previous"]
 WeightLevel = Literal["token", "sequence"]
 CapMode = Literal["truncate", "mask"]
 
@@ -59,9 +64,12 @@ class CorrectionConfig:
     verl's own ``algorithm.rollout_correction`` keys map onto this when that section is absent.
 
     mode: "decoupled" | "m2po" | "tis" | "bypass" | "none" (see the module docstring for when to use which).
-    prox_log_probs: "recompute" | "loglinear", decoupled only. "loglinear" needs log pi_theta, which only exists
-        inside the actor's update: it runs as a verl policy loss (`decoupled_loss`), so the actor's
-        ``policy_loss.loss_mode`` must be left at "vanilla" (the trainer replaces it).
+    prox_log_probs: "recompute" | "loglinear" | "previous", decoupled only. "loglinear" needs log pi_theta, which
+        only exists inside the actor's update: it runs as a verl policy loss (`decoupled_loss`), so the actor's
+        ``policy_loss.loss_mode`` must be left at "vanilla" (the trainer replaces it). "previous": recomputed with
+        the weights before the trainer's last optimizer step (with K = 1, the version before the trainer's);
+        tokens of the trainer's own version keep pi_behav as pi_prox (w = 1). Needs prox_lag 0 and the FSDP
+        backend.
     level: "token" | "sequence", the granularity of w.
     cap_mode: "truncate" | "mask", how w is limited (decoupled only; tis always truncates).
     cap: C > 1. verl's default 2.0; AReaL uses 2.0 to 5.0. Larger C = less bias, more variance.
@@ -91,7 +99,7 @@ class CorrectionConfig:
         key = "algorithm.off_policy_correction"
         allowed = {
             "mode": ("none", "bypass", "tis", "decoupled", "m2po"),
-            "prox_log_probs": ("recompute", "loglinear"),
+            "prox_log_probs": ("recompute", "loglinear", "previous"),
             "level": ("token", "sequence"),
             "cap_mode": ("truncate", "mask"),
         }
@@ -104,10 +112,15 @@ class CorrectionConfig:
             raise ValueError(f"{key}.prox_log_probs={self.prox_log_probs!r} only applies to mode=decoupled")
         if isinstance(self.prox_lag, bool) or not isinstance(self.prox_lag, int) or self.prox_lag < 0:
             raise ValueError(f"{key}.prox_lag must be an integer >= 0, got {self.prox_lag!r}")
+        if self.prox_log_probs == "previous" and self.prox_lag != 0:
+            raise ValueError(
+                f"{key}.prox_lag={self.prox_lag} does not apply to prox_log_probs=previous (its proximal policy is "
+                "the weights before the last optimizer step); remove it"
+            )
         if self.prox_lag > 0 and (self.mode != "decoupled" or self.prox_log_probs != "loglinear"):
             raise ValueError(
                 f"{key}.prox_lag={self.prox_lag} needs mode=decoupled and prox_log_probs=loglinear (an older "
-                "proximal policy can only be interpolated, not recomputed)"
+                "proximal policy is interpolated; prox_log_probs=previous recomputes the one before the last step)"
             )
         if not (math.isfinite(self.tau) and self.tau > 0):
             raise ValueError(f"{key}.tau must be a finite number > 0, got {self.tau}")

@@ -41,9 +41,12 @@ https://fengyao.notion.site/off-policy-rl) is the same formula with pi_prox = pi
 correcting the numerical mismatch between inference engine and trainer, not staleness.
 
 Proximal log-probs. "recompute" takes the trainer's log-probs under its weights before the step (the trainer
-supplies them as ``old_log_probs``). "loglinear" avoids that forward pass (A-3PO, Li, Wu & Shen 2025,
-arXiv 2512.06547; AReaL's docs/algorithms/prox_approx.md and `compute_prox_logp_approximations` in
-areal/trainer/ppo/actor.py):
+supplies them as ``old_log_probs``). "previous" takes them under the weights before the trainer's last optimizer
+step (the trainer supplies those instead), so pi_prox is the policy one version back with K = 1, recomputed rather
+than interpolated; a token of the trainer's version V is newer than that, and keeps pi_behav as its pi_prox (w = 1,
+clipped against pi_behav, as prox_lag does for tokens newer than v_prox). "loglinear" avoids that forward pass
+(A-3PO, Li, Wu & Shen 2025, arXiv 2512.06547; AReaL's docs/algorithms/prox_approx.md and
+`compute_prox_logp_approximations` in areal/trainer/ppo/actor.py):
 
     alpha_t        = clamp((v_prox - v_behav,t) / (v_theta - v_behav,t), 0, 1)   if v_theta > v_behav,t >= 0, else 0
     log pi_prox,t ~= log pi_behav,t + alpha_t * (log pi_theta,t - log pi_behav,t)
@@ -169,8 +172,9 @@ def apply_off_policy_correction(
     Args:
         rollout_log_probs: [B, R] log pi_behav from the engines.
         response_mask: [B, R] trained tokens.
-        recomputed_log_probs: [B, R] log pi under the trainer's weights before the step. Needed by none, tis and
-            decoupled+recompute; optional for bypass (then only the log-prob gap is reported).
+        recomputed_log_probs: [B, R] log pi under the trainer's weights before the step (decoupled+previous: before
+            its last step). Needed by none, tis, decoupled+recompute and +previous; optional for bypass (then only
+            the log-prob gap is reported).
         theta_log_probs, rollout_versions, theta_version, prox_version: inputs of `loglinear_proximal_log_probs`.
             Needed by decoupled+loglinear; if given together with `recomputed_log_probs`, the approximation's error
             is reported whatever the mode.
@@ -194,6 +198,11 @@ def apply_off_policy_correction(
             rollout_log_probs, theta_log_probs, rollout_versions, theta_version=theta_version, prox_version=prox_version
         )
     old_log_probs = _old_log_probs(config, rollout_log_probs, recomputed_log_probs, approx)
+    if config.mode == "decoupled" and config.prox_log_probs == "previous":
+        if rollout_versions is None or trainer_version is None:
+            raise ValueError("prox_log_probs=previous needs the tokens' versions and the trainer version")
+        # tokens of version V are newer than pi_prox (V - 1): their own policy is their proximal one
+        old_log_probs = torch.where(rollout_versions >= trainer_version, rollout_log_probs, old_log_probs)
 
     valid = response_mask.bool()
     num_tokens = int(valid.sum())
@@ -359,9 +368,15 @@ class OffPolicyCorrector:
         c = self.config
         return (
             c.mode in ("none", "tis")
-            or (c.mode == "decoupled" and (c.prox_log_probs == "recompute" or c.prox_lag > 0))
+            or (c.mode == "decoupled" and (c.prox_log_probs in ("recompute", "previous") or c.prox_lag > 0))
             or self.measure_approximation
         )
+
+    @property
+    def uses_previous_weights(self) -> bool:
+        """Whether the log-probs `apply` needs are the trainer's under its weights before its last step
+        (prox_log_probs=previous), not its current ones."""
+        return self.config.mode == "decoupled" and self.config.prox_log_probs == "previous"
 
     def apply(
         self, data: DataProto, *, proximal_log_probs: torch.Tensor | None, trainer_version: float | None = None

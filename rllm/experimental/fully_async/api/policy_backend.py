@@ -25,9 +25,10 @@ class PolicyBackend(Protocol):
 
     world_size: int  # trainer ranks behind this backend (1: one process)
 
-    def compute_log_prob(self, data: Any) -> Any:
+    def compute_log_prob(self, data: Any, weights: str = "current") -> Any:
         """Log-probs of `responses` under the current policy, (batch, response_length), float32, on CPU.
-        Reads input_ids, attention_mask, position_ids, responses."""
+        Reads input_ids, attention_mask, position_ids, responses. `weights="previous"`: under the weights before the
+        last optimizer step (prox_log_probs=previous; FSDP backends built with keep_previous_weights)."""
         ...
 
     def update_policy(self, data: Any) -> dict[str, float]:

@@ -29,6 +29,12 @@ Memory (CUDA only; refused on CPU, where everything is in CPU memory already), a
 state between steps (verl's offload/load helpers around each call); `offload_policy` shards with FSDP2 and its
 `CPUOffloadPolicy` (also at world size 1), so parameters, gradients and the optimizer step live on the CPU.
 `model.enable_gradient_checkpointing` is applied to the module at every world size.
+
+Previous weights (`keep_previous_weights`, for the correction's prox_log_probs=previous): before each optimizer step
+the backend copies each rank's own parameters (its shard) to the CPU, and `compute_log_prob(data,
+weights="previous")` runs with that copy put in place of the parameters for the forward pass. Until the first step
+there is none, and the current weights answer. Checkpoints hold the copy (`previous_model` beside `model`), so a
+resumed run's next step uses the same proximal policy as the run that was not stopped.
 """
 
 from __future__ import annotations
@@ -166,6 +172,12 @@ def _shard_fsdp2(model: nn.Module, config: FSDPActorConfig, device_type: str) ->
     return model
 
 
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds of a parameter: its shard under FSDP2 (a DTensor), the parameter itself otherwise."""
+    to_local = getattr(param, "to_local", None)
+    return to_local() if to_local is not None else param
+
+
 def _with_resident(optimizer: bool) -> Any:
     """Decorate a backend method to run with its tensors on the device (`FSDPPolicyBackend._resident`)."""
 
@@ -191,6 +203,7 @@ class FSDPPolicyBackend:
         seed: int = 0,
         attn_implementation: str = "sdpa",
         enable_gradient_checkpointing: bool = False,
+        keep_previous_weights: bool = False,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -242,6 +255,8 @@ class FSDPPolicyBackend:
             # see the module docstring: CPU computes in the parameters' own dtype (autocast to fp32 is a no-op)
             self.actor.param_dtype = torch.float32
         self.optimizer_steps = 0  # steps actually taken; an all-masked batch takes none
+        self.keep_previous_weights = keep_previous_weights
+        self._previous_weights: list[torch.Tensor] | None = None  # this rank's parameters before the last step, CPU
         if self.offload_params:
             offload_fsdp_model_to_cpu(self.model)  # loaded back for each call (`_resident`)
         logger.info(
@@ -281,13 +296,18 @@ class FSDPPolicyBackend:
     # PPO
     # ------------------------------------------------------------------------------------------------------------
 
-    def compute_log_prob(self, data: DataProto) -> torch.Tensor:
+    def compute_log_prob(self, data: DataProto, weights: str = "current") -> torch.Tensor:
         """log pi(response token | prefix) at meta_info['temperature'], float32 [B, R] on CPU, without gradients.
 
         Needs batch keys input_ids, attention_mask, position_ids ([B, P+R]; prompts left-padded, responses
         right-padded) and responses ([B, R]). Micro-batching follows the actor config (ppo_infer_* keys, falling
-        back to the training ones).
+        back to the training ones). `weights`: "current", or "previous" (the weights before the last optimizer
+        step, the current ones before the first; needs `keep_previous_weights`).
         """
+        if weights not in ("current", "previous"):
+            raise ValueError(f"weights must be 'current' or 'previous', got {weights!r}")
+        if weights == "previous" and not self.keep_previous_weights:
+            raise ValueError("log-probs under the previous weights need a backend built with keep_previous_weights")
         require_batch_keys(data, LOG_PROB_KEYS, "compute_log_prob")
         cfg = self.config
         micro = cfg.ppo_infer_micro_batch_size_per_gpu or cfg.ppo_micro_batch_size_per_gpu or len(data)
@@ -298,7 +318,8 @@ class FSDPPolicyBackend:
             **data.meta_info,
         }
         view = DataProto(batch=data.batch.select(*LOG_PROB_KEYS), meta_info=meta)
-        with self._resident(optimizer=False), self._quiet_cpu_autocast():
+        swapped = self._previous_weights_in_place() if weights == "previous" else contextlib.nullcontext()
+        with self._resident(optimizer=False), self._quiet_cpu_autocast(), swapped:
             out = self.actor.compute_log_prob(view, calculate_entropy=False)
         return out["log_probs"].float().cpu()
 
@@ -317,6 +338,7 @@ class FSDPPolicyBackend:
         view = DataProto(batch=data.batch.select(*keys), meta_info=dict(data.meta_info))
         lr = float(self.lr_scheduler.get_last_lr()[0])
         with self._resident(optimizer=True), self._quiet_cpu_autocast():
+            before = self._parameters_on_cpu() if self.keep_previous_weights else None
             raw = self.actor.update_policy(view)
         metrics = {key: float(value) for key, value in reduce_metrics(raw).items()}
         # The patched actor leaves out grad_norm when it took no step; verl's _optimizer_step also skips the step
@@ -325,6 +347,8 @@ class FSDPPolicyBackend:
         if stepped:
             self.lr_scheduler.step()
             self.optimizer_steps += 1
+            if before is not None:
+                self._previous_weights = before
         metrics["actor/lr"] = lr
         metrics["actor/optimizer_step"] = float(stepped)
         return metrics
@@ -359,8 +383,10 @@ class FSDPPolicyBackend:
     def state_dict(self) -> dict[str, Any]:
         """Model, optimizer and LR-schedule state for a checkpoint (tensors on CPU).
 
-        World size 1: plain torch state dicts, loadable into a backend built from the same model and config.
-        World size > 1: full (unsharded) state dicts on rank 0, empty elsewhere; collective.
+        World size 1: plain torch state dicts, loadable into a backend built from the same model and config, and the
+        previous weights (a list in `parameters()` order, or None). World size > 1: full (unsharded) state dicts on
+        rank 0, empty elsewhere, without the previous weights (the run's checkpoints, `save_checkpoint`, hold them);
+        collective.
         """
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
@@ -370,11 +396,13 @@ class FSDPPolicyBackend:
         else:
             options = StateDictOptions(full_state_dict=True, cpu_offload=True)
             model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
+        previous = self._previous_weights if self.world_size == 1 else None
         return {
             "model": model_state,
             "optimizer": optim_state,
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "optimizer_steps": self.optimizer_steps,
+            "previous_weights": None if previous is None else [t.clone() for t in previous],
         }
 
     @_with_resident(optimizer=True)
@@ -396,6 +424,8 @@ class FSDPPolicyBackend:
             )
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.optimizer_steps = int(state["optimizer_steps"])
+        previous = state.get("previous_weights")
+        self._previous_weights = None if previous is None else [t.clone() for t in previous]
 
     @_with_resident(optimizer=True)
     def save_checkpoint(self, directory: str | os.PathLike[str]) -> None:
@@ -410,9 +440,16 @@ class FSDPPolicyBackend:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(directory))
+        state = {"model": model_state, "optimizer": optim_state}
+        if self._previous_weights is not None:
+            state["previous_model"] = self._previous_model_state()
+        dcp.save(state, checkpoint_id=str(directory))
         if self.rank == 0:
-            extra = {"lr_scheduler": self.lr_scheduler.state_dict(), "optimizer_steps": self.optimizer_steps}
+            extra = {
+                "lr_scheduler": self.lr_scheduler.state_dict(),
+                "optimizer_steps": self.optimizer_steps,
+                "previous_weights": self._previous_weights is not None,
+            }
             with open(Path(directory) / CHECKPOINT_EXTRA, "wb") as file:
                 torch.save(extra, file)
                 file.flush()
@@ -434,10 +471,18 @@ class FSDPPolicyBackend:
         # get_state_dict initialises AdamW's lazy state (a zero-lr step), so the moments have tensors to load into
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         state = {"model": model_state, "optimizer": optim_state}
-        dcp.load(state, checkpoint_id=str(directory))
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         # weights_only: the schedule's state is plain numbers and lists, and loading it must not run code
         extra = torch.load(Path(directory) / CHECKPOINT_EXTRA, map_location="cpu", weights_only=True)
+        if extra.get("previous_weights", False):
+            state["previous_model"] = self._previous_model_state()  # a template of the right shards to load into
+        dcp.load(state, checkpoint_id=str(directory))
+        self._previous_weights = None
+        if "previous_model" in state:
+            by_name = state["previous_model"]
+            self._previous_weights = [
+                _local(by_name[name]).detach().to("cpu", copy=True) for name, _ in self.model.named_parameters()
+            ]
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
         self.optimizer_steps = int(extra["optimizer_steps"])
 
@@ -465,6 +510,36 @@ class FSDPPolicyBackend:
                 offload_fsdp_model_to_cpu(self.model)
             if optimizer and self.offload_optimizer:
                 offload_fsdp_optimizer(self.optimizer)
+
+    def _previous_model_state(self) -> dict[str, torch.Tensor]:
+        """The previous weights (the current ones if there are none yet) as a model state dict of copies, sharded as
+        the parameters are: what `save_checkpoint` writes as `previous_model` and `load_checkpoint` reads into."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        with self._previous_weights_in_place():
+            return {name: tensor.detach().clone() for name, tensor in get_model_state_dict(self.model).items()}
+
+    def _parameters_on_cpu(self) -> list[torch.Tensor]:
+        """A copy of this rank's parameters (its shards), on the CPU, in `parameters()` order."""
+        return [_local(param).detach().to("cpu", copy=True) for param in self.model.parameters()]
+
+    @contextlib.contextmanager
+    def _previous_weights_in_place(self) -> Iterator[None]:
+        """The previous weights in the parameters for the block, the current ones back after (no copy before the
+        first step: the current weights are all there is)."""
+        if self._previous_weights is None:
+            yield
+            return
+        current = self._parameters_on_cpu()
+        with torch.no_grad():
+            for param, previous in zip(self.model.parameters(), self._previous_weights, strict=True):
+                _local(param).copy_(previous)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for param, kept in zip(self.model.parameters(), current, strict=True):
+                    _local(param).copy_(kept)
 
     @contextlib.contextmanager
     def _quiet_cpu_autocast(self) -> Iterator[None]:

@@ -244,10 +244,13 @@ class MegatronPolicyBackend:
     # PPO
     # ------------------------------------------------------------------------------------------------------------
 
-    def compute_log_prob(self, data: Any) -> torch.Tensor:
+    def compute_log_prob(self, data: Any, weights: str = "current") -> torch.Tensor:
         """log pi(response token | prefix) at meta_info['temperature'], float32 [B, R] on CPU (last PP stage;
-        broadcast by verl to every stage)."""
+        broadcast by verl to every stage). Only the current weights: this backend keeps no earlier ones."""
         from verl import DataProto
+
+        if weights != "current":
+            raise ValueError(f"the Megatron backend computes log-probs under its current weights only, not {weights!r}")
 
         require_batch_keys(data, LOG_PROB_KEYS, "compute_log_prob")
         rollout = self.config.rollout

@@ -70,6 +70,8 @@ def build_policy_backend(t: Any, correction: Any = None, ranks: dict | None = No
     from rllm.experimental.fully_async.run_spec import thaw
 
     actor_cfg = OmegaConf.create(thaw(t.actor))  # verl builds its own dataclasses from a mutable copy
+    # prox_log_probs=previous: the backend keeps its weights from before each step
+    keep_previous = correction is not None and correction.uses_previous_weights
     if correction is not None and correction.policy_loss_mode is not None:
         # decoupled PPO with the proximal policy from the update itself: its loss replaces verl's vanilla one
         actor_cfg.policy_loss.loss_mode = correction.policy_loss_mode
@@ -94,13 +96,18 @@ def build_policy_backend(t: Any, correction: Any = None, ranks: dict | None = No
             nnodes=t.nnodes,
             seed=t.seed,
             enable_gradient_checkpointing=t.enable_gradient_checkpointing,
+            keep_previous_weights=keep_previous,
             rank_options=ranks["options"] if ranks else None,
             rank_devices=ranks["devices"] if ranks else None,
         )
         # the ranks hold parameters in fsdp_config.model_dtype (verl's actor autocasts on GPU)
         return backend, str(model_dtype(build_actor_config(actor_cfg)))
     backend = FSDPPolicyBackend(
-        t.model_path, actor_cfg, seed=t.seed, enable_gradient_checkpointing=t.enable_gradient_checkpointing
+        t.model_path,
+        actor_cfg,
+        seed=t.seed,
+        enable_gradient_checkpointing=t.enable_gradient_checkpointing,
+        keep_previous_weights=keep_previous,
     )
     return backend, str(next(backend.model.parameters()).dtype)
 

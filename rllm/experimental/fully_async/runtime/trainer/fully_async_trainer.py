@@ -336,7 +336,11 @@ class FullyAsyncTrainer:
         s = self.settings
         behaviour = data.batch["rollout_log_probs"]
         if self.correction is not None:
-            proximal = self.backend.compute_log_prob(data) if self.correction.needs_recompute else None
+            proximal = None
+            if self.correction.uses_previous_weights:  # pi_prox: the weights before the last step
+                proximal = self.backend.compute_log_prob(data, weights="previous")
+            elif self.correction.needs_recompute:
+                proximal = self.backend.compute_log_prob(data)
             return self.correction.apply(data, proximal_log_probs=proximal, trainer_version=self.version)
         if s.compute_prox_log_prob or not s.use_rollout_log_probs:
             data.batch["old_log_probs"] = self.backend.compute_log_prob(data)

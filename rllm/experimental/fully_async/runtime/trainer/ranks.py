@@ -202,6 +202,7 @@ class DistributedPolicyBackend:
         seed: int = 0,
         attn_implementation: str = "sdpa",
         enable_gradient_checkpointing: bool = False,
+        keep_previous_weights: bool = False,
         call_timeout_s: float = CALL_TIMEOUT_S,
         setup_timeout_s: float = SETUP_TIMEOUT_S,
         rank_options: list[dict[str, Any]] | None = None,
@@ -246,6 +247,7 @@ class DistributedPolicyBackend:
             "seed": seed,
             "attn_implementation": attn_implementation,
             "enable_gradient_checkpointing": enable_gradient_checkpointing,
+            "keep_previous_weights": keep_previous_weights,
         }
         started = time.monotonic()
         refs = [
@@ -260,12 +262,13 @@ class DistributedPolicyBackend:
     # FSDPPolicyBackend's interface
     # ------------------------------------------------------------------------------------------------------------
 
-    def compute_log_prob(self, data: Any) -> Any:
-        """log-probs [B, R] float32 on CPU, rows in the batch's order (see FSDPPolicyBackend.compute_log_prob)."""
+    def compute_log_prob(self, data: Any, weights: str = "current") -> Any:
+        """log-probs [B, R] float32 on CPU, rows in the batch's order, under the current or the previous weights
+        (see FSDPPolicyBackend.compute_log_prob)."""
         import torch
 
         shards, parts, rows = split_by_tokens(data, self.world)
-        results = self._fan_out("compute_log_prob", [(shard,) for shard in shards])
+        results = self._fan_out("compute_log_prob", [(shard, weights) for shard in shards])
         out = torch.empty(sum(len(p) for p in parts), *results[0].shape[1:], dtype=results[0].dtype)
         for part, log_probs in zip(parts, results, strict=True):
             out[part] = log_probs
