@@ -81,6 +81,10 @@ def test_strategy_megatron_alone_selects_the_megatron_base(tmp_path):
         (("trainer.device=cpu",), "trainer.device=cuda"),
         (("trainer.n_gpus_per_node=2",), "one process"),
         (("algorithm.adv_estimator=gae",), "FSDP critic"),
+        (
+            ("algorithm.off_policy_correction={mode: decoupled, prox_log_probs: previous}",),
+            "prox_log_probs=previous",
+        ),
     ],
 )
 def test_megatron_config_refusals_are_one_line(overrides, named):

@@ -317,6 +317,48 @@ def test_loglinear_proximal_from_the_update_equals_recomputation(tiny_model_dir,
     assert loglinear_metrics["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-6)  # ratio against pi_prox is 1
 
 
+def test_a_previous_weights_proximal_policy_reaches_the_update_through_the_backend_the_trainer_actor_builds(
+    tiny_model_dir,
+):
+    """prox_log_probs=previous: the backend `build_policy_backend` makes for it keeps its weights from before each
+    step, and on the second step the proximal policy is the weights before the first: PPO's ratio against it is not
+    1 at the step (ppo_kl != 0), where a proximal policy recomputed at the step leaves it at 1 (ppo_kl 0)."""
+    from types import SimpleNamespace
+
+    from rllm.experimental.fully_async.algorithms.corrections import build_correction
+    from rllm.experimental.fully_async.runtime.trainer.actor import build_policy_backend
+
+    def two_steps(prox: str) -> tuple[FSDPPolicyBackend, dict]:
+        section = {"mode": "decoupled", "prox_log_probs": prox}
+        correction = build_correction(OmegaConf.create({"algorithm": {"off_policy_correction": section}}))
+        spec = SimpleNamespace(
+            model_path=str(tiny_model_dir),
+            actor=OmegaConf.to_container(_actor_cfg()),
+            strategy="fsdp2",
+            world_size=1,
+            seed=0,
+            enable_gradient_checkpointing=False,
+        )
+        backend, _ = build_policy_backend(spec, correction)
+        groups = _stale_groups(backend, seed=5) + _stale_groups(backend, seed=6)  # version 0: stale at step 2
+        trainer = FullyAsyncTrainer(
+            _settings(),
+            backend,
+            LocalRollouts(groups),
+            param_sync=None,
+            advantages=_advantages(),
+            correction=correction,
+        )
+        trainer.train_step()
+        return backend, trainer.train_step()
+
+    previous_backend, previous = two_steps("previous")
+    recompute_backend, recompute = two_steps("recompute")
+    assert previous_backend.keep_previous_weights and not recompute_backend.keep_previous_weights
+    assert recompute["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-7)
+    assert abs(previous["actor/ppo_kl"]) > 1e-5, previous["actor/ppo_kl"]
+
+
 def test_m2po_runs_in_verls_update_as_unclipped_importance_weighted_ppo_with_its_mask(tiny_model_dir):
     # Through the real actor update: with tau above every squared log-ratio nothing is masked and the step is verl's
     # PPO against the behaviour policy with the clip (and dual clip) out of reach; a tau that binds masks a share of

@@ -265,15 +265,6 @@ def build_run_spec(cfg: DictConfig) -> RunSpec:
         correction=correction_config_from(cfg),
         critic=_frozen(cfg.critic) if gae else None,
     )
-    if (
-        trainer.correction is not None
-        and trainer.correction.prox_log_probs == "previous"
-        and trainer.strategy == "megatron"
-    ):
-        raise ValueError(
-            "algorithm.off_policy_correction.prox_log_probs=previous needs the FSDP trainer (the Megatron backend "
-            "keeps no copy of its previous weights): use prox_log_probs=loglinear with prox_lag: 1"
-        )
     engines = engines_spec(cfg)
     param_sync = ParamSyncSpec(
         transport=str(cfg.param_sync.transport),

@@ -181,6 +181,12 @@ def _refuse_unsupported_megatron(cfg: DictConfig, *, check_host: bool) -> None:
         )
     if cfg.algorithm.adv_estimator == "gae":
         raise ConfigError("'algorithm.adv_estimator=gae' needs the FSDP critic: use strategy: fsdp2 for GAE")
+    correction = cfg.algorithm.get("off_policy_correction")
+    if correction is not None and correction.get("prox_log_probs") == "previous":
+        raise ConfigError(
+            "'algorithm.off_policy_correction.prox_log_probs=previous' needs the FSDP trainer (the Megatron backend "
+            "keeps no copy of its previous weights): use prox_log_probs: loglinear with prox_lag: 1, or strategy: fsdp2"
+        )
     megatron = cfg.actor_rollout_ref.actor.megatron
     for key in MEGATRON_PARALLEL_KEYS:
         value = megatron.get(key)
