@@ -102,6 +102,7 @@ def test_aborted_generation_is_resumed_across_a_weight_update_and_stitched(engin
             async with slowed_down(url):  # the sync must meet the requests mid-decode
                 task = asyncio.ensure_future(client.generate(prompt, LONG))
                 await wait_for_running(client, url, 1)
+                await wait_for_decode_passes(client, url, 3)  # some tokens of version 0
                 await sync_weights(client, url, path_b, "1")
             result = await asyncio.wait_for(task, 60)
             await load_weights(client, url, path_a, "0")  # restore for other tests
@@ -166,6 +167,7 @@ def test_a_batch_is_aborted_by_a_weight_update_and_each_prompt_is_resumed_on_its
                 task = asyncio.ensure_future(client.generate_batch(prompts, LONG, rids=["g/0", "g/1", "g/2"]))
                 await wait_for_running(client, url, 3)
                 assert client.in_flight() == {url: 3}, "a batch counts each of its prompts toward the engine's load"
+                await wait_for_decode_passes(client, url, 3)  # some tokens of version 0 each
                 await sync_weights(client, url, path_b, "1")
             results = await asyncio.wait_for(task, 60)
             after = await counts(client)

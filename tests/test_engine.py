@@ -68,6 +68,10 @@ def stats(url: str) -> dict:
     return httpx.get(f"{url}/get_server_info", timeout=10).json()["engine_stats"]
 
 
+def decode_passes(engine_stats: dict) -> int:
+    return engine_stats["forward_passes"] - engine_stats["prefill_passes"]
+
+
 async def generate_many(url: str, payloads: list[dict], timeout: float = 120.0) -> list[dict]:
     async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=256)) as http:
         responses = await asyncio.gather(*(http.post(f"{url}/generate", json=p) for p in payloads))
@@ -190,24 +194,33 @@ def test_pause_abort_returns_partial_output_and_holds_new_requests_until_continu
 
     async def scenario() -> None:
         async with httpx.AsyncClient(timeout=60) as http:
-            async with slowed_down(engine):  # the pause must meet the request mid-decode
-                first = asyncio.ensure_future(
+            try:
+                async with slowed_down(engine):  # the pause must meet the request mid-decode
+                    decoded = decode_passes(stats(engine))
+                    first = asyncio.ensure_future(
+                        http.post(f"{engine}/generate", json={"input_ids": [4, 5, 6], "sampling_params": long_params})
+                    )
+                    # running (admitted rows count before their prefill ends) and past its first token
+                    await asyncio.to_thread(
+                        wait_until,
+                        lambda: (s := stats(engine))["num_running"] == 1 and decode_passes(s) > decoded,
+                        30,
+                        "the request to decode",
+                    )
+                    await http.post(f"{engine}/pause_generation", json={"mode": "abort"})
+                partial = (await asyncio.wait_for(first, 30)).json()
+                assert partial["meta_info"]["finish_reason"]["type"] == "abort"
+                assert 0 < len(partial["output_ids"]) < 240
+
+                held = asyncio.ensure_future(
                     http.post(f"{engine}/generate", json={"input_ids": [4, 5, 6], "sampling_params": long_params})
                 )
-                await asyncio.to_thread(wait_until, lambda: stats(engine)["num_running"] == 1, 30, "the request to run")
-                await http.post(f"{engine}/pause_generation", json={"mode": "abort"})
-            partial = (await asyncio.wait_for(first, 30)).json()
-            assert partial["meta_info"]["finish_reason"]["type"] == "abort"
-            assert 0 < len(partial["output_ids"]) < 240
-
-            held = asyncio.ensure_future(
-                http.post(f"{engine}/generate", json={"input_ids": [4, 5, 6], "sampling_params": long_params})
-            )
-            await asyncio.to_thread(wait_until, lambda: stats(engine)["paused"] == "abort", 10, "pause")
-            done, _ = await asyncio.wait([held], timeout=0.5)
-            assert not done, "a request sent while paused must wait for /continue_generation"
-            assert stats(engine)["num_running"] == 0
-            await http.post(f"{engine}/continue_generation", json={})
+                await asyncio.to_thread(wait_until, lambda: stats(engine)["paused"] == "abort", 10, "pause")
+                done, _ = await asyncio.wait([held], timeout=0.5)
+                assert not done, "a request sent while paused must wait for /continue_generation"
+                assert stats(engine)["num_running"] == 0
+            finally:  # the engine is the module's: a failure here must not leave it paused for the next tests
+                await http.post(f"{engine}/continue_generation", json={})
             resumed = (await asyncio.wait_for(held, 30)).json()
             assert resumed["meta_info"]["finish_reason"]["type"] == "length"
             assert len(resumed["output_ids"]) == 240

@@ -13,7 +13,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from engine_helpers import engine_command, slowed_down, wait_for_engine_state, wait_for_running
+from engine_helpers import (
+    engine_command,
+    slowed_down,
+    wait_for_decode_passes,
+    wait_for_engine_state,
+    wait_for_running,
+)
 from omegaconf import OmegaConf
 from test_client import sync_weights
 
@@ -172,6 +178,7 @@ def test_waiting_queue_aborts_are_resumed_as_unstarted_pieces(standin, models):
                 # (sent together, either could reach the one running slot first).
                 tasks = [asyncio.ensure_future(client.generate([3], LONG))]
                 await wait_for_running(client, standin, 1)
+                await wait_for_decode_passes(client, standin, 1)  # some tokens of version 0
                 tasks.append(asyncio.ensure_future(client.generate([4], LONG)))
                 await wait_for_engine_state(client, standin, lambda s: s["num_waiting"] >= 1, "request waiting")
                 await sync_weights(client, standin, models["a"][0], "1")
@@ -211,6 +218,7 @@ def test_a_batch_answers_a_list_and_its_waiting_prompts_are_resumed_as_unstarted
                     lambda s: s["num_running"] >= 1 and s["num_waiting"] >= 1,
                     "one decoding, one waiting",
                 )
+                await wait_for_decode_passes(client, standin, 1)  # some tokens of version 0
                 await sync_weights(client, standin, models["a"][0], "1")
             results = await asyncio.wait_for(task, 60)
             await client.update_weight_version(standin, "0")

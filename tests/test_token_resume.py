@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from engine_helpers import slowed_down, wait_for_idle, wait_for_running
+from engine_helpers import slowed_down, wait_for_decode_passes, wait_for_idle, wait_for_running
 from workflow_helpers import Datum
 
 from rllm.experimental.fully_async.api.progress import (
@@ -104,7 +104,8 @@ async def checkpoint_mid_generation(service: RolloutService) -> tuple[dict, list
     await wait_for_idle(client, client.urls[0])  # so the requests counted next are this service's
     async with slowed_down(client.urls[0]):  # the checkpoint's pause must meet the samples mid-decode
         rollouts = asyncio.create_task(service.run())
-        await wait_for_running(client, client.urls[0], 4)  # decoding: each has its first tokens, none its last
+        await wait_for_running(client, client.urls[0], 4)
+        await wait_for_decode_passes(client, client.urls[0], 1)  # decoding: each has its first tokens, none its last
         state, queued = await service.collected_checkpoint_state()
     service.stop()
     await rollouts
