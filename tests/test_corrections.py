@@ -470,6 +470,21 @@ def _lagged_batch(versions: torch.Tensor, seed: int) -> tuple[DataProto, torch.T
     return data, behav, theta
 
 
+def _assert_proximal_and_weights(
+    data: DataProto, versions: torch.Tensor, behav: torch.Tensor, expected_prox, cap: float
+) -> None:
+    """Token by token: old_log_probs = expected_prox(row, column, version) and w = min(pi_prox / pi_behav, cap)."""
+    for i in range(versions.shape[0]):
+        for t in range(versions.shape[1]):
+            v = int(versions[i, t])
+            if v < 0:
+                continue
+            prox = expected_prox(i, t, v)
+            assert float(data.batch["old_log_probs"][i, t]) == pytest.approx(prox, abs=1e-6), (i, t)
+            weight = float(data.batch["rollout_is_weights"][i, t])
+            assert weight == pytest.approx(min(math.exp(prox - float(behav[i, t])), cap), rel=1e-5), (i, t)
+
+
 def test_a_lagged_proximal_policy_interpolates_older_tokens_like_a_hand_computation():
     # V = 5, L = 1: pi_prox is version 4. Tokens of versions 4 and 5 are no older than it (alpha 0: w = 1, clip
     # against pi_behav); a token of version v < 4 gets alpha = (4 - v) / (5 - v) of the way to pi_theta.
@@ -479,16 +494,12 @@ def test_a_lagged_proximal_policy_interpolates_older_tokens_like_a_hand_computat
     corrector = OffPolicyCorrector(config)
     assert corrector.needs_recompute and corrector.policy_loss_mode is None  # verl's vanilla loss, recomputed theta
     corrector.apply(data, proximal_log_probs=theta, trainer_version=5)
-    for i in range(2):
-        for t in range(4):
-            v = int(versions[i, t])
-            if v < 0:
-                continue
-            alpha = 0.0 if v >= 4 else (4 - v) / (5 - v)
-            prox = float(behav[i, t]) + alpha * (float(theta[i, t]) - float(behav[i, t]))
-            assert float(data.batch["old_log_probs"][i, t]) == pytest.approx(prox, abs=1e-6), (i, t)
-            weight = float(data.batch["rollout_is_weights"][i, t])
-            assert weight == pytest.approx(min(math.exp(prox - float(behav[i, t])), 10.0), rel=1e-5), (i, t)
+
+    def interpolated(i: int, t: int, v: int) -> float:
+        alpha = 0.0 if v >= 4 else (4 - v) / (5 - v)
+        return float(behav[i, t]) + alpha * (float(theta[i, t]) - float(behav[i, t]))
+
+    _assert_proximal_and_weights(data, versions, behav, interpolated, cap=10.0)
 
 
 def test_a_proximal_lag_covering_every_token_is_naive_ppo_against_the_behaviour_policy():
@@ -510,15 +521,9 @@ def test_the_previous_weights_proximal_policy_is_taken_as_given_except_for_token
     corrector = OffPolicyCorrector(CorrectionConfig(prox_log_probs="previous", cap=10.0))
     assert corrector.needs_recompute and corrector.uses_previous_weights and corrector.policy_loss_mode is None
     corrector.apply(data, proximal_log_probs=previous, trainer_version=5)
-    for i in range(2):
-        for t in range(4):
-            v = int(versions[i, t])
-            if v < 0:
-                continue
-            prox = float(behav[i, t]) if v == 5 else float(previous[i, t])
-            assert float(data.batch["old_log_probs"][i, t]) == pytest.approx(prox, abs=1e-7), (i, t)
-            weight = float(data.batch["rollout_is_weights"][i, t])
-            assert weight == pytest.approx(min(math.exp(prox - float(behav[i, t])), 10.0), rel=1e-5), (i, t)
+    _assert_proximal_and_weights(
+        data, versions, behav, lambda i, t, v: float(behav[i, t] if v == 5 else previous[i, t]), cap=10.0
+    )
     assert not OffPolicyCorrector(CorrectionConfig(prox_log_probs="loglinear", prox_lag=1)).uses_previous_weights
 
 
