@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from engine_helpers import wait_for_decoding
+from engine_helpers import slowed_down, wait_for_decoding
 
 from rllm.experimental.fully_async.algorithms.advantages import AdvantageConfig
 from rllm.experimental.fully_async.api.trajectory import TrajectoryGroup
@@ -372,7 +372,7 @@ def test_a_killed_engine_has_its_requests_resent_and_losing_the_last_engine_stop
 ):
     """SIGKILL one of two engines mid-generation: the client re-sends its requests to the other, nothing fails and
     groups keep coming. Then SIGKILL the other: run() raises EnginesExhaustedError instead of hanging."""
-    # ignore_eos: every request decodes 48 tokens, so requests are surely in flight when the engine dies.
+    # ignore_eos: every request decodes 48 tokens; the victim is slowed, so requests are surely in flight when it dies.
     workflow = SingleTurnWorkflow(compute_score, {"temperature": 1.0, "max_new_tokens": 48, "ignore_eos": True})
     with launcher(model_dir, 2, tmp_path / "engine_logs") as engines:
         victim, survivor = engines.processes
@@ -392,8 +392,9 @@ def test_a_killed_engine_has_its_requests_resent_and_losing_the_last_engine_stop
                 )
                 run = asyncio.create_task(executor.run())
                 try:
-                    await wait_for_decoding(real, victim.url)
-                    os.kill(victim.pid, signal.SIGKILL)
+                    async with slowed_down(victim.url):  # the kill must meet requests mid-decode (48 tokens: 0.05 s)
+                        await wait_for_decoding(real, victim.url)
+                        os.kill(victim.pid, signal.SIGKILL)
                     await queue.wait_for_total(queue.buffer.total_put + 8, RUN_TIMEOUT_S)
                     # The survivor served everything since the kill, the re-sent requests included.
                     assert real.alive_urls == [survivor.url]
