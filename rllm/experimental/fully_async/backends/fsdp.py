@@ -30,11 +30,10 @@ state between steps (verl's offload/load helpers around each call); `offload_pol
 `CPUOffloadPolicy` (also at world size 1), so parameters, gradients and the optimizer step live on the CPU.
 `model.enable_gradient_checkpointing` is applied to the module at every world size.
 
-Previous weights (`keep_previous_weights`, for the correction's prox_log_probs=previous): before each optimizer step
-the backend copies each rank's own parameters (its shard) to the CPU, and `compute_log_prob(data,
-weights="previous")` runs with that copy put in place of the parameters for the forward pass. Until the first step
-there is none, and the current weights answer. Checkpoints hold the copy (`previous_model` beside `model`), so a
-resumed run's next step uses the same proximal policy as the run that was not stopped.
+Previous weights (`keep_previous_weights`, for the correction's prox_log_probs=previous; `previous_weights.py`):
+before each optimizer step the backend copies each rank's own parameters to the CPU, and `compute_log_prob(data,
+weights="previous")` runs with that copy in place. Checkpoints hold it (`previous_model` beside `model`), so a resumed
+run's next step uses the same proximal policy as the run that was not stopped.
 """
 
 from __future__ import annotations
@@ -75,6 +74,7 @@ from rllm.experimental.fully_async.backends import (
     require_batch_keys,
     to_cpu,
 )
+from rllm.experimental.fully_async.backends.previous_weights import PreviousWeights, local_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -172,12 +172,6 @@ def _shard_fsdp2(model: nn.Module, config: FSDPActorConfig, device_type: str) ->
     return model
 
 
-def _local(param: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank holds of a parameter: its shard under FSDP2 (a DTensor), the parameter itself otherwise."""
-    to_local = getattr(param, "to_local", None)
-    return to_local() if to_local is not None else param
-
-
 def _with_resident(optimizer: bool) -> Any:
     """Decorate a backend method to run with its tensors on the device (`FSDPPolicyBackend._resident`)."""
 
@@ -256,7 +250,7 @@ class FSDPPolicyBackend:
             self.actor.param_dtype = torch.float32
         self.optimizer_steps = 0  # steps actually taken; an all-masked batch takes none
         self.keep_previous_weights = keep_previous_weights
-        self._previous_weights: list[torch.Tensor] | None = None  # this rank's parameters before the last step, CPU
+        self.previous_weights = PreviousWeights(self.model)
         if self.offload_params:
             offload_fsdp_model_to_cpu(self.model)  # loaded back for each call (`_resident`)
         logger.info(
@@ -274,7 +268,7 @@ class FSDPPolicyBackend:
         from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
         param = next(self.model.parameters())
-        local = param.to_local() if hasattr(param, "to_local") else param
+        local = local_tensor(param)
         facts: dict[str, Any] = {
             "param_dtype": str(param.dtype).removeprefix("torch."),
             "param_device": local.device.type,
@@ -318,7 +312,7 @@ class FSDPPolicyBackend:
             **data.meta_info,
         }
         view = DataProto(batch=data.batch.select(*LOG_PROB_KEYS), meta_info=meta)
-        swapped = self._previous_weights_in_place() if weights == "previous" else contextlib.nullcontext()
+        swapped = self.previous_weights.in_place() if weights == "previous" else contextlib.nullcontext()
         with self._resident(optimizer=False), self._quiet_cpu_autocast(), swapped:
             out = self.actor.compute_log_prob(view, calculate_entropy=False)
         return out["log_probs"].float().cpu()
@@ -338,7 +332,7 @@ class FSDPPolicyBackend:
         view = DataProto(batch=data.batch.select(*keys), meta_info=dict(data.meta_info))
         lr = float(self.lr_scheduler.get_last_lr()[0])
         with self._resident(optimizer=True), self._quiet_cpu_autocast():
-            before = self._parameters_on_cpu() if self.keep_previous_weights else None
+            before = self.previous_weights.snapshot() if self.keep_previous_weights else None
             raw = self.actor.update_policy(view)
         metrics = {key: float(value) for key, value in reduce_metrics(raw).items()}
         # The patched actor leaves out grad_norm when it took no step; verl's _optimizer_step also skips the step
@@ -348,7 +342,7 @@ class FSDPPolicyBackend:
             self.lr_scheduler.step()
             self.optimizer_steps += 1
             if before is not None:
-                self._previous_weights = before
+                self.previous_weights.keep(before)
         metrics["actor/lr"] = lr
         metrics["actor/optimizer_step"] = float(stepped)
         return metrics
@@ -396,7 +390,7 @@ class FSDPPolicyBackend:
         else:
             options = StateDictOptions(full_state_dict=True, cpu_offload=True)
             model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
-        previous = self._previous_weights if self.world_size == 1 else None
+        previous = self.previous_weights.tensors if self.world_size == 1 else None
         return {
             "model": model_state,
             "optimizer": optim_state,
@@ -425,7 +419,7 @@ class FSDPPolicyBackend:
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.optimizer_steps = int(state["optimizer_steps"])
         previous = state.get("previous_weights")
-        self._previous_weights = None if previous is None else [t.clone() for t in previous]
+        self.previous_weights.keep(None if previous is None else [t.clone() for t in previous])
 
     @_with_resident(optimizer=True)
     def save_checkpoint(self, directory: str | os.PathLike[str]) -> None:
@@ -441,14 +435,14 @@ class FSDPPolicyBackend:
 
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         state = {"model": model_state, "optimizer": optim_state}
-        if self._previous_weights is not None:
-            state["previous_model"] = self._previous_model_state()
+        if self.previous_weights.tensors is not None:
+            state["previous_model"] = self.previous_weights.model_state()
         dcp.save(state, checkpoint_id=str(directory))
         if self.rank == 0:
             extra = {
                 "lr_scheduler": self.lr_scheduler.state_dict(),
                 "optimizer_steps": self.optimizer_steps,
-                "previous_weights": self._previous_weights is not None,
+                "previous_weights": self.previous_weights.tensors is not None,
             }
             with open(Path(directory) / CHECKPOINT_EXTRA, "wb") as file:
                 torch.save(extra, file)
@@ -474,14 +468,11 @@ class FSDPPolicyBackend:
         # weights_only: the schedule's state is plain numbers and lists, and loading it must not run code
         extra = torch.load(Path(directory) / CHECKPOINT_EXTRA, map_location="cpu", weights_only=True)
         if extra.get("previous_weights", False):
-            state["previous_model"] = self._previous_model_state()  # a template of the right shards to load into
+            state["previous_model"] = self.previous_weights.model_state()  # a template of the shards to load into
         dcp.load(state, checkpoint_id=str(directory))
-        self._previous_weights = None
+        self.previous_weights.keep(None)
         if "previous_model" in state:
-            by_name = state["previous_model"]
-            self._previous_weights = [
-                _local(by_name[name]).detach().to("cpu", copy=True) for name, _ in self.model.named_parameters()
-            ]
+            self.previous_weights.keep_model_state(state["previous_model"])
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
         self.optimizer_steps = int(extra["optimizer_steps"])
@@ -510,36 +501,6 @@ class FSDPPolicyBackend:
                 offload_fsdp_model_to_cpu(self.model)
             if optimizer and self.offload_optimizer:
                 offload_fsdp_optimizer(self.optimizer)
-
-    def _previous_model_state(self) -> dict[str, torch.Tensor]:
-        """The previous weights (the current ones if there are none yet) as a model state dict of copies, sharded as
-        the parameters are: what `save_checkpoint` writes as `previous_model` and `load_checkpoint` reads into."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        with self._previous_weights_in_place():
-            return {name: tensor.detach().clone() for name, tensor in get_model_state_dict(self.model).items()}
-
-    def _parameters_on_cpu(self) -> list[torch.Tensor]:
-        """A copy of this rank's parameters (its shards), on the CPU, in `parameters()` order."""
-        return [_local(param).detach().to("cpu", copy=True) for param in self.model.parameters()]
-
-    @contextlib.contextmanager
-    def _previous_weights_in_place(self) -> Iterator[None]:
-        """The previous weights in the parameters for the block, the current ones back after (no copy before the
-        first step: the current weights are all there is)."""
-        if self._previous_weights is None:
-            yield
-            return
-        current = self._parameters_on_cpu()
-        with torch.no_grad():
-            for param, previous in zip(self.model.parameters(), self._previous_weights, strict=True):
-                _local(param).copy_(previous)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for param, kept in zip(self.model.parameters(), current, strict=True):
-                    _local(param).copy_(kept)
 
     @contextlib.contextmanager
     def _quiet_cpu_autocast(self) -> Iterator[None]:
