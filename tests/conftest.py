@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 from pathlib import Path
 
 import pytest
+from model_helpers import build_tiny_qwen2
+from run_helpers import QUICK_WARMUP_STEPS
 
 # Ray binds the network interface unless told otherwise; tests must stay on loopback (ENVIRONMENT.md).
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -34,10 +35,6 @@ def _sigterm_unwinds_like_ctrl_c(signum: int, frame: object) -> None:
 
 signal.signal(signal.SIGTERM, _sigterm_unwinds_like_ctrl_c)
 
-TINY_VOCAB_SIZE = 32
-TINY_EOS_TOKEN_ID = 1
-TINY_PAD_TOKEN_ID = 0
-
 
 @pytest.fixture(scope="session")
 def ray_session():
@@ -62,30 +59,6 @@ def ray_session():
         yield ray
 
 
-def build_tiny_qwen2(path: Path, seed: int = 0) -> Path:
-    """Write a random-init Qwen2 (hidden 64, 2 layers, vocab 32) as an HF safetensors folder."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=TINY_VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        eos_token_id=TINY_EOS_TOKEN_ID,
-        pad_token_id=TINY_PAD_TOKEN_ID,
-        bos_token_id=None,
-    )
-    model = Qwen2ForCausalLM(config)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
-
-
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny random Qwen2 model folder shared by the whole session (read-only: copy before changing)."""
@@ -105,9 +78,6 @@ def addition_cache(tmp_path_factory) -> Path:
     return cache
 
 
-QUICK_WARMUP_STEPS = 60
-
-
 @pytest.fixture(scope="session")
 def number_line_cache(tmp_path_factory) -> Path:
     """A task cache holding the number-line agent task with the same short warm-up, built once per session."""
@@ -116,36 +86,6 @@ def number_line_cache(tmp_path_factory) -> Path:
     cache = tmp_path_factory.mktemp("number_line_cache")
     prepare_number_line_assets(cache, seed=0, warmup_steps=QUICK_WARMUP_STEPS)
     return cache
-
-
-def addition_run_command(run_dir: Path, addition_cache: Path, *overrides: str) -> list[str]:
-    """The CLI on the addition task from the session's cache (quick warm-up), writing to `run_dir`."""
-    return [
-        sys.executable,
-        "-m",
-        "rllm.experimental.fully_async",
-        f"run.dir={run_dir}",
-        f"task.cache_dir={addition_cache}",
-        f"task.warmup_steps={QUICK_WARMUP_STEPS}",  # a weaker model than the default's, still a real task
-        *overrides,
-    ]
-
-
-def leftover_processes(driver_pid: int, model_marker: str) -> list[str]:
-    """Processes a finished run left behind: engines serving `model_marker`, Ray daemons of the driver's session.
-
-    Ray names its session folder after the driver's pid (`/tmp/ray/session_<time>_<pid>/`).
-    """
-    import psutil
-
-    found = []
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        cmdline = " ".join(proc.info["cmdline"] or [])
-        engine = "engines.embedded.server" in cmdline and model_marker in cmdline
-        ray_daemon = "/tmp/ray/session_" in cmdline and f"_{driver_pid}/" in cmdline
-        if engine or ray_daemon:
-            found.append(cmdline[:200])
-    return found
 
 
 @pytest.fixture(scope="session")

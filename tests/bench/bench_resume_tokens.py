@@ -5,7 +5,7 @@
 
 For each config (`default`: the embedded default, `config/tiny_cpu.yaml`; `default-long`: the same with long
 generations, 40 tokens with EOS ignored and two requests at a time per engine, so that generation is slower than
-training, as in tests/test_resume.py's SIGKILL test; `agent`: `config/agent_cpu.yaml`), one run
+training, as in tests/e2e/test_resume.py's SIGKILL test; `agent`: `config/agent_cpu.yaml`), one run
 with a checkpoint every `--save-freq` steps (neither config saves mid-run as shipped: verl's `trainer.save_freq`
 is -1) and no validation (`trainer.test_freq=0 trainer.val_before_train=false`: it does not change what is in
 flight). The run is SIGKILLed, driver and everything it started, at `--crashes` random moments: each time a step

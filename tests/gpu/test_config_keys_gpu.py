@@ -1,7 +1,8 @@
-"""The verl keys only CUDA can show, each with its effect observed (tests/test_config_keys.py refuses them on CPU).
+"""The verl keys only CUDA can show, each with its effect observed (tests/settings/test_config_keys.py refuses them
+on CPU).
 
 Skipped without CUDA. Each test loads a config with the key set, builds the policy as the trainer does
-(`build_policy_backend`, through tests/config_effects.py) and looks at what was built or what one update did:
+(`build_policy_backend`, through tests/helpers/config_effects.py) and looks at what was built or what one update did:
 - `fsdp_config.dtype`: the dtype verl's actor autocasts to, and the dtype the logits really have in a forward;
 - `fsdp_config.param_offload`: parameters on the CPU between calls, on the GPU inside them, the same step;
 - `fsdp_config.optimizer_offload`: Adam's moments on the CPU after a step, the same step;

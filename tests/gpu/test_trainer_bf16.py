@@ -2,8 +2,8 @@
 
 Two FSDPPolicyBackends (backends/fsdp.py, through the patched verl actor) on the same GPU from the same weights
 take one update_policy step on the same batch, one under verl's bf16 autocast over fp32 parameters, one in fp32.
-The comparison is tests/update_precision.py's, proven on CPU (with CPU bf16 autocast) by
-tests/test_update_precision.py: the whole update's relative error, and each tensor's gradient with an absolute
+The comparison is tests/helpers/update_precision.py's, proven on CPU (with CPU bf16 autocast) by
+tests/backends/test_update_precision.py: the whole update's relative error, and each tensor's gradient with an absolute
 floor, so a bias whose gradient is nearly zero (which AdamW's first step still moves by ~lr with a noisy sign)
 does not fail on rounding noise.
 """

@@ -26,7 +26,7 @@ def _batch(seed: int, backend) -> object:
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs CUDA (2 devices)")
 def test_two_nccl_ranks_take_the_step_of_one_rank(ray_session, tiny_model_dir):
-    from test_fsdp_backend import actor_cfg
+    from backend_helpers import actor_cfg
 
     from rllm.experimental.fully_async.backends.fsdp import FSDPPolicyBackend
     from rllm.experimental.fully_async.runtime.trainer.ranks import DistributedPolicyBackend

@@ -25,7 +25,7 @@ Order of the stages in `filter_groups` (each sees only what the previous one kep
 
 Over-sampling needs no arithmetic of its own: a group the filter drops frees its slot in the staleness budget at
 once (`core/staleness.py`, `on_finish(accepted=False)`), so the executor starts a replacement and batches stay full
-(tests/test_rollout_service.py shows it with the zero-variance filter).
+(tests/runtime/test_rollout_service.py shows it with the zero-variance filter).
 """
 
 from __future__ import annotations

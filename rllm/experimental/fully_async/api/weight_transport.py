@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 # The engine client a transport is given: engines/client.py's `EngineClient` (its weight-update calls, by URL).
-# Typed loosely here because api/ sits below engines/ (tests/test_layers.py); implementations name the class.
+# Typed loosely here because api/ sits below engines/ (tests/project/test_layers.py); implementations name the class.
 EngineClient = Any
 
 

@@ -26,7 +26,7 @@ under the old η and reaches the trainer over the next η versions, so the rule 
 `raise_after` clear windows. Why a dead band: the statistics grow with the staleness η allows, so a rule that raised
 as soon as they were inside would overshoot: the groups admitted under the higher η keep it (core/staleness.py,
 `StalenessBounds`) and keep the statistics outside while they are trained, so η swings from its top to its floor
-and back (simulated in tests/test_adaptive_staleness.py); with m = 0.5 η rises only while the statistics are at
+and back (simulated in tests/core/test_adaptive_staleness.py); with m = 0.5 η rises only while the statistics are at
 most half their limits. Why per sync: η only changes what the rollout service admits, and the service learns the
 new η with the trainer's next request (with the new version), so deciding more often than versions change is moot.
 Why raise only while the trainer waits: a higher η lets more rollouts run ahead of the trainer, which buys

@@ -13,7 +13,7 @@ run that silently does something else. The tables:
 
 `refuse_unread_verl_keys` compares the merged config with the defaults (verl's plus `FULLY_ASYNC_VERL_DEFAULTS`)
 and refuses the first key that differs and is not read, in one line. Each read key's effect is observed in
-tests/test_config_keys.py (on CPU) or tests/gpu/test_config_keys_gpu.py (the CUDA-only ones).
+tests/settings/test_config_keys.py (on CPU) or tests/gpu/test_config_keys_gpu.py (the CUDA-only ones).
 """
 
 from __future__ import annotations

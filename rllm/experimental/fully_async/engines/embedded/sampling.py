@@ -22,8 +22,8 @@ SGLang 0.5.6 draws a seeded request differently (`multinomial_with_seed`, layers
 hashed from seed, position and column), and that rule is not a sampler of the distribution: the noise of the
 columns is the same hash XOR-ed with a per-column constant, so it is correlated, and the draws are biased
 (probabilities [0.5, 0.3, 0.2] come out as [0.47, 0.50, 0.03]; on a random 1000-token softmax the total-variation
-distance over 20,000 draws is 0.21 where sampling noise alone is 0.04; tests/test_sampling_seed.py). The engine's
-rollout log-probs then describe a policy other than the one that drew the tokens. The embedded engine therefore
+distance over 20,000 draws is 0.21 where sampling noise alone is 0.04; tests/engines/test_sampling_seed.py). The
+engine's rollout log-probs then describe a policy other than the one that drew the tokens. The embedded engine therefore
 draws exactly; the SGLang stand-in
 (`seeded_rule="sglang-0.5.6"`, `sglang_seeded_choice`) reproduces SGLang's rule, quirk included. SGLang reads the
 seed only with `--enable-deterministic-inference` (default 42 there, for every request); the embedded engine honours

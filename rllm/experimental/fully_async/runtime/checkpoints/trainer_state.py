@@ -21,7 +21,8 @@ DCP reshards cleanly in both directions.
 
 Resuming at another world size (trainer.n_gpus_per_node x trainer.nnodes changed, which the run-dir check allows):
 DCP reads the shards onto the new ranks through FSDP2's get/set_state_dict (2 -> 1 and 1 -> 2 are tested in
-tests/test_trainer_ranks.py); the step's math does not depend on the world size (token-balanced split, whole-batch
+tests/runtime/test_trainer_ranks.py); the step's math does not depend on the world size (token-balanced split,
+whole-batch
 token mean). Checkpoints of the first format (format_version 1: the full state in trainer.pt, gathered on rank 0
 when N > 1) still load where the full state fits: world size 1 into 1, and a gathered state into any N > 1
 (broadcast from rank 0); between 1 and N > 1 they are refused in one line naming both world sizes.

@@ -1,6 +1,6 @@
 """Ray's lifetime inside a run: a start-up that no interrupt cuts in half, and a stop that leaves no Ray process.
 
-Two facts about Ray 2.60 shape it (tests/test_startup_stop.py provokes both):
+Two facts about Ray 2.60 shape it (tests/e2e/test_startup_stop.py provokes both):
 
 - **An interrupt inside `ray.init` can crash the driver at exit.** Ray's `ray.init` installs a SIGTERM handler
   that calls `sys.exit` wherever the main thread is. A SIGTERM that lands inside `CoreWorker.__cinit__` (the C++

@@ -1,0 +1,177 @@
+"""rLLM-style rollout functions trained end to end through the CLI (`workflow.path=... workflow.name=...`), as
+examples/agents/rllm_number_line.yaml plugs one in:
+
+- a DAPO-style math function (tests/fixtures/rllm_programs/dapo_math.py) passing `apply_chat_template(...,
+  tokenize=True)` straight to `client.generate` (a BatchEncoding under transformers 5), unbatched and in the
+  batched-datum form, on the addition task;
+- a multi-turn tool agent shaped like rLLM's deepresearch search agent (tests/fixtures/rllm_programs/tool_agent.py)
+  on the tool world (tests/helpers/rllm_tool_world.py): chat_completion with `tools=`, tool calls parsed and executed,
+  tool messages rendered back, several sequences per trajectory.
+
+Checked from the runs' own records (metrics, trajectory dumps, the tool's call log): every step trained, rewards
+1 exactly where the answer is right, the tool really called with the arguments the model wrote and its result in
+the next turn's prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rllm.rewards.reward_types import RewardConfig
+from rllm.rewards.search_reward import RewardSearchFn
+
+REPO = Path(__file__).resolve().parents[2]
+PROGRAMS = Path(__file__).resolve().parents[1] / "fixtures" / "rllm_programs"
+STEPS = 3
+ADDITION_WARMUP_STEPS = 340  # the default config's
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def _train(command: list[str], root: Path, env: dict[str, str] | None = None) -> tuple[int, str, list[dict]]:
+    env = dict(os.environ, RLLM_LOG_LEVEL="WARNING", PYTHONPATH=str(REPO), **(env or {}))
+    proc = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=840)
+    metrics = root / "run" / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    return proc.returncode, proc.stdout + proc.stderr, rows
+
+
+def _dumped(directory: Path) -> list[dict]:
+    return [json.loads(line) for p in sorted(directory.glob("*.jsonl")) for line in p.read_text().splitlines()]
+
+
+COMMON = [
+    f"trainer.total_training_steps={STEPS}",
+    "trainer.test_freq=100",
+    "trainer.val_before_train=false",
+    "async_training.required_samples=8",
+    "actor_rollout_ref.rollout.n=4",
+    "engines.num_engines=1",
+]
+
+
+@pytest.fixture(scope="module")
+def addition_default(tmp_path_factory) -> Path:
+    """The addition task with the default config's warm-up (~44% held out): some sums come out right."""
+    from rllm.experimental.fully_async.tasks.addition import prepare_addition_assets
+
+    cache = tmp_path_factory.mktemp("addition_default")
+    prepare_addition_assets(cache, seed=0, warmup_steps=ADDITION_WARMUP_STEPS)
+    return cache
+
+
+@pytest.mark.parametrize(("name", "batched"), [("rollout_fn", "false"), ("rollout_fn_batched", "true")])
+def test_a_dapo_style_function_trains_with_tokenize_true_ids(tmp_path, addition_default, name, batched):
+    command = [
+        sys.executable,
+        "-m",
+        "rllm.experimental.fully_async",
+        f"run.dir={tmp_path / 'run'}",
+        f"task.cache_dir={addition_default}",
+        f"task.warmup_steps={ADDITION_WARMUP_STEPS}",
+        *COMMON,
+        f"workflow.path={PROGRAMS / 'dapo_math.py'}",
+        f"workflow.name={name}",
+        f"workflow.rllm_batched={batched}",
+        f"trainer.rollout_data_dir={tmp_path / 'dumps'}",
+    ]
+    code, output, rows = _train(command, tmp_path)
+    assert code == 0, output[-3000:]
+    assert len([r for r in rows if "trainer/step" in r]) == STEPS
+    records = _dumped(tmp_path / "dumps")
+    assert records and all(r["status"] == "ok" for r in records)
+    for record in records:
+        (seq,) = record["sequences"]
+        # The ids the function rendered with tokenize=True reached the engine as the prompt "ab+cd=".
+        assert len(seq["prompt_ids"]) == 6 and seq["prompt_text"][2] == "+" and seq["prompt_text"][5] == "="
+        a, b = int(seq["prompt_text"][:2]), int(seq["prompt_text"][3:5])
+        answer = "".join(seq["response_tokens"]).split("<eos>")[0]
+        right = answer == f"{a + b:03d}"
+        assert record["metadata"]["rllm"]["is_correct"] == right
+        assert record["reward"] == 1.0 if right else record["reward"] <= 0.0, (answer, a + b, record["reward"])
+    assert any(r["metadata"]["rllm"]["is_correct"] for r in records), "the warmed-up model answers some sums right"
+
+
+@pytest.fixture(scope="module")
+def tool_world(tmp_path_factory) -> tuple[Path, Path, Path]:
+    from rllm_tool_world import prepare
+
+    return prepare(tmp_path_factory.mktemp("tool_world"))
+
+
+def test_a_deepresearch_shaped_tool_agent_calls_its_tool_and_trains(tmp_path, tool_world):
+    from rllm_tool_world import EOS, build_tokenizer
+
+    model_dir, train, val = tool_world
+    log = tmp_path / "tool_calls.jsonl"
+    command = [
+        sys.executable,
+        "-m",
+        "rllm.experimental.fully_async",
+        f"run.dir={tmp_path / 'run'}",
+        "task.name=null",
+        f"actor_rollout_ref.model.path={model_dir}",
+        f"data.train_files={train}",
+        f"data.val_files={val}",
+        "data.max_prompt_length=64",
+        "data.max_response_length=40",
+        f"workflow.path={PROGRAMS / 'tool_agent.py'}",
+        "workflow.name=rollout_fn",
+        f"trainer.rollout_data_dir={tmp_path / 'dumps'}",
+        *COMMON,
+    ]
+    code, output, rows = _train(command, tmp_path, {"RLLM_TEST_TOOL_LOG": str(log)})
+    assert code == 0, output[-3000:]
+    assert len([r for r in rows if "trainer/step" in r]) == STEPS
+    records = [r for r in _dumped(tmp_path / "dumps") if r["status"] == "ok"]
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert calls and all(c["result"] == str(c["a"] * c["b"]) for c in calls)
+    assert {c["pid"] for c in calls} != {os.getpid()}  # it ran in the rollout service, not here
+    tok = build_tokenizer()
+    called = [r for r in records if r["metadata"]["rllm"]["total_tool_calls"] > 0]
+    assert called, "no trained episode called the tool"
+    canonical_replies = 0
+    for record in called:
+        if record["metadata"]["rllm"]["overlong"]:
+            # The agent's rule (deepresearch's): an episode cut short (here: a long tool error left no room under
+            # the client's max_tokens, so chat_completion raised) trains none of its tokens.
+            assert not any(m for seq in record["sequences"] for m in seq["loss_mask"])
+            continue
+        first, second = record["sequences"][:2]
+        # The model's call, parsed and executed: the next turn's prompt is this turn's conversation, then the tool's
+        # result. chat_completion re-renders the messages each turn (as rLLM's client does): a reply that is one
+        # well-formed call, spelled as the tokenizer spells it, comes back token for token; anything else (a sampled
+        # model now and then writes a stray "</tool_call>" after its call, or spells a piece byte by byte) comes
+        # back as the template renders the parsed message.
+        assert second["prompt_ids"][: len(first["prompt_ids"])] == first["prompt_ids"]
+        reply = tok.decode(first["response_ids"], skip_special_tokens=False)
+        one_call = re.fullmatch(r"<tool_call>[^<]*</tool_call>" + re.escape(EOS), reply) is not None
+        if one_call and tok.encode(reply, add_special_tokens=False) == first["response_ids"]:
+            canonical_replies += 1
+            assert second["prompt_ids"][: len(first["prompt_ids"]) + len(first["response_ids"])] == (
+                first["prompt_ids"] + first["response_ids"]
+            )
+        call_text = tok.decode(first["response_ids"], skip_special_tokens=True)
+        args = json.loads(call_text.split("<tool_call>")[1].split("</tool_call>")[0])["arguments"]
+        valid = set(args) == {"a", "b"} and all(type(v) is int for v in args.values())  # the tool's own rule
+        result = str(args["a"] * args["b"]) if valid else "Error:"
+        assert f"<tool_response>{result}" in second["prompt_text"]
+        assert any(second["loss_mask"])  # the answer turn is trained
+    for record in records:
+        question = record["sequences"][0]["prompt_text"].split("user\n")[1].split("<|im_end|>")[0]
+        a, b = (int(x) for x in question.split("*"))
+        answer = record["metadata"]["rllm"]["final_answer"]
+        # deepresearch's reward is the token F1 of the answer (RewardSearchFn's f1_score): "6, b: 2" against 6 is 0.5.
+        f1, _, _ = RewardSearchFn(RewardConfig()).f1_score(answer or "", str(a * b))
+        assert record["reward"] == pytest.approx(f1), (answer, a * b, record["reward"])
+    assert any(r["reward"] == 1.0 for r in called), "no episode copied the tool's result into its answer"
+    assert canonical_replies, (
+        "no tool-calling reply was spelled as the tokenizer spells it: nothing compared token for token"
+    )
+    assert any(len(r["sequences"]) >= 2 for r in records)  # several sequences (training rows) per trajectory

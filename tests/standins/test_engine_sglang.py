@@ -1,0 +1,393 @@
+"""SGLang 0.5.6 fidelity: the stand-in's quirks (as read from SGLang's source), the launcher's flags built from the
+config, the per-run API key, and a schema check of every flag and JSON key against the wheel's own source text."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import httpx
+import pytest
+from engine_helpers import (
+    engine_command,
+    slowed_down,
+    sync_weights,
+    wait_for_decode_passes,
+    wait_for_engine_state,
+    wait_for_running,
+)
+from omegaconf import OmegaConf
+
+from rllm.experimental.fully_async.engines import EngineLauncher, SGLangEngineCommand
+from rllm.experimental.fully_async.engines.client import EngineClient, EngineHTTPError, GenerationResult
+from rllm.experimental.fully_async.engines.from_config import api_key_for, engine_launcher, sglang_extra_args
+from rllm.experimental.fully_async.engines.http import EngineHTTP
+from rllm.experimental.fully_async.run_spec import EnginesSpec, engines_spec
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
+
+KEY = "secret-test-key"
+LONG = {"temperature": 1.0, "max_new_tokens": 150, "ignore_eos": True}
+SGLANG_PAUSE_POLL_S = 1.0  # tokenizer_manager.pause_generation's sleep between lock checks (0.5.6, lines 1264-1277)
+
+
+@pytest.fixture(scope="module")
+def standin(models, tmp_path_factory):
+    """One SGLang stand-in decoding one request at a time (so a second one waits in the queue), with an API key."""
+    cmd = engine_command("sglang_standin", models["a"][0], max_running_requests=1, api_key=KEY)
+    with EngineLauncher(cmd, 1, log_dir=tmp_path_factory.mktemp("standin_logs")) as launcher:
+        yield launcher.urls[0]
+
+
+def auth(key: str = KEY) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_calls_without_the_api_key_are_refused_except_health(standin):
+    assert httpx.get(f"{standin}/health").status_code == 200
+    refused = httpx.get(f"{standin}/get_weight_version")
+    assert refused.status_code == 401 and refused.json() == {"error": "Unauthorized"}
+    assert httpx.get(f"{standin}/get_weight_version", headers=auth("wrong")).status_code == 401
+    assert httpx.get(f"{standin}/get_weight_version", headers=auth()).json() == {"weight_version": "0"}
+
+    async def run() -> None:
+        async with EngineClient([standin]) as client:
+            with pytest.raises(EngineHTTPError) as err:
+                await client.generate([3], {"max_new_tokens": 2})
+            assert err.value.status == 401 and standin in str(err.value)
+        async with EngineClient([standin], api_key=KEY) as client:
+            assert len((await client.generate([3], {"max_new_tokens": 2, "ignore_eos": True})).output_ids) == 2
+
+    asyncio.run(run())
+
+
+def test_embedded_engine_honours_the_same_header(models, tmp_path):
+    cmd = engine_command("embedded", models["a"][0], api_key=KEY)
+    with EngineLauncher(cmd, 1, log_dir=tmp_path) as launcher:
+        url = launcher.urls[0]
+        assert httpx.get(f"{url}/health").status_code == 200
+        assert httpx.post(f"{url}/generate", json={"input_ids": [3]}).status_code == 401
+        ok = httpx.post(
+            f"{url}/generate", json={"input_ids": [3], "sampling_params": {"max_new_tokens": 1}}, headers=auth()
+        )
+        assert ok.status_code == 200
+
+
+def test_a_load_while_paused_does_not_apply_weight_version_but_update_weight_version_does(standin, models):
+    with httpx.Client(headers=auth(), timeout=60) as http:
+        http.post(f"{standin}/pause_generation", json={"mode": "abort"}).raise_for_status()
+        body = http.post(
+            f"{standin}/update_weights_from_disk", json={"model_path": str(models["a"][0]), "weight_version": "5"}
+        ).json()
+        assert body["success"] is True
+        assert http.get(f"{standin}/get_weight_version").json() == {"weight_version": "0"}
+        answer = http.post(f"{standin}/update_weight_version", json={"new_version": "5", "abort_all_requests": False})
+        assert answer.json()["new_version"] == "5"
+        assert http.get(f"{standin}/weight_version").json() == http.get(f"{standin}/get_weight_version").json()
+        assert http.get(f"{standin}/get_weight_version").json() == {"weight_version": "5"}
+        http.post(f"{standin}/continue_generation", json={}).raise_for_status()
+        # Unpaused, the version passed with the load is applied (SGLang's other branch).
+        http.post(
+            f"{standin}/update_weights_from_disk", json={"model_path": str(models["a"][0]), "weight_version": "0"}
+        ).raise_for_status()
+        assert http.get(f"{standin}/get_weight_version").json() == {"weight_version": "0"}
+
+
+def test_http_error_codes_are_sglangs(standin):
+    with httpx.Client(headers=auth(), timeout=30) as http:
+        assert http.post(f"{standin}/update_weights_from_disk", json={}).status_code == 422
+        assert http.post(f"{standin}/update_weight_version", json={}).status_code == 422
+        assert http.post(f"{standin}/pause_generation", json={"mode": "sideways"}).status_code == 422
+        assert http.post(f"{standin}/slow_down", json={}).status_code == 422
+        lifted = http.post(f"{standin}/slow_down", json={"forward_sleep_time": None})
+        assert lifted.status_code == 200 and lifted.json() is None
+        bad = http.post(f"{standin}/update_weights_from_disk", json={"model_path": "/nonexistent"})
+        assert bad.status_code == 400 and bad.json()["success"] is False
+        aborted = http.post(f"{standin}/abort_request", json={"rid": "nobody"})
+        assert aborted.status_code == 200 and aborted.text == ""
+
+
+def test_requests_sent_while_paused_are_held_and_waiting_queue_aborts_carry_no_version(standin):
+    async def run() -> tuple[dict, dict]:
+        async with httpx.AsyncClient(headers=auth(), timeout=60) as http, EngineClient([standin], api_key=KEY) as info:
+            body = {"sampling_params": LONG, "return_logprob": True}
+            async with slowed_down(standin, headers=auth()):  # the pause must meet the first mid-decode
+                # The second is sent once the first decodes: sent together, either could take the one running slot.
+                first = asyncio.ensure_future(http.post(f"{standin}/generate", json={"input_ids": [3], **body}))
+                await wait_for_running(info, standin, 1)
+                second = asyncio.ensure_future(http.post(f"{standin}/generate", json={"input_ids": [4], **body}))
+                await wait_for_engine_state(info, standin, lambda s: s["num_waiting"] >= 1, "request waiting")
+                await http.post(f"{standin}/pause_generation", json={"mode": "abort"})
+            running, waiting = (await first).json(), (await second).json()
+            held = asyncio.ensure_future(http.post(f"{standin}/generate", json={"input_ids": [5], **body}))
+            await asyncio.sleep(0.5)
+            assert not held.done(), "a request sent while paused must be held, not answered"
+            await http.post(f"{standin}/continue_generation", json={})
+            assert (await held).status_code == 200
+            return running, waiting
+
+    running, waiting = asyncio.run(run())
+    assert running["meta_info"]["finish_reason"]["type"] == "abort"
+    assert running["meta_info"]["weight_version"] == "0" and "prompt_tokens" in running["meta_info"]
+    meta = waiting["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] == 0
+    assert "weight_version" not in meta and "prompt_tokens" not in meta
+
+
+def test_a_pause_polls_a_second_while_a_request_is_in_flight_and_returns_at_once_without_one(standin):
+    """SGLang 0.5.6's pause (mode abort) aborts, then re-checks the model-update lock after a 1 s sleep while a
+    request still holds it (tokenizer_manager.pause_generation): the stand-in's pause costs what SGLang's does."""
+
+    async def timed_pause(http: httpx.AsyncClient) -> float:
+        started = time.monotonic()
+        (await http.post(f"{standin}/pause_generation", json={"mode": "abort"})).raise_for_status()
+        elapsed = time.monotonic() - started
+        (await http.post(f"{standin}/continue_generation", json={})).raise_for_status()
+        return elapsed
+
+    async def run() -> tuple[float, float, dict]:
+        async with httpx.AsyncClient(headers=auth(), timeout=60) as http:
+            idle = await timed_pause(http)
+            async with slowed_down(standin, headers=auth()):  # the pause must meet the request mid-decode
+                running = asyncio.ensure_future(
+                    http.post(f"{standin}/generate", json={"input_ids": [3], "sampling_params": LONG})
+                )
+                deadline = time.monotonic() + 30
+                while (await http.get(f"{standin}/get_server_info")).json()["internal_states"][0]["num_running"] < 1:
+                    assert time.monotonic() < deadline, "the request never started decoding"
+                    await asyncio.sleep(0.02)
+                busy = await timed_pause(http)
+            return idle, busy, (await running).json()
+
+    idle, busy, answer = asyncio.run(run())
+    assert answer["meta_info"]["finish_reason"]["type"] == "abort"
+    assert busy >= 0.95 * SGLANG_PAUSE_POLL_S, f"a pause with a request in flight took {busy:.2f}s: SGLang sleeps 1 s"
+    assert idle < 0.5 * SGLANG_PAUSE_POLL_S, f"a pause with nothing in flight took {idle:.2f}s: SGLang returns at once"
+
+
+def test_waiting_queue_aborts_are_resumed_as_unstarted_pieces(standin, models):
+    async def run() -> list:
+        async with EngineClient([standin], api_key=KEY) as client:
+            async with slowed_down(standin, headers=auth()):  # the sync must meet the first mid-decode
+                # The first request decodes before the second is sent: which one runs and which waits is then known
+                # (sent together, either could reach the one running slot first).
+                tasks = [asyncio.ensure_future(client.generate([3], LONG))]
+                await wait_for_running(client, standin, 1)
+                await wait_for_decode_passes(client, standin, 1)  # some tokens of version 0
+                tasks.append(asyncio.ensure_future(client.generate([4], LONG)))
+                await wait_for_engine_state(client, standin, lambda s: s["num_waiting"] >= 1, "request waiting")
+                await sync_weights(client, standin, models["a"][0], "1")
+            results = await asyncio.gather(*tasks)
+            await client.update_weight_version(standin, "0")
+            return results
+
+    started, queued = asyncio.run(run())
+    assert len(started.output_ids) == len(queued.output_ids) == 150
+    assert started.versions[0] == 0 and started.versions[-1] == 1 and started.num_resumes == 1
+    assert queued.versions == [1] * 150 and queued.num_resumes == 1
+
+
+def test_a_batch_answers_a_list_and_its_waiting_prompts_are_resumed_as_unstarted_pieces(standin, models):
+    """SGLang's batched /generate (input_ids a list of lists, one rid per prompt) answers the list of outputs when
+    the last prompt ends. With one running slot, the second prompt of the batch waits; a pause aborts both, the
+    waiting one without weight_version, and the next round re-sends each from where it stood."""
+
+    async def run() -> tuple[list, list[GenerationResult]]:
+        async with httpx.AsyncClient(headers=auth(), timeout=60) as http:
+            raw = await http.post(
+                f"{standin}/generate",
+                json={
+                    "input_ids": [[3], [4, 5]],
+                    "rid": ["b0", "b1"],
+                    "sampling_params": {"max_new_tokens": 4, "ignore_eos": True},  # a sampled eos ends one early
+                },
+            )
+            one_rid = await http.post(f"{standin}/generate", json={"input_ids": [[3], [4]], "rid": "c"})
+            assert [r["meta_info"]["id"] for r in one_rid.json()] == ["c_0", "c_1"], "SGLang's _normalize_rid"
+        async with EngineClient([standin], api_key=KEY) as client:
+            async with slowed_down(standin, headers=auth()):  # the sync must meet the first prompt mid-decode
+                task = asyncio.ensure_future(client.generate_batch([[3], [4]], LONG, rids=["w/0", "w/1"]))
+                await wait_for_engine_state(
+                    client,
+                    standin,
+                    lambda s: s["num_running"] >= 1 and s["num_waiting"] >= 1,
+                    "one decoding, one waiting",
+                )
+                await wait_for_decode_passes(client, standin, 1)  # some tokens of version 0
+                await sync_weights(client, standin, models["a"][0], "1")
+            results = await asyncio.wait_for(task, 60)
+            await client.update_weight_version(standin, "0")
+            return raw.json(), results
+
+    raw, (started, queued) = asyncio.run(run())
+    assert [r["meta_info"]["id"] for r in raw] == ["b0", "b1"]
+    assert [r["meta_info"]["prompt_tokens"] for r in raw] == [1, 2] and all(len(r["output_ids"]) == 4 for r in raw)
+    assert len(started.output_ids) == len(queued.output_ids) == 150
+    assert started.versions[0] == 0 and started.versions[-1] == 1 and started.num_resumes == 1
+    assert queued.versions == [1] * 150 and queued.num_resumes == 1
+
+
+# ---------------------------------------------------------------- command line from the config
+
+
+def sglang_cfg(**extra_args: object) -> EnginesSpec:
+    """The engines part of a run spec built from a config, as the run builds it (run_spec.py)."""
+    cfg = OmegaConf.create(
+        {
+            "engines": {
+                "backend": "sglang",
+                "max_running_requests": 64,
+                "dtype": "bfloat16",
+                "num_engines": 2,
+                "startup_timeout_s": 10,
+                "request_timeout_s": 60,
+                "torch_threads": 1,
+                "on_engine_failure": "fail",
+                "max_restarts": 0,
+                "extra_args": extra_args,
+                "sampling_seed": None,
+                "deterministic_inference": False,
+            },
+            "actor_rollout_ref": {
+                "model": {"path": "/models/qwen"},
+                "rollout": {"tensor_model_parallel_size": 2, "gpu_memory_utilization": 0.55},
+            },
+            "run": {"seed": 3, "log_level": "INFO"},
+        }
+    )
+    return engines_spec(cfg)
+
+
+def test_sglang_command_takes_tp_and_memory_from_the_config_and_bools_are_bare_flags(tmp_path):
+    launcher = engine_launcher(
+        sglang_cfg(enable_torch_compile=True, disable_radix_cache=False, chunked_prefill_size=4096), tmp_path
+    )
+    cmd = launcher.command.build("127.0.0.1", 30000, 1)
+    assert cmd[cmd.index("--tp-size") + 1] == "2" and cmd[cmd.index("--mem-fraction-static") + 1] == "0.55"
+    assert cmd[cmd.index("--random-seed") + 1] == "4" and cmd[cmd.index("--dtype") + 1] == "bfloat16"
+    assert "--enable-torch-compile" in cmd and not any("disable-radix" in a for a in cmd)
+    assert "--chunked-prefill-size=4096" in cmd and not any(a.endswith("=True") for a in cmd)
+    assert launcher.command.env(1) == {"CUDA_VISIBLE_DEVICES": "2,3"}
+    assert launcher.api_key is None and "--api-key" not in cmd  # loopback: no key
+    with pytest.raises(ValueError, match=r"engines\.extra_args\.tp_size"):
+        sglang_extra_args({"tp_size": 4})
+
+
+def test_engines_beyond_loopback_get_a_per_run_api_key(tmp_path):
+    assert api_key_for("127.0.0.1") is None and api_key_for("localhost") is None and api_key_for("::1") is None
+    first = engine_launcher(sglang_cfg(), tmp_path, host="10.0.0.5")
+    second = engine_launcher(sglang_cfg(), tmp_path, host="10.0.0.5")
+    assert first.api_key and len(first.api_key) >= 32 and first.api_key != second.api_key
+    cmd = first.command.build("10.0.0.5", 30000, 0)
+    assert cmd[cmd.index("--api-key") + 1] == first.api_key
+
+
+# ---------------------------------------------------------------- schema check against the wheel's source
+
+
+@pytest.fixture(scope="session")
+def sglang_wheel_source() -> dict[str, str]:
+    """server_args.py and io_struct.py of sglang==0.5.6 as text, from its wheel (downloaded once into a cache)."""
+    cache = Path.home() / ".cache" / "rllm_fully_async" / "wheels"
+    cache.mkdir(parents=True, exist_ok=True)
+    wheels = sorted(cache.glob("sglang-0.5.6-*.whl"))
+    if not wheels:
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "sglang==0.5.6", "-d", str(cache)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        wheels = sorted(cache.glob("sglang-0.5.6-*.whl"))
+        if not wheels:
+            pytest.skip(f"pip could not download sglang==0.5.6 from the registry: {proc.stderr.strip()[-300:]}")
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        return {
+            name: wheel.read(f"sglang/srt/{name}").decode()
+            for name in ("server_args.py", "managers/io_struct.py", "sampling/sampling_params.py")
+        }
+
+
+def dataclass_fields(source: str, class_name: str) -> set[str]:
+    """Annotated fields of `class_name` and of BaseReq (rid), read from the source text (never imported)."""
+    fields: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef) and node.name in (class_name, "BaseReq"):
+            fields |= {
+                s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+            }
+    return fields
+
+
+def test_every_flag_the_launcher_emits_exists_in_sglangs_server_args(sglang_wheel_source):
+    source = sglang_wheel_source["server_args.py"]
+    known = {n.value for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    cmd = SGLangEngineCommand(
+        "/m", max_running_requests=8, context_length=512, skip_server_warmup=True, api_key="k",
+        deterministic_inference=True,
+        extra_args=sglang_extra_args({"enable_torch_compile": True, "chunked_prefill_size": 4096}),
+    ).build("127.0.0.1", 30000, 0)  # fmt: skip
+    flags = [a.split("=")[0] for a in cmd if a.startswith("--")]
+    assert len(flags) >= 15 and "--enable-deterministic-inference" in flags
+    assert [f for f in flags if f not in known] == []
+
+
+def test_every_json_key_the_client_and_param_sync_send_exists_in_io_struct(sglang_wheel_source):
+    source = sglang_wheel_source["managers/io_struct.py"]
+    sent: list[tuple[str, dict]] = []
+
+    async def record(self, method, path, payload, timeout_s):
+        sent.append((path, payload or {}))
+        return {"success": True, "weight_version": "1", "output_ids": [], "meta_info": {}}
+
+    async def run() -> None:
+        http = EngineHTTP("http://x", lambda: None)  # type: ignore[arg-type,return-value]
+        http.request = record.__get__(http)  # type: ignore[method-assign]
+        await http.generate(
+            {"input_ids": [1], "sampling_params": {"max_new_tokens": 3}, "return_logprob": True, "rid": "r"}, 1
+        )
+        await http.pause_generation("abort", 1)
+        await http.continue_generation(1)
+        await http.abort_request("r", False, 1)
+        await http.abort_request(None, True, 1)
+        await http.update_weights_from_disk("/m", "1", flush_cache=True, abort_all_requests=False, timeout_s=1)
+        await http.update_weight_version("1", 1)
+        await http.init_weights_update_group(
+            master_address="a", master_port=1, rank_offset=1, world_size=2, group_name="g", backend="nccl", timeout_s=1
+        )
+        await http.update_weights_from_distributed(
+            names=["w"],
+            dtypes=["bfloat16"],
+            shapes=[[1]],
+            group_name="g",
+            weight_version="1",
+            flush_cache=True,
+            timeout_s=1,
+        )
+
+    asyncio.run(run())
+    request_class = {
+        "/generate": "GenerateReqInput",
+        "/pause_generation": "PauseGenerationReqInput",
+        "/continue_generation": "ContinueGenerationReqInput",
+        "/abort_request": "AbortReq",
+        "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
+        "/update_weight_version": "UpdateWeightVersionReqInput",
+        "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
+        "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
+    }
+    assert {path for path, _ in sent} == set(request_class)
+    for path, payload in sent:
+        fields = dataclass_fields(source, request_class[path])
+        assert fields, f"{request_class[path]} not found in io_struct.py"
+        assert set(payload) <= fields, f"{path} sends {sorted(set(payload) - fields)} unknown to SGLang 0.5.6"
+    sampling = sglang_wheel_source["sampling/sampling_params.py"]
+    # sampling_seed: engines.sampling_seed (engines/resumable.py), an int32 with SGLang's default 42
+    assert "sampling_seed: int = 42" in sampling
+    for key in ("max_new_tokens", "temperature", "top_p", "top_k", "ignore_eos", "stop_token_ids", "sampling_seed"):
+        assert f"{key}:" in sampling or f"self.{key} =" in sampling, key
