@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_verl_patch import BATCH_SIZE, RESPONSE_LEN, make_batch
 from verl import DataProto
+from verl_helpers import BATCH_SIZE, RESPONSE_LEN, make_batch
 
 from rllm.experimental.fully_async.algorithms.advantages import AdvantageConfig
 from rllm.experimental.fully_async.backends.critic import (

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 from backend_helpers import LR, actor_cfg
-from test_verl_patch import BATCH_SIZE, RESPONSE_LEN, TEMPERATURE, make_batch, make_verl_copy, response_log_probs
 from transformers import AutoModelForCausalLM
 from verl import DataProto
+from verl_helpers import BATCH_SIZE, RESPONSE_LEN, TEMPERATURE, make_batch, make_verl_copy, response_log_probs
 
 from rllm.experimental.fully_async.backends.fsdp import FULLY_ASYNC_FLAG, FSDPPolicyBackend, build_actor_config
 
@@ -191,7 +191,7 @@ def test_previous_weights_answer_as_the_model_before_the_last_step_and_travel_in
 
 _FSDP2_WORKER = r"""
 import json, sys, datetime, torch, torch.distributed as dist
-from test_verl_patch import make_batch
+from verl_helpers import make_batch
 from backend_helpers import actor_cfg
 from rllm.experimental.fully_async.backends.fsdp import FSDPPolicyBackend
 
@@ -246,7 +246,7 @@ def _run_world(
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(tests_dir), str(tests_dir.parents[1])]),
+        "PYTHONPATH": os.pathsep.join([str(tests_dir), str(tests_dir.parent / "helpers"), str(tests_dir.parents[1])]),
     }
     args = [
         str(store),
@@ -337,7 +337,7 @@ def test_fsdp2_dynamic_micro_batches_with_unbalanced_tokens_finish_and_match(mod
 _COUNT_WORKER = r"""
 import datetime, json, sys, torch.distributed as dist
 import verl.workers.actor.dp_actor as dp_actor
-from test_verl_patch import build_actor, make_batch, make_batch_copy, set_old_log_probs
+from verl_helpers import build_actor, make_batch, make_batch_copy, set_old_log_probs
 
 rank, world = int(sys.argv[1]), 2
 store_path, model_dir, state, rows = sys.argv[2:6]
@@ -376,7 +376,9 @@ def test_dynamic_micro_batch_counts_agree_across_ranks_only_with_the_patch(tmp_p
     counts = {}
     for state in ("patched", "pristine"):
         root = make_verl_copy(tmp_path / state, patched=state == "patched")
-        path = os.pathsep.join([str(root), str(tests_dir), str(tests_dir.parents[1])])
+        path = os.pathsep.join(
+            [str(root), str(tests_dir), str(tests_dir.parent / "helpers"), str(tests_dir.parents[1])]
+        )
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
         args = [str(tmp_path / f"store_{state}"), str(tiny_model_dir), state, json.dumps(UNBALANCED_ROWS)]
         procs = [

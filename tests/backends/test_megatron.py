@@ -198,7 +198,7 @@ def _qwen2(tmp_path: Path, tied: bool) -> Path:
 def test_megatron_to_hf_names_match_the_hand_written_table(model_parallel, tmp_path, use_mbridge, tied):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rllm.experimental.fully_async.backends.megatron import build_name_converter, megatron_to_hf_names
+    from rllm.experimental.fully_async.backends.megatron_weights import build_name_converter, megatron_to_hf_names
 
     folder = _qwen2(tmp_path, tied)
     hf_config = AutoConfig.from_pretrained(folder)
@@ -218,7 +218,7 @@ def test_megatron_tensors_export_to_the_same_hf_model(model_parallel, tmp_path, 
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rllm.experimental.fully_async.backends.megatron import (
+    from rllm.experimental.fully_async.backends.megatron_weights import (
         build_name_converter,
         hf_weights,
         write_hf_folder,
@@ -265,9 +265,9 @@ def probe() -> dict[str, Any]:
     import torch.distributed as dist
     import verl
     from megatron.core import parallel_state as mpu
-    from test_verl_patch import make_batch
     from verl.workers.actor import megatron_actor
     from verl.workers.actor.megatron_actor import MegatronPPOActor
+    from verl_helpers import make_batch
 
     from rllm.experimental.fully_async.backends.megatron import build_actor_config
 
@@ -333,13 +333,15 @@ def probe() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def iterator_observations(tmp_path_factory) -> dict[str, dict[str, Any]]:
-    from test_verl_patch import make_verl_copy
+    from verl_helpers import make_verl_copy
 
     results = {}
     procs = {}
     for state in ("patched", "pristine"):
         root = make_verl_copy(tmp_path_factory.mktemp(f"verl_mcore_{state}"), patched=state == "patched")
-        path = os.pathsep.join([str(root), str(REPO / "tests" / "backends"), str(REPO)])
+        path = os.pathsep.join(
+            [str(root), str(REPO / "tests" / "backends"), str(REPO / "tests" / "helpers"), str(REPO)]
+        )
         env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
         cmd = [sys.executable, __file__, state]
         procs[state] = (root, subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))

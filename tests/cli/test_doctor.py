@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from packaging.specifiers import SpecifierSet
-from test_verl_patch import make_verl_copy
+from verl_helpers import make_verl_copy
 
 from rllm.experimental.fully_async.backends.verl_patch import PatchState, PatchStatus
 from rllm.experimental.fully_async.cli import doctor

@@ -47,8 +47,8 @@ def _build(*overrides: str):
 def _step(backend) -> tuple[torch.Tensor, dict]:
     """One update on config_effects' fixed batch; returns the full parameters after it (on the CPU) and metrics."""
     from config_effects import fixed_batch, shifted
-    from test_verl_patch import make_batch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from verl_helpers import make_batch
 
     data = fixed_batch(shifted(backend.compute_log_prob(make_batch(0))))
     metrics = backend.update_policy(data)

@@ -47,7 +47,7 @@ def backend(real_model_dir):
 
 
 def _batch(seed: int, empty: bool = False):
-    from test_verl_patch import make_batch
+    from verl_helpers import make_batch
 
     rows = tuple(range(6)) if empty else ()
     data = make_batch(seed, empty_rows=rows)
@@ -56,7 +56,7 @@ def _batch(seed: int, empty: bool = False):
 
 
 def _hf_log_probs(folder, data) -> torch.Tensor:
-    from test_verl_patch import load_model, response_log_probs
+    from verl_helpers import load_model, response_log_probs
 
     with torch.no_grad():
         return response_log_probs(load_model(str(folder)), data).float()

@@ -15,7 +15,7 @@ RESPONSE_LEN = 5
 
 
 def _batch(seed: int, backend) -> object:
-    from test_verl_patch import make_batch
+    from verl_helpers import make_batch
 
     data = make_batch(seed)
     data.batch["response_mask"] = data.batch["response_mask"].float()

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 from omegaconf import OmegaConf
-from test_verl_patch import RESPONSE_LEN, make_batch
 from verl import DataProto
+from verl_helpers import RESPONSE_LEN, make_batch
 
 from rllm.experimental.fully_async.backends.fsdp import gradient_checkpointing_on
 

@@ -127,7 +127,7 @@ def bf16_and_fp32_steps(model_dir: Path, seed: int) -> tuple[Step, Step]:
     seed in four, whole-update error 0.79), which is the loss's discontinuity, not precision.
     """
     from backend_helpers import actor_cfg
-    from test_verl_patch import make_batch, make_batch_copy
+    from verl_helpers import make_batch, make_batch_copy
 
     from rllm.experimental.fully_async.backends.fsdp import FSDPPolicyBackend
 

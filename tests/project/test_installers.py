@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
-from test_verl_patch import PATCH_FILE, make_verl_copy
+from verl_helpers import PATCH_FILE, make_verl_copy
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 INSTALL = REPO_ROOT / "install"

@@ -30,12 +30,14 @@ from rllm.experimental.fully_async.api.trajectory import (
     TrajectoryStatus,
     VersionedTrajectory,
 )
-from rllm.experimental.fully_async.runtime.checkpoints.store import (
+from rllm.experimental.fully_async.runtime.checkpoints.format import (
     COMPLETE_MARKER,
     FORMAT_VERSION,
     QUEUE_FILE,
     ROLLOUT_FILE,
     TRAINER_FILE,
+)
+from rllm.experimental.fully_async.runtime.checkpoints.store import (
     CheckpointError,
     CheckpointManager,
     config_hash,
@@ -388,7 +390,7 @@ def test_newer_format_is_refused(tmp_path):
 def save_with_shard(manager: CheckpointManager, step: int, shard_name: str = "policy_shards/__0_0.distcp") -> Path:
     """A checkpoint whose trainer part has a file beside trainer.pt, as the policy's shards are (begin/commit, as
     the run writes them; runtime/checkpoints/trainer_state.py)."""
-    from rllm.experimental.fully_async.runtime.checkpoints.store import (
+    from rllm.experimental.fully_async.runtime.checkpoints.format import (
         manifest_entry,
         write_bytes,
         write_rollout_part,

@@ -13,19 +13,17 @@ import pytest
 import torch
 from backend_helpers import actor_cfg
 from test_trainer import LocalRollouts, _advantages, _settings
-from test_verl_patch import BATCH_SIZE, RESPONSE_LEN, make_batch, response_log_probs
 from transformers import AutoModelForCausalLM
 from verl import DataProto
+from verl_helpers import BATCH_SIZE, RESPONSE_LEN, make_batch, response_log_probs
 
 from rllm.experimental.fully_async.backends.fsdp import FSDPPolicyBackend
+from rllm.experimental.fully_async.runtime.checkpoints.format import TRAINER_FILE, file_sha256, write_rollout_part
 from rllm.experimental.fully_async.runtime.checkpoints.store import (
-    TRAINER_FILE,
     Checkpoint,
     CheckpointError,
     CheckpointManager,
-    file_sha256,
     load_checkpoint,
-    write_rollout_part,
 )
 from rllm.experimental.fully_async.runtime.checkpoints.trainer_state import (
     POLICY_SHARDS,
