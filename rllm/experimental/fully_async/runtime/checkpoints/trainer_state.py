@@ -40,8 +40,9 @@ import numpy as np
 import torch
 
 from rllm.experimental.fully_async.api.policy_backend import ShardedCheckpoint
-from rllm.experimental.fully_async.runtime.checkpoints.store import CheckpointError, manifest_entries
-from rllm.experimental.fully_async.runtime.checkpoints.store import write_trainer_part as write_trainer_file
+from rllm.experimental.fully_async.runtime.checkpoints.format import manifest_entries
+from rllm.experimental.fully_async.runtime.checkpoints.format import write_trainer_part as write_trainer_file
+from rllm.experimental.fully_async.runtime.checkpoints.store import CheckpointError
 
 logger = logging.getLogger(__name__)
 

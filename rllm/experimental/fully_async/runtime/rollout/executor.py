@@ -376,7 +376,7 @@ class RolloutExecutor:
         restored and not yet restarted): saved maps uid -> its JSON record; unsaved, uid -> {reason, tokens} for a
         record JSON would not hold unchanged (an environment's `info` with a non-JSON value), which is logged and
         restarts from the prompt after a crash, counted as `progress_not_saved`."""
-        from rllm.experimental.fully_async.runtime.checkpoints.store import check_json
+        from rllm.experimental.fully_async.runtime.checkpoints.format import check_json
 
         records = list(self._progress.values()) + [r for _, _, saved in self._reissue for r in saved.values()]
         saved: dict[str, Any] = {}

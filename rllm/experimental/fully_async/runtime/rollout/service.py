@@ -208,7 +208,7 @@ class RolloutService:
     async def write_checkpoint(self, directory: str) -> dict[str, Any]:
         """Write the rollout part (rollout.json, queue.json) into a checkpoint's temporary directory; returns the
         manifest entries. The trainer must have acknowledged its last batch first (the driver's checkpoint flow)."""
-        from rllm.experimental.fully_async.runtime.checkpoints.store import write_rollout_part
+        from rllm.experimental.fully_async.runtime.checkpoints.format import write_rollout_part
 
         state, groups = await self.collected_checkpoint_state()
         return write_rollout_part(Path(directory), state, groups)

@@ -146,7 +146,7 @@ class _PolicyRank:
     def save_checkpoint(self, directory: str) -> dict[str, dict[str, Any]]:
         """This rank's shard (a collective: every rank's files are on disk when it returns), then the manifest
         entries of this rank's share of the folder's files, so the ranks hash in parallel."""
-        from rllm.experimental.fully_async.runtime.checkpoints.store import manifest_entries
+        from rllm.experimental.fully_async.runtime.checkpoints.format import manifest_entries
 
         self.backend.save_checkpoint(directory)
         return manifest_entries(directory, rank=self.rank, world=self.world)

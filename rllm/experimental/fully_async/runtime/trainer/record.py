@@ -45,7 +45,7 @@ import torch
 
 from rllm.experimental.fully_async.api.trajectory import TrajectoryGroup
 from rllm.experimental.fully_async.errors import EXIT_BAD_INPUT, FullyAsyncError
-from rllm.experimental.fully_async.runtime.checkpoints.store import file_sha256, group_from_json, group_to_json
+from rllm.experimental.fully_async.runtime.checkpoints.format import file_sha256, group_from_json, group_to_json
 from rllm.experimental.fully_async.runtime.checkpoints.trainer_state import capture_rng_state, restore_rng_state
 
 logger = logging.getLogger(__name__)

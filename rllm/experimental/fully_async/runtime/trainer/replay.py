@@ -368,7 +368,7 @@ def _start(record: Record, segment: Segment, source: RecordedBatches, start_step
 def _resume(trainer: Any, record: Record, segment: Segment, step: int, source: RecordedBatches) -> Any:
     """What the run did at a resume after `step`: its trainer state written as a checkpoint, the trainer built anew
     from the segment's config, the state loaded, the weights 'synced' without a version bump."""
-    from rllm.experimental.fully_async.runtime.checkpoints.store import TRAINER_FILE
+    from rllm.experimental.fully_async.runtime.checkpoints.format import TRAINER_FILE
     from rllm.experimental.fully_async.runtime.checkpoints.trainer_state import write_trainer_part
 
     if segment.start_step != step:
