@@ -39,11 +39,11 @@ signal.signal(signal.SIGTERM, _sigterm_unwinds_like_ctrl_c)
 @pytest.fixture(scope="session")
 def ray_session():
     """Start Ray once per test session (about 3 s) with the small, loopback-only settings, under a run's guard
-    (runtime/run/processes.py): at the session's end, even one ended by SIGTERM or Ctrl-C, every process it started
-    is stopped by pid."""
+    (runtime/cluster/ray_session.py): at the session's end, even one ended by SIGTERM or Ctrl-C, every process it
+    started is stopped by pid."""
     import ray
 
-    from rllm.experimental.fully_async.runtime.run.processes import ray_lifetime
+    from rllm.experimental.fully_async.runtime.cluster.ray_session import ray_lifetime
 
     def init() -> None:
         if not ray.is_initialized():

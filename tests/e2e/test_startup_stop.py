@@ -6,7 +6,7 @@ Ray's workers inherit; after the driver exits, /proc must hold no process with t
 seen from outside (an engine's log file appears, Ray's gcs_server or a worker process exists, a step is logged), so
 the test hits the same phase on a busy or a quiet machine. The first Ray worker appears while the driver's own core
 worker is being built inside `ray.init`: a SIGTERM there crashed the driver at exit with SIGSEGV until start-up held
-interrupts (runtime/run/processes.py). The driver runs with faulthandler on, so a crash shows its Python stack.
+interrupts (runtime/cluster/ray_session.py). The driver runs with faulthandler on, so a crash shows its Python stack.
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ def test_a_run_starts_its_own_ray_even_when_another_ray_runs_on_the_machine(tmp_
     try:
         code = (
             "import ray\n"
-            "from rllm.experimental.fully_async.runtime.run.prepare import init_ray\n"
+            "from rllm.experimental.fully_async.runtime.cluster.ray_session import init_ray\n"
             "init_ray(num_cpus=3)\n"
             "print('GCS', ray.get_runtime_context().gcs_address, int(ray.cluster_resources()['CPU']))\n"
         )

@@ -17,8 +17,8 @@ import time
 import psutil
 import pytest
 
-from rllm.experimental.fully_async.runtime.run import processes
-from rllm.experimental.fully_async.runtime.run.processes import RAY_PROCESS_MARKER_ENV, ray_lifetime
+from rllm.experimental.fully_async.runtime.cluster import ray_session as processes
+from rllm.experimental.fully_async.runtime.cluster.ray_session import RAY_PROCESS_MARKER_ENV, ray_lifetime
 
 IGNORES_SIGTERM = (
     "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(600)"

@@ -132,8 +132,7 @@ def start_on_cluster(spec: Any, stack: Any, log_dir: Any) -> tuple[Any, dict[str
     from rllm.experimental.fully_async.core.placement import plan_on_nodes
     from rllm.experimental.fully_async.errors import ConfigError
     from rllm.experimental.fully_async.runtime.cluster.engine_hosts import cluster_engines
-    from rllm.experimental.fully_async.runtime.run.prepare import init_ray
-    from rllm.experimental.fully_async.runtime.run.processes import ray_lifetime
+    from rllm.experimental.fully_async.runtime.cluster.ray_session import init_ray, ray_lifetime
 
     if spec.engines.backend != "sglang" or spec.trainer.device != "cuda":
         raise ConfigError(

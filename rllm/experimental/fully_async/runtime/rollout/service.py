@@ -231,11 +231,11 @@ class RolloutServiceActor:
 
         from rllm.experimental.fully_async.algorithms.filters import build_group_filter
         from rllm.experimental.fully_async.core.ids import rejected_prompt_uid
+        from rllm.experimental.fully_async.data.datasets import load_prompt_datasets
         from rllm.experimental.fully_async.data.prompts import PromptIterator
         from rllm.experimental.fully_async.engines.client import EngineClient
         from rllm.experimental.fully_async.runtime.rollout.executor import ExecutorSettings
         from rllm.experimental.fully_async.runtime.rollout.ledger_journal import journaled_ledger
-        from rllm.experimental.fully_async.runtime.trainer.actor import load_prompt_datasets
         from rllm.experimental.fully_async.workflows import IsolatedReward, build_workflow, load_reward_fn
 
         logging.basicConfig(level=os.environ.get("RLLM_LOG_LEVEL", "WARNING"))

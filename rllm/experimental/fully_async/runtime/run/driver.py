@@ -41,7 +41,8 @@ from rllm.experimental.fully_async.runtime.cluster.one_host import (
     ray_num_gpus,
     trainer_actor_gpus,
 )
-from rllm.experimental.fully_async.runtime.run.prepare import check_data, init_ray, prepare_task
+from rllm.experimental.fully_async.runtime.cluster.ray_session import init_ray
+from rllm.experimental.fully_async.runtime.run.prepare import check_data, prepare_task
 
 __all__ = ["Run", "RunFailedError", "check_data", "init_ray", "prepare_task", "train"]
 
@@ -82,8 +83,8 @@ class Run:
             find_resume_checkpoint,
             load_checkpoint,
         )
+        from rllm.experimental.fully_async.runtime.cluster.ray_session import ray_lifetime
         from rllm.experimental.fully_async.runtime.rollout.service import RolloutServiceActor
-        from rllm.experimental.fully_async.runtime.run.processes import ray_lifetime
         from rllm.experimental.fully_async.runtime.run.run_dir import settle_run_dir
         from rllm.experimental.fully_async.runtime.trainer.actor import FullyAsyncTrainerActor
 

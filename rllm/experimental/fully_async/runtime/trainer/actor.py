@@ -19,7 +19,7 @@ import ray
 from omegaconf import OmegaConf
 
 if TYPE_CHECKING:
-    from rllm.experimental.fully_async.run_spec import DataSpec
+    pass
 
 logger = logging.getLogger(__name__)
 
@@ -292,17 +292,3 @@ def _training_dump(directory: str | None, tokenizer: Any) -> Any:
     from rllm.experimental.fully_async.observe.dumps import write_training_batch
 
     return lambda step, groups, data: write_training_batch(Path(directory), step, groups, data, tokenizer)
-
-
-def load_prompt_datasets(data: DataSpec, tokenizer: Any) -> tuple[Any, Any]:
-    """The train and (optional) validation datasets `data` names: verl-format PromptDatasets, or rLLM dataset rows
-    (RowDataset) when `data.rows`; DataError names file, row, field."""
-    from rllm.experimental.fully_async.data.prompts import PromptDataset
-    from rllm.experimental.fully_async.data.rows import RowDataset
-
-    def read(files: tuple[str, ...]) -> Any:
-        if data.rows:
-            return RowDataset(list(files))
-        return PromptDataset(list(files), tokenizer, data.max_prompt_length, data.overlong)
-
-    return read(data.train_files), read(data.val_files) if data.val_files else None

@@ -413,7 +413,7 @@ def _ensure_ray() -> None:
     import ray
 
     if not ray.is_initialized():
-        from rllm.experimental.fully_async.runtime.run.prepare import init_ray
+        from rllm.experimental.fully_async.runtime.cluster.ray_session import init_ray
 
         init_ray()
 
