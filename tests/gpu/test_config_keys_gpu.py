@@ -37,7 +37,7 @@ def user_model(tiny_model_dir) -> tuple[str, ...]:
 
 def _build(*overrides: str):
     from rllm.experimental.fully_async.run_spec import build_run_spec
-    from rllm.experimental.fully_async.runtime.trainer.actor import build_policy_backend
+    from rllm.experimental.fully_async.runtime.trainer.build import build_policy_backend
     from rllm.experimental.fully_async.settings.loader import load_config
 
     backend, _ = build_policy_backend(build_run_spec(load_config(None, list(overrides))).trainer)
@@ -120,7 +120,7 @@ def test_the_one_gpu_fsdp_config_checkpoints_its_one_rank(tiny_model_dir):
     from config_effects import counting_layer_forwards
 
     from rllm.experimental.fully_async.run_spec import build_run_spec
-    from rllm.experimental.fully_async.runtime.trainer.actor import build_policy_backend
+    from rllm.experimental.fully_async.runtime.trainer.build import build_policy_backend
     from rllm.experimental.fully_async.settings.loader import load_config
 
     path = REPO / "config" / "fully_async_ppo_trainer.yaml"

@@ -115,7 +115,7 @@ def _parameters(model: torch.nn.Module) -> torch.Tensor:
 def policy(cfg: Any, *, update: bool = True) -> dict[str, Any]:
     """Build the policy as the trainer does (runtime/trainer/actor.py build_policy_backend) and observe it."""
     from rllm.experimental.fully_async.run_spec import build_run_spec
-    from rllm.experimental.fully_async.runtime.trainer.actor import build_policy_backend
+    from rllm.experimental.fully_async.runtime.trainer.build import build_policy_backend
 
     spec = build_run_spec(cfg)
     backend, param_dtype = build_policy_backend(spec.trainer)
@@ -156,7 +156,7 @@ def critic_batch(backend: Any) -> DataProto:
 def critic(cfg: Any) -> dict[str, Any]:
     """Build the critic as the trainer does (build_critic_backend) and observe one update_critic."""
     from rllm.experimental.fully_async.run_spec import build_run_spec
-    from rllm.experimental.fully_async.runtime.trainer.actor import build_critic_backend
+    from rllm.experimental.fully_async.runtime.trainer.build import build_critic_backend
 
     backend = build_critic_backend(build_run_spec(cfg).trainer)
     seen: dict[str, Any] = {

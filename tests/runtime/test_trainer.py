@@ -326,7 +326,7 @@ def test_a_previous_weights_proximal_policy_reaches_the_update_through_the_backe
     from types import SimpleNamespace
 
     from rllm.experimental.fully_async.algorithms.corrections import build_correction
-    from rllm.experimental.fully_async.runtime.trainer.actor import build_policy_backend
+    from rllm.experimental.fully_async.runtime.trainer.build import build_policy_backend
 
     def two_steps(prox: str) -> tuple[FSDPPolicyBackend, dict]:
         section = {"mode": "decoupled", "prox_log_probs": prox}

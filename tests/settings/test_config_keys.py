@@ -306,7 +306,7 @@ def test_one_value_keys_are_refused_at_any_other(user_model):
 def test_sharding_keys_reach_every_rank(ray_session, user_model, one_torch_thread):
     """Two CPU ranks built as the trainer builds them: gradient checkpointing and reshard_after_forward are on each
     rank's FSDP2 module (the one-rank case is above)."""
-    from rllm.experimental.fully_async.runtime.trainer.actor import build_policy_backend
+    from rllm.experimental.fully_async.runtime.trainer.build import build_policy_backend
 
     overrides = [
         *user_model,

@@ -396,7 +396,7 @@ def _build(segment: Segment, source: RecordedBatches) -> Any:
     from omegaconf import OmegaConf
 
     from rllm.experimental.fully_async.run_spec import build_run_spec
-    from rllm.experimental.fully_async.runtime.trainer.actor import build_trainer
+    from rllm.experimental.fully_async.runtime.trainer.build import build_trainer
     from rllm.experimental.fully_async.settings.loader import base_config
 
     # Onto today's defaults: a key this build added since the run was recorded takes its default, as it would have

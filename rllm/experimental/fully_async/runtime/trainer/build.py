@@ -1,0 +1,161 @@
+"""The trainer process wired from the run spec: the policy backend, its ParamSync, the critic, the correction, the
+adaptive staleness controller, the dump and the batch recorder, assembled into a FullyAsyncTrainer.
+
+The trainer actor (actor.py) and `replay` (replay.py) both build the trainer here, so a replay runs the training code
+the run ran.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import ray
+from omegaconf import OmegaConf
+
+logger = logging.getLogger(__name__)
+
+
+def build_policy_backend(t: Any, correction: Any = None, ranks: dict | None = None) -> tuple[Any, str]:
+    """The policy backend a trainer spec (RunSpec.trainer) asks for, and its parameters' dtype (for param_sync).
+
+    Megatron (CUDA only), N FSDP2 rank actors (`trainer.n_gpus_per_node x nnodes` > 1), or one in-process
+    FSDPPolicyBackend; every kind gets the whole actor section and `model.enable_gradient_checkpointing`.
+    `correction` (algorithms.corrections) may replace verl's loss with the decoupled one; `ranks`: a cluster
+    placement's Ray options and devices for the rank actors.
+    """
+    from rllm.experimental.fully_async.backends.fsdp import FSDPPolicyBackend, build_actor_config, model_dtype
+    from rllm.experimental.fully_async.run_spec import thaw
+
+    actor_cfg = OmegaConf.create(thaw(t.actor))  # verl builds its own dataclasses from a mutable copy
+    # prox_log_probs=previous: the backend keeps its weights from before each step
+    keep_previous = correction is not None and correction.uses_previous_weights
+    if correction is not None and correction.policy_loss_mode is not None:
+        # decoupled PPO with the proximal policy from the update itself: its loss replaces verl's vanilla one
+        actor_cfg.policy_loss.loss_mode = correction.policy_loss_mode
+    if t.strategy == "megatron":  # verl's Megatron worker, CUDA only (backends/megatron.py)
+        from rllm.experimental.fully_async.backends.megatron import build_megatron_backend
+
+        rollout_ref = OmegaConf.create(thaw(t.actor_rollout_ref))
+        rollout_ref.actor = actor_cfg  # with the decoupled loss, if any
+        backend = build_megatron_backend(rollout_ref, seed=t.seed)
+        return backend, backend.param_dtype
+    if t.world_size > 1:
+        # N rank actors in one torch.distributed group (gloo on CPU, NCCL on GPU), each with its FSDP2 shard;
+        # one optimizer step per batch across them (runtime/trainer/ranks.py). verl counts trainer devices as
+        # n_gpus_per_node x nnodes: one rank per device.
+        from rllm.experimental.fully_async.runtime.trainer.ranks import DistributedPolicyBackend
+
+        backend: Any = DistributedPolicyBackend(
+            t.model_path,
+            actor_cfg,
+            world=t.world_size,
+            device=t.device,
+            nnodes=t.nnodes,
+            seed=t.seed,
+            enable_gradient_checkpointing=t.enable_gradient_checkpointing,
+            keep_previous_weights=keep_previous,
+            rank_options=ranks["options"] if ranks else None,
+            rank_devices=ranks["devices"] if ranks else None,
+        )
+        # the ranks hold parameters in fsdp_config.model_dtype (verl's actor autocasts on GPU)
+        return backend, str(model_dtype(build_actor_config(actor_cfg)))
+    backend = FSDPPolicyBackend(
+        t.model_path,
+        actor_cfg,
+        seed=t.seed,
+        enable_gradient_checkpointing=t.enable_gradient_checkpointing,
+        keep_previous_weights=keep_previous,
+    )
+    return backend, str(next(backend.model.parameters()).dtype)
+
+
+def build_critic_backend(t: Any) -> Any:
+    """The value model a trainer spec asks for (algorithm.adv_estimator=gae): verl's critic on the policy's folder."""
+    from rllm.experimental.fully_async.backends.critic import FSDPCriticBackend
+    from rllm.experimental.fully_async.run_spec import thaw
+
+    return FSDPCriticBackend(t.model_path, OmegaConf.create(thaw(t.critic)), seed=t.seed)
+
+
+def _master_address(sync: Any, backend: Any, engine_urls: list[str]) -> str:
+    """param_sync.master_address resolved (core/addresses.py): rank 0 is this process, or the worker group's
+    rank 0 actor, which may run on another node."""
+    from rllm.experimental.fully_async.core.addresses import resolve_master_address
+
+    if sync.transport == "disk":
+        return "127.0.0.1"  # unused
+    here = ray.util.get_node_ip_address()
+    rank0 = backend.rank_zero_address() if hasattr(backend, "rank_zero_address") else here
+    address = resolve_master_address(sync.master_address, rank0, engine_urls, here)
+    logger.info("weight-update group: engines reach trainer rank 0 (node %s) at %s", rank0, address)
+    return address
+
+
+def build_trainer(
+    spec: Any, rollouts: Any, param_sync_for: Any = None, *, ranks: dict | None = None, record: Any = None
+) -> Any:
+    """The run's FullyAsyncTrainer from its frozen RunSpec: the policy backend (`build_policy_backend`), the
+    correction, the critic (GAE), the adaptive staleness controller, the trajectory dump and the batch recorder. The
+    trainer actor and `replay` both build it here, so a replay runs the training code the run ran.
+
+    `rollouts`: an api.step_messages.RolloutSource; `param_sync_for(backend, param_dtype)`: the ParamSync of a run
+    (None: no engines; a sync then only bumps the version, as in replay); `record`: a RecordTarget
+    (runtime/trainer/record.py) or None.
+    """
+    from transformers import AutoTokenizer
+
+    from rllm.experimental.fully_async.algorithms.corrections import corrector_for
+    from rllm.experimental.fully_async.backends.verl_patch import require_patched_verl
+    from rllm.experimental.fully_async.core.adaptive_staleness import StalenessController
+    from rllm.experimental.fully_async.runtime.trainer.fully_async_trainer import FullyAsyncTrainer, TrainerSettings
+
+    require_patched_verl()
+    t = spec.trainer
+    tokenizer = AutoTokenizer.from_pretrained(t.model_path)
+    correction = corrector_for(t.correction, compute_prox_log_prob=t.compute_prox_log_prob)
+    backend, param_dtype = build_policy_backend(t, correction, ranks)
+    param_sync = param_sync_for(backend, param_dtype) if param_sync_for is not None else None
+    settings = TrainerSettings(
+        required_samples=spec.schedule.required_samples,
+        trigger_parameter_sync_step=spec.schedule.trigger_parameter_sync_step,
+        use_rollout_log_probs=t.use_rollout_log_probs,
+        compute_prox_log_prob=t.compute_prox_log_prob,
+        temperature=t.temperature,
+        pad_token_id=int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0),
+        queue_get_timeout_s=t.queue_get_timeout_s,
+        on_engine_failure=spec.engines.on_engine_failure,
+        max_response_length=t.max_response_length,
+        max_prompt_length=spec.executor.data.max_prompt_length,
+        world_size=t.world_size,
+    )
+    critic = build_critic_backend(t) if t.critic is not None else None  # algorithm.adv_estimator=gae
+    adaptive = spec.schedule.adaptive
+    recorder = None
+    if record is not None:
+        from rllm.experimental.fully_async.runtime.trainer.record import BatchRecorder
+
+        recorder = BatchRecorder(record, backend)
+    return FullyAsyncTrainer(
+        settings,
+        backend,
+        rollouts,
+        param_sync,
+        advantages=t.advantages,
+        correction=correction,
+        critic=critic,
+        dump=_training_dump(spec.run.rollout_data_dir, tokenizer),
+        staleness=StalenessController(adaptive, spec.schedule.max_staleness) if adaptive is not None else None,
+        recorder=recorder,
+    )
+
+
+def _training_dump(directory: str | None, tokenizer: Any) -> Any:
+    """trainer.rollout_data_dir: each step's trained trajectories as {step}.jsonl (observe/dumps.py); None: off."""
+    if not directory:
+        return None
+
+    from rllm.experimental.fully_async.observe.dumps import write_training_batch
+
+    return lambda step, groups, data: write_training_batch(Path(directory), step, groups, data, tokenizer)
