@@ -159,7 +159,7 @@ def test_the_real_actor_takes_every_setting_from_the_run_spec(ray_session, tmp_p
     import pandas as pd
 
     from rllm.experimental.fully_async.run_spec import build_run_spec
-    from rllm.experimental.fully_async.runtime.rollout.service import RolloutServiceActor
+    from rllm.experimental.fully_async.runtime.rollout.actor import RolloutServiceActor
     from rllm.experimental.fully_async.settings.loader import load_config
     from rllm.experimental.fully_async.tasks import addition
 

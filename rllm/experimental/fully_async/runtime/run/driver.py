@@ -84,7 +84,7 @@ class Run:
             load_checkpoint,
         )
         from rllm.experimental.fully_async.runtime.cluster.ray_session import ray_lifetime
-        from rllm.experimental.fully_async.runtime.rollout.service import RolloutServiceActor
+        from rllm.experimental.fully_async.runtime.rollout.actor import RolloutServiceActor
         from rllm.experimental.fully_async.runtime.run.run_dir import settle_run_dir
         from rllm.experimental.fully_async.runtime.trainer.actor import FullyAsyncTrainerActor
 

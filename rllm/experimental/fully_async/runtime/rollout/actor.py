@@ -1,0 +1,262 @@
+"""Ray actor shell of the rollout service (RolloutService in service.py), plus validation through the same engines.
+
+One async actor, one process (DESIGN rule 2): the executor loop, the queue, the staleness budget and the ledger share
+its event loop. The trainer calls `take_batch` once per step; the driver starts validations, writes the rollout part
+of checkpoints, routes rollouts to restarted engines and stops the rollouts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+from rllm.experimental.fully_async.api.step_messages import Ack, Batch, BatchRequest
+from rllm.experimental.fully_async.runtime.rollout.executor import RolloutExecutor
+from rllm.experimental.fully_async.runtime.rollout.message_queue import MessageQueue
+from rllm.experimental.fully_async.runtime.rollout.service import CHECKPOINT_COLLECT_TIMEOUT_S, RolloutService
+from rllm.experimental.fully_async.runtime.rollout.validation import SyncGate, pinned_version
+
+if TYPE_CHECKING:
+    from rllm.experimental.fully_async.run_spec import ExecutorSpec, RunSpec
+
+logger = logging.getLogger(__name__)
+
+
+@ray.remote(num_cpus=0)  # waits on events and HTTP; the generation work is in the engine processes
+class RolloutServiceActor:
+    """The RolloutService built from the run spec, plus validation through the same engines (`api_key`: their
+    per-run secret when they listen beyond loopback)."""
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        engine_urls: list[str],
+        state: dict | None = None,
+        queued: list | None = None,
+        api_key: str = "",
+    ) -> None:
+        from transformers import AutoTokenizer
+
+        from rllm.experimental.fully_async.algorithms.filters import build_group_filter
+        from rllm.experimental.fully_async.core.ids import rejected_prompt_uid
+        from rllm.experimental.fully_async.data.datasets import load_prompt_datasets
+        from rllm.experimental.fully_async.data.prompts import PromptIterator
+        from rllm.experimental.fully_async.engines.client import EngineClient
+        from rllm.experimental.fully_async.runtime.rollout.executor import ExecutorSettings
+        from rllm.experimental.fully_async.runtime.rollout.ledger_journal import journaled_ledger
+        from rllm.experimental.fully_async.workflows import IsolatedReward, build_workflow, load_reward_fn
+
+        logging.basicConfig(level=os.environ.get("RLLM_LOG_LEVEL", "WARNING"))
+        self.spec = spec
+        ex, data = spec.executor, spec.executor.data
+        self.tokenizer = AutoTokenizer.from_pretrained(spec.engines.model_path)  # the engines' model, its tokens
+        # User code (rewards, environments, tools) runs in these worker processes, where a timeout kills a hung call
+        # (workers/pool.py); they exit with this process.
+        self.pool = _worker_pool(ex)
+        self.reward_fn = load_reward_fn(ex, self.pool)
+        uses_reward = ex.workflow_path is None and (ex.workflow_name == "single_turn" or ex.reward_fn_path)
+        if isinstance(self.reward_fn, IsolatedReward) and uses_reward:
+            self.pool.preload += (self.reward_fn.reference,)
+        # Under on_engine_failure=restart a request finding no live engine waits for a restarted one (the
+        # supervisor gives a restart startup_timeout_s) rather than failing its sample.
+        restarting = spec.engines.on_engine_failure == "restart"
+        self.client = EngineClient(
+            engine_urls,
+            request_timeout_s=spec.engines.request_timeout_s,
+            partial_rollout=ex.partial_rollout,
+            wait_for_engine_s=spec.engines.startup_timeout_s + 30.0 if restarting else 0.0,
+            api_key=api_key or None,
+            sampling_seed=spec.engines.sampling_seed,
+        )
+        # The journal (every sample's issue and end, for the exactly-once audit) lives in the run dir. A relative
+        # run.dir is resolved against this worker's cwd, which Ray gives the driver's. A fresh run starts it empty
+        # at its first record; a resume cuts it back to the checkpoint (`SampleLedger.load_state_dict`).
+        ledger = journaled_ledger(Path(spec.run.dir).absolute() / "ledger.jsonl")
+        train, val = load_prompt_datasets(data, self.tokenizer)
+        if state is None:  # a resumed ledger has them already
+            for rejected in train.rejected:
+                # Left out before any rollout, yet still a prompt the user gave: the ledger accounts for it.
+                uid = rejected_prompt_uid(rejected.index)
+                ledger.issue([uid])
+                ledger.mark_filtered([uid], rejected.reason)
+        self.val: list = []
+        if val is not None:
+            self.val = list(PromptIterator(val, seed=0, num_epochs=1, shuffle=False))[: data.val_size]
+        prompts = PromptIterator(train, seed=data.seed, num_epochs=data.total_epochs, shuffle=data.shuffle)
+        settings = ExecutorSettings.from_spec(spec)
+        queued = queued or []
+        queue = MessageQueue(max_groups=max(ex.queue_max_groups, len(queued)))
+        self.workflow = build_workflow(ex, self.reward_fn, self.pool)
+        self.val_workflow = build_workflow(ex, self.reward_fn, self.pool, held_out=True) if ex.rllm_functions else None
+        executor = RolloutExecutor(
+            settings,
+            prompts,
+            self.workflow,
+            self.client,
+            self.tokenizer,
+            queue,
+            group_filter=build_group_filter(ex.group_filter),
+            ledger=ledger,
+        )
+        if state is not None:
+            executor.load_state_dict(state, queued)
+            queue.put(queued)
+        # Validations beside training, pinned to one weight version (runtime/rollout/validation.py).
+        self.gate = SyncGate()
+        self.gate_timeout_s = spec.param_sync.timeout_s
+        self.service = RolloutService(
+            executor,
+            queue,
+            max_staleness=spec.schedule.max_staleness,
+            gate=self.gate,
+            # Under the driver's 120 s wait for write_checkpoint (a sync to wait out, the collection, the continue):
+            # a call held by a paused SGLang engine only returns at the continue, so the collection ends by timeout.
+            collect_timeout_s=min(spec.param_sync.timeout_s, CHECKPOINT_COLLECT_TIMEOUT_S),
+        )
+        self._validation: asyncio.Task | None = None
+        self._finished_validations: list[dict[str, float]] = []
+
+    async def run(self) -> dict:
+        return await self.service.run()
+
+    async def take_batch(self, request: BatchRequest) -> Batch:
+        batch = await self.service.take_batch(request)
+        if self._validation is not None and not self._validation.done():
+            batch = dataclasses.replace(batch, validating=True)
+        return batch
+
+    def acknowledge(self, ack: Ack) -> None:
+        self.service.acknowledge(ack)
+
+    async def write_checkpoint(self, directory: str) -> dict[str, Any]:
+        return await self.service.write_checkpoint(directory)
+
+    def set_paused(self, paused: bool) -> None:
+        self.service.executor.set_paused(paused)
+
+    def stop(self) -> None:
+        self.service.stop()
+
+    def ledger_counts(self) -> dict:
+        return self.service.ledger.counts()
+
+    def metrics(self) -> dict[str, float]:
+        return self.service.metrics()
+
+    def replace_engine(self, old_url: str, new_url: str) -> None:
+        """Route rollouts to a restarted engine (already at the trainer's weights) instead of its dead predecessor."""
+        self.client.replace_engine(old_url, new_url)
+
+    async def begin_weight_sync(self) -> float:
+        return await self.gate.begin_sync(self.gate_timeout_s)
+
+    async def end_weight_sync(self) -> None:
+        await self.gate.end_sync()
+
+    async def start_validation(self, step: int) -> tuple[bool, list[dict[str, float]]]:
+        """Start a validation of the weights the engines hold now, in the background, unless one is running.
+        Returns whether it started, and the results of validations finished since the last call."""
+        finished, self._finished_validations = self._finished_validations, []
+        if self._validation is not None and not self._validation.done():
+            return False, finished
+        self._validation = asyncio.create_task(self._validate_pinned(step))
+        return True, finished
+
+    async def finished_validations(self) -> list[dict[str, float]]:
+        """Wait for a running validation, then return every result not yet returned (the end of a run)."""
+        if self._validation is not None:
+            await asyncio.gather(self._validation, return_exceptions=True)  # its own errors are in its result
+        finished, self._finished_validations = self._finished_validations, []
+        return finished
+
+    async def _validate_pinned(self, step: int) -> None:
+        started, started_at = time.monotonic(), time.time()
+        try:
+            async with self.gate.validation(self.gate_timeout_s):
+                urls = self.client.alive_urls
+                versions = await asyncio.gather(*(self.client.get_weight_version(u) for u in urls))
+                pinned = pinned_version(dict(zip(urls, versions, strict=True)))
+                result = await self.validate(step)
+            off = result.get("val/min_version", pinned) != pinned or result.get("val/version", pinned) != pinned
+            result |= {"val/pinned_version": float(pinned), "val/off_version_answers": float(off)}
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # an engine error or a timeout: this validation is lost, the run goes on
+            logger.warning("validation started at step %d failed: %s: %s", step, type(exc).__name__, exc)
+            result = {"val/failed": 1.0}
+        result |= {
+            "val/step": float(step),
+            "val/duration_s": time.monotonic() - started,
+            "val/started_at": started_at,  # wall clock, comparable with metrics.jsonl's `time`
+            "val/finished_at": time.time(),
+        }
+        self._finished_validations.append(result)
+
+    async def validate(self, step: int | None = None) -> dict:
+        """Held-out accuracy; `step` names the validation dump file (default: the batches taken so far)."""
+        from rllm.experimental.fully_async.runtime.rollout.validation import evaluate
+
+        if not self.val:
+            return {}
+        ex = self.spec.executor
+        if ex.workflow_path is not None or ex.workflow_name != "single_turn":
+            return await self._validate_episodes(self.service.batches_taken if step is None else step)
+        result = await evaluate(
+            self.client,
+            self.tokenizer,
+            self.val,
+            self.reward_fn,
+            max_new_tokens=ex.sampling.max_new_tokens,
+            reward_timeout_s=ex.reward_timeout_s,
+        )
+        return {
+            "val/accuracy": result.accuracy,
+            "val/num_prompts": float(result.num_prompts),
+            "val/num_failed": float(result.num_failed),
+            "val/version": float(max(result.versions, default=-1)),
+            "val/min_version": float(min(result.versions, default=-1)),
+        }
+
+    async def _validate_episodes(self, step: int) -> dict:
+        from rllm.experimental.fully_async.runtime.rollout.validation import evaluate_episodes
+
+        spec = self.spec.executor.validation
+        assert spec is not None, "build_run_spec always sets ExecutorSpec.validation"
+        sampling = {"temperature": spec.temperature, "top_p": spec.top_p, "top_k": spec.top_k}
+        result, episodes = await evaluate_episodes(
+            self.val_workflow or self.workflow, self.client, self.tokenizer, self.val, n=spec.n, sampling=sampling
+        )
+        if self.spec.run.validation_data_dir:
+            from rllm.experimental.fully_async.observe.dumps import write_episodes
+
+            write_episodes(Path(self.spec.run.validation_data_dir), step, episodes, self.tokenizer)
+        return {
+            "val/accuracy": result.accuracy,
+            "val/num_prompts": float(result.num_prompts),
+            "val/num_failed": float(result.num_failed),
+            "val/version": float(max(result.versions, default=-1)),
+            **result.metadata_metrics,
+        }
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+        self.pool.close()
+
+
+def _worker_pool(executor: ExecutorSpec) -> Any:
+    """The worker pool for user code, its workers preloading the environment's and the reward's modules so that
+    no call's timeout pays for an import."""
+    from rllm.experimental.fully_async.workers.pool import DEFAULT_PRELOAD, WorkerPool
+    from rllm.experimental.fully_async.workflows import env_spec
+
+    preload = list(DEFAULT_PRELOAD)
+    if executor.agent is not None:  # a multi_turn workflow (no workflow.path)
+        preload.append(env_spec(executor.agent).reference)
+    return WorkerPool(max_workers=2, preload=tuple(preload))
