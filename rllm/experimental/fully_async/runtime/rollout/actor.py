@@ -13,18 +13,15 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ray
 
 from rllm.experimental.fully_async.api.step_messages import Ack, Batch, BatchRequest
-from rllm.experimental.fully_async.runtime.rollout.executor import RolloutExecutor
-from rllm.experimental.fully_async.runtime.rollout.message_queue import MessageQueue
-from rllm.experimental.fully_async.runtime.rollout.service import CHECKPOINT_COLLECT_TIMEOUT_S, RolloutService
-from rllm.experimental.fully_async.runtime.rollout.validation import SyncGate, pinned_version
-
-if TYPE_CHECKING:
-    from rllm.experimental.fully_async.run_spec import ExecutorSpec, RunSpec
+from rllm.experimental.fully_async.observe.dumps import write_episodes
+from rllm.experimental.fully_async.run_spec import RunSpec
+from rllm.experimental.fully_async.runtime.rollout.build import build_rollout_process
+from rllm.experimental.fully_async.runtime.rollout.validation import evaluate, evaluate_episodes, pinned_version
 
 logger = logging.getLogger(__name__)
 
@@ -42,84 +39,12 @@ class RolloutServiceActor:
         queued: list | None = None,
         api_key: str = "",
     ) -> None:
-        from transformers import AutoTokenizer
-
-        from rllm.experimental.fully_async.algorithms.filters import build_group_filter
-        from rllm.experimental.fully_async.core.ids import rejected_prompt_uid
-        from rllm.experimental.fully_async.data.datasets import load_prompt_datasets
-        from rllm.experimental.fully_async.data.prompts import PromptIterator
-        from rllm.experimental.fully_async.engines.client import EngineClient
-        from rllm.experimental.fully_async.runtime.rollout.executor import ExecutorSettings
-        from rllm.experimental.fully_async.runtime.rollout.ledger_journal import journaled_ledger
-        from rllm.experimental.fully_async.workflows import IsolatedReward, build_workflow, load_reward_fn
-
         logging.basicConfig(level=os.environ.get("RLLM_LOG_LEVEL", "WARNING"))
-        self.spec = spec
-        ex, data = spec.executor, spec.executor.data
-        self.tokenizer = AutoTokenizer.from_pretrained(spec.engines.model_path)  # the engines' model, its tokens
-        # User code (rewards, environments, tools) runs in these worker processes, where a timeout kills a hung call
-        # (workers/pool.py); they exit with this process.
-        self.pool = _worker_pool(ex)
-        self.reward_fn = load_reward_fn(ex, self.pool)
-        uses_reward = ex.workflow_path is None and (ex.workflow_name == "single_turn" or ex.reward_fn_path)
-        if isinstance(self.reward_fn, IsolatedReward) and uses_reward:
-            self.pool.preload += (self.reward_fn.reference,)
-        # Under on_engine_failure=restart a request finding no live engine waits for a restarted one (the
-        # supervisor gives a restart startup_timeout_s) rather than failing its sample.
-        restarting = spec.engines.on_engine_failure == "restart"
-        self.client = EngineClient(
-            engine_urls,
-            request_timeout_s=spec.engines.request_timeout_s,
-            partial_rollout=ex.partial_rollout,
-            wait_for_engine_s=spec.engines.startup_timeout_s + 30.0 if restarting else 0.0,
-            api_key=api_key or None,
-            sampling_seed=spec.engines.sampling_seed,
-        )
-        # The journal (every sample's issue and end, for the exactly-once audit) lives in the run dir. A relative
-        # run.dir is resolved against this worker's cwd, which Ray gives the driver's. A fresh run starts it empty
-        # at its first record; a resume cuts it back to the checkpoint (`SampleLedger.load_state_dict`).
-        ledger = journaled_ledger(Path(spec.run.dir).absolute() / "ledger.jsonl")
-        train, val = load_prompt_datasets(data, self.tokenizer)
-        if state is None:  # a resumed ledger has them already
-            for rejected in train.rejected:
-                # Left out before any rollout, yet still a prompt the user gave: the ledger accounts for it.
-                uid = rejected_prompt_uid(rejected.index)
-                ledger.issue([uid])
-                ledger.mark_filtered([uid], rejected.reason)
-        self.val: list = []
-        if val is not None:
-            self.val = list(PromptIterator(val, seed=0, num_epochs=1, shuffle=False))[: data.val_size]
-        prompts = PromptIterator(train, seed=data.seed, num_epochs=data.total_epochs, shuffle=data.shuffle)
-        settings = ExecutorSettings.from_spec(spec)
-        queued = queued or []
-        queue = MessageQueue(max_groups=max(ex.queue_max_groups, len(queued)))
-        self.workflow = build_workflow(ex, self.reward_fn, self.pool)
-        self.val_workflow = build_workflow(ex, self.reward_fn, self.pool, held_out=True) if ex.rllm_functions else None
-        executor = RolloutExecutor(
-            settings,
-            prompts,
-            self.workflow,
-            self.client,
-            self.tokenizer,
-            queue,
-            group_filter=build_group_filter(ex.group_filter),
-            ledger=ledger,
-        )
-        if state is not None:
-            executor.load_state_dict(state, queued)
-            queue.put(queued)
-        # Validations beside training, pinned to one weight version (runtime/rollout/validation.py).
-        self.gate = SyncGate()
+        process = build_rollout_process(spec, engine_urls, state, queued, api_key)
+        self.spec, self.service, self.client, self.tokenizer = spec, process.service, process.client, process.tokenizer
+        self.pool, self.reward_fn, self.gate = process.pool, process.reward_fn, process.gate
+        self.workflow, self.val_workflow, self.val = process.workflow, process.val_workflow, process.val_prompts
         self.gate_timeout_s = spec.param_sync.timeout_s
-        self.service = RolloutService(
-            executor,
-            queue,
-            max_staleness=spec.schedule.max_staleness,
-            gate=self.gate,
-            # Under the driver's 120 s wait for write_checkpoint (a sync to wait out, the collection, the continue):
-            # a call held by a paused SGLang engine only returns at the continue, so the collection ends by timeout.
-            collect_timeout_s=min(spec.param_sync.timeout_s, CHECKPOINT_COLLECT_TIMEOUT_S),
-        )
         self._validation: asyncio.Task | None = None
         self._finished_validations: list[dict[str, float]] = []
 
@@ -201,8 +126,6 @@ class RolloutServiceActor:
 
     async def validate(self, step: int | None = None) -> dict:
         """Held-out accuracy; `step` names the validation dump file (default: the batches taken so far)."""
-        from rllm.experimental.fully_async.runtime.rollout.validation import evaluate
-
         if not self.val:
             return {}
         ex = self.spec.executor
@@ -225,8 +148,6 @@ class RolloutServiceActor:
         }
 
     async def _validate_episodes(self, step: int) -> dict:
-        from rllm.experimental.fully_async.runtime.rollout.validation import evaluate_episodes
-
         spec = self.spec.executor.validation
         assert spec is not None, "build_run_spec always sets ExecutorSpec.validation"
         sampling = {"temperature": spec.temperature, "top_p": spec.top_p, "top_k": spec.top_k}
@@ -234,8 +155,6 @@ class RolloutServiceActor:
             self.val_workflow or self.workflow, self.client, self.tokenizer, self.val, n=spec.n, sampling=sampling
         )
         if self.spec.run.validation_data_dir:
-            from rllm.experimental.fully_async.observe.dumps import write_episodes
-
             write_episodes(Path(self.spec.run.validation_data_dir), step, episodes, self.tokenizer)
         return {
             "val/accuracy": result.accuracy,
@@ -248,15 +167,3 @@ class RolloutServiceActor:
     async def aclose(self) -> None:
         await self.client.aclose()
         self.pool.close()
-
-
-def _worker_pool(executor: ExecutorSpec) -> Any:
-    """The worker pool for user code, its workers preloading the environment's and the reward's modules so that
-    no call's timeout pays for an import."""
-    from rllm.experimental.fully_async.workers.pool import DEFAULT_PRELOAD, WorkerPool
-    from rllm.experimental.fully_async.workflows import env_spec
-
-    preload = list(DEFAULT_PRELOAD)
-    if executor.agent is not None:  # a multi_turn workflow (no workflow.path)
-        preload.append(env_spec(executor.agent).reference)
-    return WorkerPool(max_workers=2, preload=tuple(preload))
