@@ -16,7 +16,8 @@ from typing import Any
 
 import ray
 
-from rllm.experimental.fully_async.runtime.trainer.build import _master_address, build_trainer
+from rllm.experimental.fully_async.runtime.checkpoints.trainer_state import load_trainer_part, write_trainer_part
+from rllm.experimental.fully_async.runtime.trainer.build import build_trainer, param_sync_factory
 
 logger = logging.getLogger(__name__)
 
@@ -73,36 +74,10 @@ class FullyAsyncTrainerActor:
         honours is read from it. `api_key`: the engines' per-run secret (None on loopback); `ranks`: the trainer
         ranks' Ray options and devices from a cluster placement ({"options", "devices"}; None on one host);
         `record`: where this trainer writes the batch record (run.record_batches; runtime/trainer/record.py)."""
-        from rllm.experimental.fully_async.runtime.sync.param_sync import (
-            ParamSync,
-            resolve_sync_dtype,
-            transport_from_config,
-        )
-
         logging.basicConfig(level=os.environ.get("RLLM_LOG_LEVEL", "WARNING"))
-        sync = spec.param_sync
-
-        def param_sync_for(backend: Any, param_dtype: str) -> Any:
-            # disk: an HF folder per version; distributed (or nccl): buckets broadcast by the process that holds full
-            # parameters (this one, or trainer rank 0 with several ranks), reached by the engines at master_address.
-            dtype = resolve_sync_dtype(sync.dtype, spec.trainer.device, param_dtype)
-            return ParamSync(
-                engine_urls,
-                transport_from_config(sync, backend, dtype, master_address=_master_address(sync, backend, engine_urls)),
-                pause_timeout_s=sync.timeout_s,
-                update_timeout_s=sync.timeout_s,
-                continue_timeout_s=sync.timeout_s,
-                weights_dtype=dtype,
-                api_key=api_key,
-            )
-
-        self.trainer = build_trainer(
-            spec,
-            _RolloutServiceClient(rollouts, sync_gate_timeout_s=sync.timeout_s),
-            param_sync_for,
-            ranks=ranks,
-            record=record,
-        )
+        rollout_source = _RolloutServiceClient(rollouts, sync_gate_timeout_s=spec.param_sync.timeout_s)
+        param_sync_for = param_sync_factory(spec, engine_urls, api_key)
+        self.trainer = build_trainer(spec, rollout_source, param_sync_for, ranks=ranks, record=record)
         self.backend = self.trainer.backend
         self.param_sync = self.trainer.param_sync
 
@@ -120,15 +95,11 @@ class FullyAsyncTrainerActor:
         temporary directory: trainer.pt from this process, the policy's torch.distributed.checkpoint shards from
         every rank (runtime/checkpoints/trainer_state.py; the weights never travel through the driver, nor to one rank).
         Returns the manifest entries and the version the checkpoint is at."""
-        from rllm.experimental.fully_async.runtime.checkpoints.trainer_state import write_trainer_part
-
         self.trainer.flush_ack()
         return {"files": write_trainer_part(Path(directory), self.trainer), "version": self.trainer.version}
 
     def load_checkpoint(self, directory: str, state: dict) -> None:
         """Restore from the checkpoint in `directory`, whose trainer.pt (verified by the driver) is `state`."""
-        from rllm.experimental.fully_async.runtime.checkpoints.trainer_state import load_trainer_part
-
         load_trainer_part(Path(directory), state, self.trainer)
 
     def shutdown(self) -> None:

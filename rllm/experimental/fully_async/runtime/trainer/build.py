@@ -13,6 +13,21 @@ from typing import Any
 
 import ray
 from omegaconf import OmegaConf
+from transformers import AutoTokenizer
+
+from rllm.experimental.fully_async.algorithms.corrections import corrector_for
+from rllm.experimental.fully_async.backends.critic import FSDPCriticBackend
+from rllm.experimental.fully_async.backends.fsdp import FSDPPolicyBackend, build_actor_config, model_dtype
+from rllm.experimental.fully_async.backends.megatron import build_megatron_backend
+from rllm.experimental.fully_async.backends.verl_patch import require_patched_verl
+from rllm.experimental.fully_async.core.adaptive_staleness import StalenessController
+from rllm.experimental.fully_async.core.addresses import resolve_master_address
+from rllm.experimental.fully_async.observe.dumps import write_training_batch
+from rllm.experimental.fully_async.run_spec import RunSpec, thaw
+from rllm.experimental.fully_async.runtime.sync.param_sync import ParamSync, resolve_sync_dtype, transport_from_config
+from rllm.experimental.fully_async.runtime.trainer.fully_async_trainer import FullyAsyncTrainer, TrainerSettings
+from rllm.experimental.fully_async.runtime.trainer.ranks import DistributedPolicyBackend
+from rllm.experimental.fully_async.runtime.trainer.record import BatchRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -25,8 +40,6 @@ def build_policy_backend(t: Any, correction: Any = None, ranks: dict | None = No
     `correction` (algorithms.corrections) may replace verl's loss with the decoupled one; `ranks`: a cluster
     placement's Ray options and devices for the rank actors.
     """
-    from rllm.experimental.fully_async.backends.fsdp import FSDPPolicyBackend, build_actor_config, model_dtype
-    from rllm.experimental.fully_async.run_spec import thaw
 
     actor_cfg = OmegaConf.create(thaw(t.actor))  # verl builds its own dataclasses from a mutable copy
     # prox_log_probs=previous: the backend keeps its weights from before each step
@@ -35,8 +48,6 @@ def build_policy_backend(t: Any, correction: Any = None, ranks: dict | None = No
         # decoupled PPO with the proximal policy from the update itself: its loss replaces verl's vanilla one
         actor_cfg.policy_loss.loss_mode = correction.policy_loss_mode
     if t.strategy == "megatron":  # verl's Megatron worker, CUDA only (backends/megatron.py)
-        from rllm.experimental.fully_async.backends.megatron import build_megatron_backend
-
         rollout_ref = OmegaConf.create(thaw(t.actor_rollout_ref))
         rollout_ref.actor = actor_cfg  # with the decoupled loss, if any
         backend = build_megatron_backend(rollout_ref, seed=t.seed)
@@ -45,7 +56,6 @@ def build_policy_backend(t: Any, correction: Any = None, ranks: dict | None = No
         # N rank actors in one torch.distributed group (gloo on CPU, NCCL on GPU), each with its FSDP2 shard;
         # one optimizer step per batch across them (runtime/trainer/ranks.py). verl counts trainer devices as
         # n_gpus_per_node x nnodes: one rank per device.
-        from rllm.experimental.fully_async.runtime.trainer.ranks import DistributedPolicyBackend
 
         backend: Any = DistributedPolicyBackend(
             t.model_path,
@@ -73,8 +83,6 @@ def build_policy_backend(t: Any, correction: Any = None, ranks: dict | None = No
 
 def build_critic_backend(t: Any) -> Any:
     """The value model a trainer spec asks for (algorithm.adv_estimator=gae): verl's critic on the policy's folder."""
-    from rllm.experimental.fully_async.backends.critic import FSDPCriticBackend
-    from rllm.experimental.fully_async.run_spec import thaw
 
     return FSDPCriticBackend(t.model_path, OmegaConf.create(thaw(t.critic)), seed=t.seed)
 
@@ -82,7 +90,6 @@ def build_critic_backend(t: Any) -> Any:
 def _master_address(sync: Any, backend: Any, engine_urls: list[str]) -> str:
     """param_sync.master_address resolved (core/addresses.py): rank 0 is this process, or the worker group's
     rank 0 actor, which may run on another node."""
-    from rllm.experimental.fully_async.core.addresses import resolve_master_address
 
     if sync.transport == "disk":
         return "127.0.0.1"  # unused
@@ -104,12 +111,6 @@ def build_trainer(
     (None: no engines; a sync then only bumps the version, as in replay); `record`: a RecordTarget
     (runtime/trainer/record.py) or None.
     """
-    from transformers import AutoTokenizer
-
-    from rllm.experimental.fully_async.algorithms.corrections import corrector_for
-    from rllm.experimental.fully_async.backends.verl_patch import require_patched_verl
-    from rllm.experimental.fully_async.core.adaptive_staleness import StalenessController
-    from rllm.experimental.fully_async.runtime.trainer.fully_async_trainer import FullyAsyncTrainer, TrainerSettings
 
     require_patched_verl()
     t = spec.trainer
@@ -134,8 +135,6 @@ def build_trainer(
     adaptive = spec.schedule.adaptive
     recorder = None
     if record is not None:
-        from rllm.experimental.fully_async.runtime.trainer.record import BatchRecorder
-
         recorder = BatchRecorder(record, backend)
     return FullyAsyncTrainer(
         settings,
@@ -156,6 +155,27 @@ def _training_dump(directory: str | None, tokenizer: Any) -> Any:
     if not directory:
         return None
 
-    from rllm.experimental.fully_async.observe.dumps import write_training_batch
-
     return lambda step, groups, data: write_training_batch(Path(directory), step, groups, data, tokenizer)
+
+
+def param_sync_factory(spec: RunSpec, engine_urls: list[str], api_key: str | None) -> Any:
+    """`param_sync_for(backend, param_dtype)`: the run's ParamSync over `engine_urls`, once the backend exists.
+
+    disk: an HF folder per version; distributed (or nccl): buckets broadcast by the process that holds full parameters
+    (this one, or trainer rank 0 with several ranks), reached by the engines at param_sync.master_address.
+    """
+    sync = spec.param_sync
+
+    def param_sync_for(backend: Any, param_dtype: str) -> ParamSync:
+        dtype = resolve_sync_dtype(sync.dtype, spec.trainer.device, param_dtype)
+        return ParamSync(
+            engine_urls,
+            transport_from_config(sync, backend, dtype, master_address=_master_address(sync, backend, engine_urls)),
+            pause_timeout_s=sync.timeout_s,
+            update_timeout_s=sync.timeout_s,
+            continue_timeout_s=sync.timeout_s,
+            weights_dtype=dtype,
+            api_key=api_key,
+        )
+
+    return param_sync_for
