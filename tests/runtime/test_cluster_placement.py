@@ -34,7 +34,7 @@ from rllm.experimental.fully_async.engines.launcher import EmbeddedEngineCommand
 from rllm.experimental.fully_async.engines.supervisor import EngineSupervisor
 from rllm.experimental.fully_async.runtime.cluster.multi_node import cluster_gpu_nodes, reserve
 from rllm.experimental.fully_async.runtime.cluster.engine_hosts import ClusterEngines
-from rllm.experimental.fully_async.runtime.trainer.ranks import _PolicyRank
+from rllm.experimental.fully_async.runtime.trainer.rank import PolicyRank
 
 model_path, log_dir = sys.argv[1], sys.argv[2]
 
@@ -63,7 +63,7 @@ try:
     out["bundles"] = [(names[table["bundles_to_node_id"][i]], b) for i, b in enumerate(table["bundles"].values())]
     out["strategy"] = table["strategy"]
 
-    ranks = [_PolicyRank.options(**options).remote(r, 2, "cuda", devices)
+    ranks = [PolicyRank.options(**options).remote(r, 2, "cuda", devices)
              for r, (options, devices) in enumerate(zip(placement.rank_options(), placement.rank_devices()))]
     out["ranks"] = [(names[p["node_id"]], p["cuda_visible_devices"])
                     for p in ray.get([rank.placement.remote() for rank in ranks], timeout=60)]
