@@ -17,6 +17,49 @@ import ray
 logger = logging.getLogger(__name__)
 
 
+def build_rank_backend(
+    rank: int,
+    world: int,
+    device: str,
+    rendezvous: dict,
+    model_path: str,
+    actor_cfg: dict,
+    kwargs: dict,
+    timeout_s: float,
+) -> Any:
+    """One rank of the trainer's worker group: join its torch.distributed group (NCCL on GPU, gloo on CPU), then
+    build the FSDPPolicyBackend that holds this rank's shard.
+
+    Rendezvous: `{"store_path"}` on one machine (a FileStore in a private folder; gloo/NCCL sockets kept on the
+    loopback interface), `{"address", "port"}` across machines (TCP at rank 0's node).
+    """
+    # Imported here, not at the top: verl reads torch.cuda.is_available() when it is imported
+    # (verl/utils/device.py), and this module is imported in the rank's process before PolicyRank.__init__ sets the
+    # rank's CUDA_VISIBLE_DEVICES.
+    import torch.distributed as dist
+
+    from rllm.experimental.fully_async.backends.fsdp import FSDPPolicyBackend
+
+    backend = "nccl" if device == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "store_path" in rendezvous:
+        for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            os.environ.setdefault(var, "lo")  # one machine: nothing leaves loopback
+        store = dist.FileStore(rendezvous["store_path"], world)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    else:
+        init = f"tcp://{rendezvous['address']}:{rendezvous['port']}"
+        dist.init_process_group(backend, init_method=init, rank=rank, world_size=world, timeout=timeout)
+    # verl's actor prints its settings ("Actor use_remove_padding=False", ...) from rank 0; Ray would forward
+    # them to the console between progress lines. Keep them in the debug log instead.
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        policy = FSDPPolicyBackend(model_path, actor_cfg, **kwargs)
+    if printed.getvalue().strip():
+        logger.debug("rank %d: %s", rank, printed.getvalue().strip())
+    return policy
+
+
 # "weights": rank 0's end of the distributed weight transport (runtime/sync/sender.py), beside the training calls,
 # which keep the default group (one at a time, in order, as their collectives need).
 @ray.remote(concurrency_groups={"weights": 4})
@@ -45,27 +88,10 @@ class PolicyRank:
         return ray.util.get_node_ip_address()
 
     def setup(self, rendezvous: dict, model_path: str, actor_cfg: dict, kwargs: dict, timeout_s: float) -> int:
-        import torch.distributed as dist
-
-        from rllm.experimental.fully_async.backends.fsdp import FSDPPolicyBackend
-
-        backend = "nccl" if self.device == "cuda" else "gloo"
-        timeout = datetime.timedelta(seconds=timeout_s)
-        if "store_path" in rendezvous:
-            for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-                os.environ.setdefault(var, "lo")  # one machine: nothing leaves loopback
-            store = dist.FileStore(rendezvous["store_path"], self.world)
-            dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world, timeout=timeout)
-        else:
-            init = f"tcp://{rendezvous['address']}:{rendezvous['port']}"
-            dist.init_process_group(backend, init_method=init, rank=self.rank, world_size=self.world, timeout=timeout)
-        # verl's actor prints its settings ("Actor use_remove_padding=False", ...) from rank 0; Ray would forward
-        # them to the console between progress lines. Keep them in the debug log instead.
-        printed = io.StringIO()
-        with contextlib.redirect_stdout(printed):
-            self.backend = FSDPPolicyBackend(model_path, actor_cfg, **kwargs)
-        if printed.getvalue().strip():
-            logger.debug("rank %d: %s", self.rank, printed.getvalue().strip())
+        """Join the process group and build this rank's backend (`build_rank_backend`); returns this process's pid."""
+        self.backend = build_rank_backend(
+            self.rank, self.world, self.device, rendezvous, model_path, actor_cfg, kwargs, timeout_s
+        )
         return os.getpid()
 
     def call(self, method: str, *args: Any) -> Any:
