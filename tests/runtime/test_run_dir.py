@@ -193,7 +193,7 @@ def test_the_cli_on_a_finished_run_dir_prints_one_line_and_exits_0_without_ray(
 ):
     from run_helpers import QUICK_WARMUP_STEPS
 
-    from rllm.experimental.fully_async.runtime.run import driver as run_module
+    from rllm.experimental.fully_async.runtime.run import build as run_module
 
     def must_not_start(*args, **kwargs):
         raise AssertionError("a finished run directory must not start engines or Ray")
@@ -208,7 +208,7 @@ def test_the_cli_on_a_finished_run_dir_prints_one_line_and_exits_0_without_ray(
     args = [f"run.dir={run_dir}", f"task.cache_dir={addition_cache}", f"task.warmup_steps={QUICK_WARMUP_STEPS}"]
     args.append("trainer.total_training_steps=2")
     cfg = load_config(None, args)
-    from rllm.experimental.fully_async.runtime.run.driver import prepare_task
+    from rllm.experimental.fully_async.runtime.run.prepare import prepare_task
 
     prepare_task(cfg)  # config.yaml as the run saved it: with the task's paths filled in
     settle_run_dir(cfg)

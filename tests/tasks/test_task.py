@@ -172,7 +172,7 @@ def test_preparing_the_task_for_a_run_prints_no_progress_bar(tmp_path, capfd):
     """A cold cache saves the warmed-up model: transformers' "Writing model shards" bar must not reach the console."""
     from transformers.utils import logging as hf_logging
 
-    from rllm.experimental.fully_async.runtime.run.driver import prepare_task
+    from rllm.experimental.fully_async.runtime.run.prepare import prepare_task
     from rllm.experimental.fully_async.settings.loader import load_config
 
     cfg = load_config(None, [f"task.cache_dir={tmp_path}", "task.warmup_steps=3"])

@@ -9,7 +9,6 @@ Everything started here is stopped in `finally`, so a failed or interrupted run 
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import signal
@@ -19,11 +18,11 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import ray
 from omegaconf import DictConfig, OmegaConf
 
-from rllm.experimental.fully_async.api.rollout_functions import RolloutFunctions, with_rllm_functions
-from rllm.experimental.fully_async.engines.from_config import engine_launcher
-from rllm.experimental.fully_async.engines.launcher import interrupts_deferred
+from rllm.experimental.fully_async.api.rollout_functions import RolloutFunctions
+from rllm.experimental.fully_async.engines.supervisor import EngineReplaced
 from rllm.experimental.fully_async.errors import FullyAsyncError
 from rllm.experimental.fully_async.observe.metrics_sink import (
     MetricsSink,
@@ -33,18 +32,16 @@ from rllm.experimental.fully_async.observe.metrics_sink import (
     run_outputs,
 )
 from rllm.experimental.fully_async.observe.progress import Progress
-from rllm.experimental.fully_async.run_spec import build_run_spec
-from rllm.experimental.fully_async.runtime.cluster.multi_node import start_on_cluster
-from rllm.experimental.fully_async.runtime.cluster.one_host import (
-    host_plan,
-    ray_gpu_environment,
-    ray_num_gpus,
-    trainer_actor_gpus,
+from rllm.experimental.fully_async.runtime.checkpoints.store import (
+    CheckpointManager,
+    config_hash,
+    find_resume_checkpoint,
+    load_checkpoint,
 )
-from rllm.experimental.fully_async.runtime.cluster.ray_session import init_ray
-from rllm.experimental.fully_async.runtime.run.prepare import check_data, prepare_task
+from rllm.experimental.fully_async.runtime.run.build import prepare_run, start_processes
+from rllm.experimental.fully_async.runtime.run.run_dir import mark_finished
 
-__all__ = ["Run", "RunFailedError", "check_data", "init_ray", "prepare_task", "train"]
+__all__ = ["Run", "RunFailedError", "train"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,43 +71,11 @@ class Run:
     # ---- start ---------------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        import ray
-
-        from rllm.experimental.fully_async.backends.verl_patch import require_patched_verl
-        from rllm.experimental.fully_async.engines.supervisor import EngineSupervisor
-        from rllm.experimental.fully_async.runtime.checkpoints.store import (
-            CheckpointManager,
-            find_resume_checkpoint,
-            load_checkpoint,
-        )
-        from rllm.experimental.fully_async.runtime.cluster.ray_session import ray_lifetime
-        from rllm.experimental.fully_async.runtime.rollout.actor import RolloutServiceActor
-        from rllm.experimental.fully_async.runtime.run.run_dir import settle_run_dir
-        from rllm.experimental.fully_async.runtime.trainer.actor import FullyAsyncTrainerActor
-
         cfg = self.cfg
-        require_patched_verl()
-        prepare_task(cfg)
-        num_prompts = check_data(cfg)
-        if cfg.trainer.total_training_steps is None:
-            # Until the data runs out: the LR schedule's horizon is what verl derives, batches per epoch x epochs.
-            steps = -(-num_prompts * int(cfg.trainer.total_epochs) // int(cfg.async_training.required_samples))
-            for optim in (cfg.actor_rollout_ref.actor.optim, cfg.critic.optim):
-                if optim.total_training_steps in (None, -1):
-                    optim.total_training_steps = steps
         self.run_dir = Path(cfg.run.dir)
-        settle_run_dir(cfg)  # already finished? a fresh start? a resume whose config may change? (run_dir.py)
+        self.spec = prepare_run(cfg, self.rllm_functions, phase=self._phase)
         self.total = cfg.trainer.total_training_steps  # None: until the data (trainer.total_epochs) is exhausted
         self.container = OmegaConf.to_container(cfg, resolve=True)
-        # Built once, here, after the task filled in its paths; the actors and the rest of this run read every
-        # setting from it. The config itself is read after this line only by start-up (the metrics sink, the engine
-        # launcher) and hashed into each checkpoint (`config_hash`, which a resume compares).
-        self.spec = with_rllm_functions(build_run_spec(cfg), self.rllm_functions)
-        # Several nodes of a GPU run: the cluster's placement (runtime/cluster/multi_node.py); else this host's.
-        t, backend = self.spec.trainer, self.spec.engines.backend
-        on_cluster = t.nnodes > 1 and (backend == "sglang" or t.device == "cuda")
-        self.gpu_plan = None if on_cluster else host_plan(self.spec)
-        os.environ.setdefault("RLLM_LOG_LEVEL", self.spec.run.log_level)
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", keep_last=2)
         resume_path = find_resume_checkpoint(
             self.checkpoints.root, self.spec.run.resume_mode, self.spec.run.resume_from_path
@@ -122,51 +87,8 @@ class Run:
         self.progress = Progress(self.total)
         self._stack.callback(self.progress.close)
         self.step_count = resumed.step if resumed is not None else 0
-
-        ranks = None  # where the trainer ranks go: their node's bundle and device, on a cluster
-        if on_cluster:  # Ray first there: engines start through actors on their nodes
-            engines, ranks = start_on_cluster(self.spec, self._stack, self.run_dir / "engines")
-        else:
-            engines = self._stack.enter_context(engine_launcher(self.spec.engines, self.run_dir / "engines"))
-        self.supervisor = EngineSupervisor(
-            engines,
-            self.spec.engines.on_engine_failure,
-            max_restarts=self.spec.engines.max_restarts,
-            startup_timeout_s=self.spec.engines.startup_timeout_s,
-        )
-        # Ray sees only the plan's trainer GPUs, so no rank can land on an engine's GPU (runtime/cluster/one_host.py).
-        with ray_gpu_environment(self.gpu_plan):
-            start_ray = functools.partial(init_ray, num_gpus=ray_num_gpus(self.gpu_plan))
-            if not on_cluster:
-                self._stack.enter_context(ray_lifetime(start_ray))  # interrupts held while Ray starts (processes.py)
-        record = None  # run.record_batches: a new segment of RUN_DIR/record/, cut at the step resumed from
-        if self.spec.run.record_batches:
-            from rllm.experimental.fully_async.runtime.trainer.record import open_record
-
-            record = open_record(
-                self.run_dir,
-                self.container,
-                start_step=self.step_count,
-                resumed_from=resumed.path.resolve() if resumed is not None else None,
-                model_path=self.spec.trainer.model_path,
-            )
-        # One rollout service (executor, queue, budget, ledger) and the trainer, which takes a batch from it with
-        # one call per step; a resume hands each its own part of the checkpoint.
-        # An interrupt between creating an actor and registering its cleanup would skip that actor's own shutdown
-        # (a multi-rank trainer's ranks): it is held until both handles are registered.
-        with interrupts_deferred():
-            self.rollouts = RolloutServiceActor.remote(
-                self.spec,
-                engines.urls,
-                resumed.rollout if resumed else None,
-                resumed.queue if resumed else None,
-                api_key=engines.api_key,
-            )
-            self.trainer = FullyAsyncTrainerActor.options(num_gpus=trainer_actor_gpus(self.spec)).remote(
-                self.spec, engines.urls, self.rollouts, api_key=engines.api_key, ranks=ranks, record=record
-            )
-            self._stack.callback(_stop_actors, self.rollouts, self.trainer)
-            self._stack.callback(_shutdown_trainer, self.trainer)  # first (LIFO): a multi-rank trainer's ranks
+        processes = start_processes(self.spec, self._stack, self.run_dir, resumed, self.container, phase=self._phase)
+        self.supervisor, self.rollouts, self.trainer = processes.supervisor, processes.rollouts, processes.trainer
         self.sync_timeout_s = self.spec.param_sync.timeout_s * 4
         self.validate_timeout_s = self.spec.engines.request_timeout_s
         if resumed is not None:
@@ -183,6 +105,10 @@ class Run:
                 self.progress.message(f"initial validation accuracy {self.initial_acc:.1%} (version 0)")
         self._run_ref = self.rollouts.run.remote()
 
+    def _phase(self, name: str) -> None:
+        """A start-up phase begins (runtime/run/build.py): logged."""
+        logger.info("starting: %s", name)
+
     # ---- step ----------------------------------------------------------------------------------------------
 
     @property
@@ -191,8 +117,6 @@ class Run:
 
     def step(self) -> dict[str, float] | None:
         """One optimizer step (and a weight sync when due); None when the prompt data is exhausted."""
-        import ray
-
         step_timeout = self.spec.trainer.queue_get_timeout_s + 120
         self._watch_engines()  # between steps too: a short step never leaves the wait below to watch
         metrics = _step(self.trainer, self._run_ref, timeout_s=step_timeout, while_waiting=self._watch_engines)
@@ -223,10 +147,6 @@ class Run:
         return metrics
 
     def _watch_engines(self) -> None:
-        import ray
-
-        from rllm.experimental.fully_async.engines.supervisor import EngineReplaced
-
         for event in self.supervisor.poll():
             if isinstance(event, EngineReplaced):
                 # Weights first, then traffic: the rollouts must not go to an engine that is not yet at the
@@ -248,10 +168,6 @@ class Run:
         """Save the current step. Each actor writes its own part into the step's temporary directory (the weights
         never pass through this process); the trainer first acknowledges its last batch, so the rollout part's
         ledger has every trained sample trained. The commit then makes the checkpoint visible in one rename."""
-        import ray
-
-        from rllm.experimental.fully_async.runtime.checkpoints.store import config_hash
-
         tmp = self.checkpoints.begin(self.step_count)
         try:
             where = str(tmp.resolve())  # the actors' working directory need not be this process's
@@ -280,10 +196,6 @@ class Run:
     def stop(self) -> RunSummary:
         """The end of a run that finished: last weights to the engines, a final checkpoint, rollouts stopped, the
         final validation, and the run marked finished."""
-        import ray
-
-        from rllm.experimental.fully_async.runtime.run.run_dir import mark_finished
-
         step = self.step_count
         ray.get(self.trainer.push_last_weights.remote(), timeout=self.sync_timeout_s)  # the trainer decides
         if getattr(self, "_last_checkpoint_step", None) != step:
@@ -355,8 +267,6 @@ WATCH_INTERVAL_S = 1.0  # how often the driver checks the engine processes while
 def _step(trainer: Any, run_ref: Any, timeout_s: float, while_waiting: Any = None) -> dict[str, float] | None:
     """One train_step, failing fast if the executor died meanwhile (its error is the real cause).
     `while_waiting()` runs about every WATCH_INTERVAL_S until the step is done."""
-    import ray
-
     step_ref = trainer.train_step.remote()
     deadline = time.monotonic() + timeout_s
     while True:
@@ -374,25 +284,6 @@ def _step(trainer: Any, run_ref: Any, timeout_s: float, while_waiting: Any = Non
         if not ready:
             raise TimeoutError(f"train_step gave no result within {timeout_s:g}s after rollouts ended")
     return ray.get(step_ref)
-
-
-def _stop_actors(*handles: Any) -> None:
-    import ray
-
-    for handle in handles:
-        try:
-            ray.kill(handle)
-        except Exception:  # already gone
-            logger.debug("actor already gone", exc_info=True)
-
-
-def _shutdown_trainer(trainer: Any) -> None:
-    import ray
-
-    try:
-        ray.get(trainer.shutdown.remote(), timeout=60)
-    except Exception:  # the actor is gone or broken: killing it (next) also ends its rank actors' owner
-        logger.debug("trainer shutdown failed", exc_info=True)
 
 
 def _install_signal_handlers() -> None:
