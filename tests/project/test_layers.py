@@ -1,5 +1,5 @@
-"""The tree shows the layers: folders import only folders below them, pure code stays pure, no folder holds more than
-12 modules, and package modules import no circle.
+"""The tree shows the layers: folders import only folders below them, runtime's wings only wings below them, pure code
+stays pure, no folder holds more than 12 modules, and package modules import no circle.
 
 Built from the source's ASTs, so the rules hold without importing anything, and every import counts: at the top of a
 module, inside a function (lazy) or under `if TYPE_CHECKING`. Imports that do not meet a rule yet are listed, with
@@ -55,6 +55,19 @@ LAYERS = (
     "runner",  # rLLM's public names (a thin layer over the rest)
     "__main__",
     "__init__",  # the package's own __init__ (its version)
+)
+
+# The order of runtime/'s wings, bottom to top, enforced as the top level's is (no exception list): the checkpoint
+# store and the weight transports know no other wing; Ray's session and placement come next; the rollout service and
+# the trainer each wire their own process (each may write its part of a checkpoint, the trainer syncs weights); the
+# driver (run/) starts them all.
+RUNTIME_WINGS = (
+    "checkpoints",  # the crash-safe store, a checkpoint's files, the trainer's shards
+    "sync",  # ParamSync and its transports, both ends of the weight-update group
+    "cluster",  # Ray's session, placement on one host or a cluster, engine hosts
+    "rollout",  # the rollout service's process: service, executor, queue, ledger journal, validation
+    "trainer",  # the trainer's process and its ranks; record and replay
+    "run",  # the driver: start, step, checkpoint, stop
 )
 
 # Imports against the order, allowed for now with the reason (importer module -> imported module, package-relative).
@@ -261,6 +274,41 @@ def test_known_exceptions_are_listed_with_their_reason():
     stale = sorted(pair for pair in ORDER_ALLOWED if pair not in found)
     assert not stale, f"no longer imported, remove from ORDER_ALLOWED: {stale}"
     assert all(reason.strip() for reason in ORDER_ALLOWED.values())
+
+
+def _wing(module: str) -> str | None:
+    """The runtime wing of a package module (runtime.<wing>...), or None outside runtime's wings."""
+    parts = _short(module).split(".")
+    return parts[1] if parts[0] == "runtime" and len(parts) > 2 else None
+
+
+def wing_violations(graph: dict[str, set[str]], wings: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(importer, imported) pairs inside runtime/ where the imported module's wing comes after the importer's."""
+    rank = {wing: i for i, wing in enumerate(wings)}
+    return sorted(
+        (_short(a), _short(b))
+        for a, targets in graph.items()
+        for b in targets
+        if _wing(a) is not None and _wing(b) is not None and rank[_wing(b)] > rank[_wing(a)]
+    )
+
+
+def test_every_runtime_wing_has_a_place_in_the_order():
+    wings = {_wing(m) for m in MODULES} - {None}
+    assert wings == set(RUNTIME_WINGS), f"RUNTIME_WINGS must list exactly runtime's folders: {sorted(wings)}"
+
+
+def test_the_wing_check_sees_an_import_that_points_up():
+    graph = {f"{PREFIX}.runtime.sync.a": {f"{PREFIX}.runtime.run.b", f"{PREFIX}.runtime.checkpoints.c"}}
+    assert wing_violations(graph, RUNTIME_WINGS) == [("runtime.sync.a", "runtime.run.b")]
+
+
+def test_runtime_wings_import_only_wings_below_them():
+    against = [f"{a} -> {b}" for a, b in wing_violations(import_graph(), RUNTIME_WINGS)]
+    assert not against, (
+        f"imports against runtime's wing order ({' < '.join(RUNTIME_WINGS)}): {against}. Move what the lower wing "
+        "needs down, or the importer up"
+    )
 
 
 def _folders() -> list[Path]:
