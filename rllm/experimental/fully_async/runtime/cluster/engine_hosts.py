@@ -14,13 +14,15 @@ makes one.
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 from pathlib import Path
 from typing import Any
 
 import ray
 
-from rllm.experimental.fully_async.engines.launcher import EngineStartupError
+from rllm.experimental.fully_async.engines.from_config import engine_command
+from rllm.experimental.fully_async.engines.launcher import EngineLauncher, EngineStartupError, PlacedEngineCommand
 from rllm.experimental.fully_async.engines.supervisor import EngineDiedError
 
 logger = logging.getLogger(__name__)
@@ -35,7 +37,6 @@ class EngineHost:
     def __init__(
         self, command: Any, slots: list[tuple[int, str]], bind_host: str | None, startup_timeout_s: float, log_dir: str
     ) -> None:
-        from rllm.experimental.fully_async.engines.launcher import EngineLauncher, PlacedEngineCommand
 
         host = bind_host or ray.util.get_node_ip_address()  # reachable from the other nodes
         self.launcher = EngineLauncher(
@@ -49,7 +50,6 @@ class EngineHost:
 
     def where(self) -> dict[str, Any]:
         """This actor's node id and process id (for tests and logs)."""
-        import os
 
         return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
@@ -210,7 +210,6 @@ def cluster_engines(
 ) -> ClusterEngines:
     """The configured engines over a reserved placement, each listening on its node's address with a fresh per-run
     secret (`--api-key`; `.api_key` is what clients must send)."""
-    from rllm.experimental.fully_async.engines.from_config import engine_command
 
     api_key = secrets.token_urlsafe(32)
     return ClusterEngines(

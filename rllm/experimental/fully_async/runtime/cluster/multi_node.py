@@ -14,11 +14,20 @@ If the group cannot be reserved in time, one line names each node's bundle and w
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
-from rllm.experimental.fully_async.core.placement import PlacementError, PlacementPlan, node_bundles
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rllm.experimental.fully_async.core.placement import PlacementError, PlacementPlan, node_bundles, plan_on_nodes
+from rllm.experimental.fully_async.errors import ConfigError
+from rllm.experimental.fully_async.runtime.cluster.engine_hosts import cluster_engines
+from rllm.experimental.fully_async.runtime.cluster.ray_session import init_ray, ray_lifetime
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +46,6 @@ class ClusterNode:
 
 def cluster_gpu_nodes() -> list[ClusterNode]:
     """The connected cluster's alive nodes with GPUs, the driver's node first, then by node id (a stable order)."""
-    import ray
 
     driver = ray.get_runtime_context().get_node_id()
     nodes = [
@@ -58,7 +66,6 @@ class ClusterPlacement:
     bundle_of: dict[int, int]
 
     def _strategy(self, node: int) -> Any:
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         return PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=self.bundle_of[node])
 
@@ -78,8 +85,6 @@ class ClusterPlacement:
 
     def release(self) -> None:
         """Give the reservation back (idempotent); processes scheduled into it must be ended first."""
-        import ray
-        from ray.util.placement_group import remove_placement_group
 
         if self.group is not None and ray.is_initialized():
             remove_placement_group(self.group)
@@ -91,8 +96,6 @@ def reserve(plan: PlacementPlan, nodes: list[ClusterNode], timeout_s: float = 12
 
     Raises PlacementError (one line) when the group is not placed in time, e.g. another job holds GPUs there.
     """
-    import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
 
     if len(nodes) < len(plan.gpus_per_node):
         raise ValueError(f"the plan has {len(plan.gpus_per_node)} nodes, {len(nodes)} given")
@@ -126,13 +129,6 @@ def start_on_cluster(spec: Any, stack: Any, log_dir: Any) -> tuple[Any, dict[str
     Everything started is registered on `stack` (an ExitStack), so it stops in reverse order. Returns the engines
     (the launcher's interface) and the trainer ranks' placement ({"options": [...], "devices": [...]}).
     """
-    import functools
-    import os
-
-    from rllm.experimental.fully_async.core.placement import plan_on_nodes
-    from rllm.experimental.fully_async.errors import ConfigError
-    from rllm.experimental.fully_async.runtime.cluster.engine_hosts import cluster_engines
-    from rllm.experimental.fully_async.runtime.cluster.ray_session import init_ray, ray_lifetime
 
     if spec.engines.backend != "sglang" or spec.trainer.device != "cuda":
         raise ConfigError(

@@ -17,7 +17,10 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from rllm.experimental.fully_async.core.placement import PlacementPlan, plan_placement
+import torch
+
+from rllm.experimental.fully_async.core.placement import PlacementError, PlacementPlan, plan_placement
+from rllm.experimental.fully_async.errors import ConfigError
 
 
 def host_gpu_plan(spec: Any, gpus_on_host: int) -> PlacementPlan | None:
@@ -67,10 +70,6 @@ def trainer_actor_gpus(spec: Any) -> int:
 def host_plan(spec: Any) -> PlacementPlan | None:
     """This host's GPU placement plan, or None when the run uses no GPU or the host has none (SGLang then fails
     on its own; the test stand-in needs none). Too few GPUs is a one-line configuration error."""
-    import torch
-
-    from rllm.experimental.fully_async.core.placement import PlacementError
-    from rllm.experimental.fully_async.errors import ConfigError
 
     gpus = torch.cuda.device_count()
     if gpus == 0:

@@ -33,6 +33,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import psutil
+import ray
+from ray._private import ray_constants
+from ray._private import utils as ray_utils
 
 from rllm.experimental.fully_async.engines.launcher import interrupts_deferred
 
@@ -51,7 +54,6 @@ def ray_lifetime(init: Callable[[], None]) -> Iterator[None]:
     handlers), so it is raised here with Ray fully started, and the stop below runs on a whole session.
     The stop also runs with interrupts held, so a second Ctrl-C cannot cut it short and leave orphans.
     """
-    import ray
 
     marker = uuid.uuid4().hex
     ours = not ray.is_initialized()  # a Ray this process already had is not this block's to shut down
@@ -76,7 +78,6 @@ def keep_python_signal_handlers() -> None:
     connects: set it for this process and, through the environment, for Ray's workers, which then stop on
     SIGTERM like any process. Python's faulthandler still prints a crash's stack.
     """
-    from ray._private import ray_constants
 
     os.environ["RAY_DISABLE_FAILURE_SIGNAL_HANDLER"] = "1"
     ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
@@ -137,7 +138,6 @@ def _ray_leaves_sigterm_alone() -> Iterator[None]:
     """Keep `ray.init` from installing its SIGTERM handler (`sys.exit(15)`, from whatever line the main thread
     is on: the interrupt `ray_lifetime` holds until Ray has started). Ray 2.60 installs it through this one
     module function, from `ray.init` and `Node`; nothing else of Ray's changes."""
-    from ray._private import utils as ray_utils
 
     original = ray_utils.set_sigterm_handler
     ray_utils.set_sigterm_handler = lambda handler: None
@@ -162,7 +162,6 @@ def _environment(name: str, value: str) -> Iterator[None]:
 
 
 def _shutdown_ray() -> None:
-    import ray
 
     try:
         ray.shutdown()
@@ -188,7 +187,6 @@ QUIET_LIBRARIES_ENV = {
 def init_ray(num_cpus: int | None = None, num_gpus: int | None = None, address: str | None = None) -> None:
     """Loopback-only Ray with a small footprint (ENVIRONMENT.md); with `address`, join that running cluster
     instead (its operator sized it: no resources are declared)."""
-    import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")

@@ -49,7 +49,10 @@ from rllm.experimental.fully_async.core.ids import SampleId, prompt_uid
 from rllm.experimental.fully_async.core.ledger import SampleLedger
 from rllm.experimental.fully_async.core.staleness import StalenessManager
 from rllm.experimental.fully_async.core.versions import groups_per_version
+from rllm.experimental.fully_async.data.prompts import PromptDatum
+from rllm.experimental.fully_async.engines.client import NoHealthyEngineError
 from rllm.experimental.fully_async.errors import FullyAsyncError
+from rllm.experimental.fully_async.runtime.checkpoints.format import check_json
 from rllm.experimental.fully_async.runtime.rollout.message_queue import MessageQueue
 
 logger = logging.getLogger(__name__)
@@ -376,7 +379,6 @@ class RolloutExecutor:
         restored and not yet restarted): saved maps uid -> its JSON record; unsaved, uid -> {reason, tokens} for a
         record JSON would not hold unchanged (an environment's `info` with a non-JSON value), which is logged and
         restarts from the prompt after a crash, counted as `progress_not_saved`."""
-        from rllm.experimental.fully_async.runtime.checkpoints.format import check_json
 
         records = list(self._progress.values()) + [r for _, _, saved in self._reissue for r in saved.values()]
         saved: dict[str, Any] = {}
@@ -419,7 +421,6 @@ class RolloutExecutor:
                 f"the checkpoint saves progress for samples its ledger does not have in flight: {unknown[:3]}"
             )
         records = {record.index: record for record in self.prompts.dataset}
-        from rllm.experimental.fully_async.data.prompts import PromptDatum
 
         for (epoch, record), indexes in sorted(by_prompt.items()):
             datum = PromptDatum(prompt_uid=prompt_uid(epoch, record), epoch=epoch, record=records[record])
@@ -489,6 +490,5 @@ def _reason_key(reason: str | None) -> str:
 
 
 def _is_engines_exhausted(exc: BaseException) -> bool:
-    from rllm.experimental.fully_async.engines.client import NoHealthyEngineError
 
     return isinstance(exc, NoHealthyEngineError)

@@ -31,6 +31,7 @@ from rllm.experimental.fully_async.api.step_messages import Ack, Batch, BatchReq
 from rllm.experimental.fully_async.api.trajectory import TrajectoryGroup
 from rllm.experimental.fully_async.core.staleness import StalenessBounds
 from rllm.experimental.fully_async.observe.metrics_sink import prefixed
+from rllm.experimental.fully_async.runtime.checkpoints.format import write_rollout_part
 from rllm.experimental.fully_async.runtime.rollout.executor import RolloutExecutor
 from rllm.experimental.fully_async.runtime.rollout.message_queue import MessageQueue
 from rllm.experimental.fully_async.runtime.rollout.validation import SyncGate
@@ -203,7 +204,6 @@ class RolloutService:
     async def write_checkpoint(self, directory: str) -> dict[str, Any]:
         """Write the rollout part (rollout.json, queue.json) into a checkpoint's temporary directory; returns the
         manifest entries. The trainer must have acknowledged its last batch first (the driver's checkpoint flow)."""
-        from rllm.experimental.fully_async.runtime.checkpoints.format import write_rollout_part
 
         state, groups = await self.collected_checkpoint_state()
         return write_rollout_part(Path(directory), state, groups)

@@ -10,6 +10,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from omegaconf import DictConfig
+from transformers import AutoTokenizer
+from transformers.utils import logging as hf_logging
+
+from rllm.experimental.fully_async.data.datasets import load_prompt_datasets
+from rllm.experimental.fully_async.data.prompts import DataError
+from rllm.experimental.fully_async.run_spec import data_spec
+from rllm.experimental.fully_async.settings.loader import verl_base_config
+from rllm.experimental.fully_async.tasks import apply_task
+from rllm.experimental.fully_async.workflows import check_agent_fits_model
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +31,6 @@ def quiet_hf_progress_bars() -> Iterator[None]:
     tqdm reads TQDM_DISABLE when it is imported, so the driver cannot do the same here. The one bar left is SmolLM2's
     first-run GGUF conversion (`tqdm.auto` inside transformers): 20-50 s of progress worth seeing.
     """
-    from transformers.utils import logging as hf_logging
 
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
@@ -40,8 +48,6 @@ def prepare_task(cfg: DictConfig) -> None:
 
 
 def _prepare_task(cfg: DictConfig) -> None:
-    from rllm.experimental.fully_async.settings.loader import verl_base_config
-    from rllm.experimental.fully_async.tasks import apply_task
 
     apply_task(cfg, verl_base_config())
 
@@ -49,14 +55,9 @@ def _prepare_task(cfg: DictConfig) -> None:
 def check_data(cfg: DictConfig) -> int:
     """Read and validate the prompt data before any process starts, so a bad file or row is a one-line error
     (data.DataError) rather than an actor that dies during start-up. Returns the number of training prompts."""
-    from transformers import AutoTokenizer
-
-    from rllm.experimental.fully_async.data.datasets import load_prompt_datasets
-    from rllm.experimental.fully_async.run_spec import data_spec
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.path)
     train, val = load_prompt_datasets(data_spec(cfg), tokenizer)
-    from rllm.experimental.fully_async.data.prompts import DataError
 
     if len(train) == 0:
         raise DataError(f"{cfg.data.train_files}: no prompt left after filtering (data.max_prompt_length?)")
@@ -65,7 +66,6 @@ def check_data(cfg: DictConfig) -> int:
             f"{cfg.data.val_files}: no held-out prompt left after filtering (data.max_prompt_length?); "
             "fix the file or set data.val_files=null"
         )
-    from rllm.experimental.fully_async.workflows import check_agent_fits_model
 
     check_agent_fits_model(cfg)
     return len(train)

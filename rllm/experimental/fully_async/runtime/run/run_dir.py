@@ -48,7 +48,9 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from rllm.experimental.fully_async.settings.loader import ConfigError
+from rllm.experimental.fully_async.runtime.checkpoints.store import CheckpointManager
+from rllm.experimental.fully_async.settings.loader import ConfigError, base_config
+from rllm.experimental.fully_async.settings.paths import home_expanded
 
 if TYPE_CHECKING:
     from rllm.experimental.fully_async.run_spec import RunSpec
@@ -111,7 +113,6 @@ class ResumeConfigError(ConfigError):
 
 def settle_run_dir(cfg: DictConfig) -> None:
     """Decide, before anything starts, whether the run continues, is done, or starts over; then save config.yaml."""
-    from rllm.experimental.fully_async.runtime.checkpoints.store import CheckpointManager
 
     run_dir = Path(cfg.run.dir)
     mode = str(cfg.trainer.resume_mode)
@@ -185,7 +186,6 @@ def check_resume_config(saved: Mapping[str, Any] | None, cfg: DictConfig, run_di
     if saved is None:
         logger.warning("no %s in %s: resuming without comparing configs", CONFIG_FILE, run_dir)
         return
-    from rllm.experimental.fully_async.settings.loader import base_config
 
     megatron = str(cfg.actor_rollout_ref.actor.strategy) == "megatron"
     refused = refused_changes(saved, _container(cfg), defaults=_container(base_config(megatron)))
@@ -250,7 +250,6 @@ def _load_saved(path: Path) -> dict[str, Any] | None:
     before that must not read as a changed model or cache folder."""
     if not path.is_file():
         return None
-    from rllm.experimental.fully_async.settings.paths import home_expanded
 
     saved = OmegaConf.load(path)
     home_expanded(saved)

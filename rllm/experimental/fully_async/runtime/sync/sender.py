@@ -36,6 +36,7 @@ from typing import Any, Protocol
 import ray
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from rllm.experimental.fully_async.engines.weight_group import (
     destroy_group,
@@ -128,7 +129,6 @@ def module_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]
     """The module's full tensors by name, gathered one at a time. FSDP2-sharded tensors (DTensor) are gathered
     with `full_tensor()`, a collective: at world size > 1 every trainer rank must drain this in the same order
     (`state_dict()` order is the same on every rank). Tied weights are sent once, under their first name."""
-    from torch.distributed.tensor import DTensor
 
     seen: set[tuple[int, int]] = set()
     for name, tensor in module.state_dict().items():

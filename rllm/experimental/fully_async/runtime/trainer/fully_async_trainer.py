@@ -42,6 +42,8 @@ from rllm.experimental.fully_async.core.batch import PAD_VERSION, groups_to_data
 from rllm.experimental.fully_async.core.versions import is_sync_step
 from rllm.experimental.fully_async.errors import FullyAsyncError
 from rllm.experimental.fully_async.observe.verl_metrics import verl_named_metrics
+from rllm.experimental.fully_async.runtime.checkpoints.trainer_state import capture_rng_state, restore_rng_state
+from rllm.experimental.fully_async.runtime.sync.param_sync import SyncError
 from rllm.experimental.fully_async.workflows.rllm_metrics import StaleCounts, batch_metadata_metrics
 
 logger = logging.getLogger(__name__)
@@ -259,7 +261,6 @@ class FullyAsyncTrainer:
         if self.param_sync is None:
             self.version = new_version
             return {}
-        from rllm.experimental.fully_async.runtime.sync.param_sync import SyncError
 
         # A validation in progress is pinned to the engines' current weights: the sync waits for it to finish.
         # `gate=False` (the trainer's own step, when its batch said no validation runs) skips the two calls.
@@ -302,7 +303,6 @@ class FullyAsyncTrainer:
     def state_dict(self, policy: dict[str, Any] | None = None) -> dict[str, Any]:
         """Step, version, RNG states (and the critic's state) with the policy's: the backend's full state dict, or
         `policy` when given (a reference to shards the backend wrote itself, runtime/checkpoints/trainer_state.py)."""
-        from rllm.experimental.fully_async.runtime.checkpoints.trainer_state import capture_rng_state
 
         return {
             "backend": self.backend.state_dict() if policy is None else policy,
@@ -315,7 +315,6 @@ class FullyAsyncTrainer:
 
     def load_state_dict(self, state: dict[str, Any], *, load_policy: bool = True) -> None:
         """Restore `state_dict`'s result; `load_policy=False` when the caller has restored the policy already."""
-        from rllm.experimental.fully_async.runtime.checkpoints.trainer_state import restore_rng_state
 
         if load_policy:
             self.backend.load_state_dict(state["backend"])

@@ -10,9 +10,15 @@ import datetime
 import io
 import logging
 import os
+import socket
 from typing import Any
 
 import ray
+import torch.distributed as dist
+
+from rllm.experimental.fully_async.runtime.checkpoints.format import manifest_entries
+from rllm.experimental.fully_async.runtime.checkpoints.trainer_state import capture_rng_state, restore_rng_state
+from rllm.experimental.fully_async.runtime.sync.sender import LocalSender, backend_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +42,6 @@ def build_rank_backend(
     # Imported here, not at the top: verl reads torch.cuda.is_available() when it is imported
     # (verl/utils/device.py), and this module is imported in the rank's process before PolicyRank.__init__ sets the
     # rank's CUDA_VISIBLE_DEVICES.
-    import torch.distributed as dist
-
     from rllm.experimental.fully_async.backends.fsdp import FSDPPolicyBackend
 
     backend = "nccl" if device == "cuda" else "gloo"
@@ -99,19 +103,16 @@ class PolicyRank:
 
     def rng_state(self) -> dict[str, Any]:
         """This rank's python, numpy and torch RNG states (the batch record keeps them for replay)."""
-        from rllm.experimental.fully_async.runtime.checkpoints.trainer_state import capture_rng_state
 
         return capture_rng_state()
 
     def set_rng_state(self, state: dict[str, Any]) -> None:
-        from rllm.experimental.fully_async.runtime.checkpoints.trainer_state import restore_rng_state
 
         restore_rng_state(state)
 
     def save_checkpoint(self, directory: str) -> dict[str, dict[str, Any]]:
         """This rank's shard (a collective: every rank's files are on disk when it returns), then the manifest
         entries of this rank's share of the folder's files, so the ranks hash in parallel."""
-        from rllm.experimental.fully_async.runtime.checkpoints.format import manifest_entries
 
         self.backend.save_checkpoint(directory)
         return manifest_entries(directory, rank=self.rank, world=self.world)
@@ -121,7 +122,6 @@ class PolicyRank:
     ) -> list[Any]:
         """Every rank gathers the full tensors one at a time (a collective); rank 0 keeps them as buckets and
         answers their headers (runtime/sync/sender.py)."""
-        from rllm.experimental.fully_async.runtime.sync.sender import LocalSender, backend_tensors
 
         if self.weights is None:
             self.weights = LocalSender(
@@ -140,14 +140,12 @@ class PolicyRank:
         return None if self.weights is None else getattr(self.weights, method)(*args)
 
     def free_port(self) -> int:
-        import socket
 
         with socket.socket() as sock:
             sock.bind(("", 0))
             return int(sock.getsockname()[1])
 
     def teardown(self) -> None:
-        import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -40,8 +40,13 @@ from pathlib import Path
 from typing import Any
 
 import ray
+import torch
+from omegaconf import DictConfig, OmegaConf
+from verl.protocol import pad_dataproto_to_divisor
+from verl.utils.seqlen_balancing import get_seqlen_balanced_partitions
 
 from rllm.experimental.fully_async.errors import FullyAsyncError
+from rllm.experimental.fully_async.runtime.sync.sender import RankZeroSender
 from rllm.experimental.fully_async.runtime.trainer.rank import PolicyRank
 
 logger = logging.getLogger(__name__)
@@ -62,8 +67,6 @@ def split_by_tokens(data: Any, world: int) -> tuple[list[Any], list[list[int]], 
     Returns (shards, row indices of each shard in the padded batch, rows in the original batch). Rows past the
     original count are padding with an all-zero `response_mask` (see the module docstring).
     """
-    from verl.protocol import pad_dataproto_to_divisor
-    from verl.utils.seqlen_balancing import get_seqlen_balanced_partitions
 
     rows = len(data)
     if rows == 0:
@@ -102,7 +105,6 @@ class DistributedPolicyBackend:
         passed to Ray's `.options`; by default each rank asks for one GPU (cuda) or one CPU slot (cpu).
         `rank_devices` (one per rank): the `CUDA_VISIBLE_DEVICES` each rank sets (a cluster placement's devices).
         """
-        from omegaconf import DictConfig, OmegaConf
 
         if device not in ("cuda", "cpu"):
             raise ValueError(f"trainer.device must be cuda or cpu, got {device!r}")
@@ -153,7 +155,6 @@ class DistributedPolicyBackend:
     def compute_log_prob(self, data: Any, weights: str = "current") -> Any:
         """log-probs [B, R] float32 on CPU, rows in the batch's order, under the current or the previous weights
         (see FSDPPolicyBackend.compute_log_prob)."""
-        import torch
 
         shards, parts, rows = split_by_tokens(data, self.world)
         results = self._fan_out("compute_log_prob", [(shard, weights) for shard in shards])
@@ -222,7 +223,6 @@ class DistributedPolicyBackend:
 
     def weight_sender(self, *, bucket_mb: float, dtype: str | None, master_address: str) -> Any:
         """Rank 0's end of the weight-update group, as `DistributedTransport(sender=...)` drives it."""
-        from rllm.experimental.fully_async.runtime.sync.sender import RankZeroSender
 
         return RankZeroSender(self, bucket_mb=bucket_mb, dtype=dtype, master_address=master_address)
 

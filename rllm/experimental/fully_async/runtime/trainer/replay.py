@@ -31,10 +31,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import ray
 import torch
+from omegaconf import OmegaConf
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from rllm.experimental.fully_async.api.policy_backend import ShardedCheckpoint
 from rllm.experimental.fully_async.api.step_messages import Ack, Batch, BatchRequest
+from rllm.experimental.fully_async.backends.fsdp import CHECKPOINT_EXTRA
 from rllm.experimental.fully_async.errors import EXIT_FAILED, FullyAsyncError
+from rllm.experimental.fully_async.run_spec import build_run_spec
+from rllm.experimental.fully_async.runtime.checkpoints.format import TRAINER_FILE
+from rllm.experimental.fully_async.runtime.checkpoints.store import CheckpointError, CheckpointManager, load_checkpoint
+from rllm.experimental.fully_async.runtime.checkpoints.trainer_state import (
+    POLICY_SHARDS,
+    load_trainer_part,
+    write_trainer_part,
+)
+from rllm.experimental.fully_async.runtime.cluster.ray_session import init_ray
+from rllm.experimental.fully_async.runtime.trainer.build import build_trainer
 from rllm.experimental.fully_async.runtime.trainer.record import (
     Record,
     RecordedStep,
@@ -45,6 +60,7 @@ from rllm.experimental.fully_async.runtime.trainer.record import (
     restore_step_rng,
     weights_fingerprint,
 )
+from rllm.experimental.fully_async.settings.loader import base_config
 
 logger = logging.getLogger(__name__)
 
@@ -231,7 +247,6 @@ def logged_step_metrics(path: Path) -> dict[int, dict[str, Any]]:
 
 
 def _checkpoints_by_step(run_dir: Path) -> dict[int, Path]:
-    from rllm.experimental.fully_async.runtime.checkpoints.store import CheckpointManager
 
     root = run_dir / "checkpoints"
     if not root.is_dir():
@@ -257,8 +272,6 @@ def compare_step(step: int, logged: Mapping[str, Any], replayed: Mapping[str, fl
 def compare_checkpoint(trainer: Any, checkpoint: Path, step: int) -> str:
     """The replayed trainer's policy (weights, optimizer moments, LR schedule) against a checkpoint's, bit for bit;
     a verdict line, or ReplayMismatch naming the first tensor that differs."""
-    from rllm.experimental.fully_async.api.policy_backend import ShardedCheckpoint
-    from rllm.experimental.fully_async.runtime.checkpoints.trainer_state import POLICY_SHARDS
 
     backend = trainer.backend
     if not isinstance(backend, ShardedCheckpoint):
@@ -289,9 +302,6 @@ def compare_checkpoint(trainer: Any, checkpoint: Path, step: int) -> str:
 def _policy_state(shards: Path) -> dict[str, Any]:
     """A policy_shards/ folder (torch.distributed.checkpoint, any world size) as one flat dict of full tensors,
     with its extra.pt (LR schedule, optimizer step count) under `extra.`."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    from rllm.experimental.fully_async.backends.fsdp import CHECKPOINT_EXTRA
 
     with tempfile.TemporaryDirectory(prefix="rllm_replay_full_") as tmp:
         full = Path(tmp) / "full.pt"
@@ -349,7 +359,6 @@ def _start(record: Record, segment: Segment, source: RecordedBatches, start_step
     if start_step == 0:
         _check_initial_weights(segment)
         return _build(segment, source)
-    from rllm.experimental.fully_async.runtime.checkpoints.store import CheckpointError, load_checkpoint
 
     if segment.resumed_from is None or not Path(segment.resumed_from).is_dir():
         raise RecordError(
@@ -368,8 +377,6 @@ def _start(record: Record, segment: Segment, source: RecordedBatches, start_step
 def _resume(trainer: Any, record: Record, segment: Segment, step: int, source: RecordedBatches) -> Any:
     """What the run did at a resume after `step`: its trainer state written as a checkpoint, the trainer built anew
     from the segment's config, the state loaded, the weights 'synced' without a version bump."""
-    from rllm.experimental.fully_async.runtime.checkpoints.format import TRAINER_FILE
-    from rllm.experimental.fully_async.runtime.checkpoints.trainer_state import write_trainer_part
 
     if segment.start_step != step:
         raise RecordError(
@@ -386,18 +393,12 @@ def _resume(trainer: Any, record: Record, segment: Segment, step: int, source: R
 
 
 def _load(trainer: Any, directory: Path, state: Mapping[str, Any]) -> None:
-    from rllm.experimental.fully_async.runtime.checkpoints.trainer_state import load_trainer_part
 
     load_trainer_part(directory, state, trainer)
     trainer.sync_weights(bump=False)  # as the driver after a resume: no engines here, the version stays
 
 
 def _build(segment: Segment, source: RecordedBatches) -> Any:
-    from omegaconf import OmegaConf
-
-    from rllm.experimental.fully_async.run_spec import build_run_spec
-    from rllm.experimental.fully_async.runtime.trainer.build import build_trainer
-    from rllm.experimental.fully_async.settings.loader import base_config
 
     # Onto today's defaults: a key this build added since the run was recorded takes its default, as it would have
     megatron = segment.config.get("actor_rollout_ref", {}).get("actor", {}).get("strategy") == "megatron"
@@ -410,11 +411,8 @@ def _build(segment: Segment, source: RecordedBatches) -> Any:
 
 
 def _ensure_ray() -> None:
-    import ray
 
     if not ray.is_initialized():
-        from rllm.experimental.fully_async.runtime.cluster.ray_session import init_ray
-
         init_ray()
 
 
