@@ -60,7 +60,7 @@ def make_service(
         queue,
         ledger=journaled_ledger(journal) if journal is not None else SampleLedger(),
     )
-    return RolloutService(executor, queue, max_staleness), workflow
+    return RolloutService(executor, queue), workflow
 
 
 def run(coro):

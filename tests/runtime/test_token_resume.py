@@ -94,7 +94,7 @@ def make_service(
         queue,
         ledger=journaled_ledger(journal),
     )
-    return RolloutService(executor, queue, max_staleness=max_staleness)
+    return RolloutService(executor, queue)
 
 
 async def checkpoint_mid_generation(service: RolloutService) -> tuple[dict, list]:

@@ -81,7 +81,8 @@ class StalenessManager:
         if max_concurrent is not None and max_concurrent < 1:
             raise ValueError(f"max_concurrent must be >= 1 or None, got {max_concurrent}")
         self.B = groups_per_version  # core/versions.groups_per_version
-        self.eta = max_staleness
+        # η's one owner in a rollout process: the admission budget reads it, the drop rule reads each group's bound.
+        self.bounds = StalenessBounds(max_staleness)
         self.max_concurrent = max_concurrent
         self.version_provider = version_provider
         self._running = 0
@@ -91,12 +92,16 @@ class StalenessManager:
         self._discarded = 0
         self._started = 0
 
-    def set_max_staleness(self, max_staleness: int) -> None:
-        """A new η (adaptive staleness, core/adaptive_staleness.py): the budget of every version changes with it. A
-        lower η can leave capacity negative until the trainer has consumed what was admitted under the old one."""
-        if max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
-        self.eta = max_staleness
+    @property
+    def eta(self) -> int:
+        """η now (`bounds.current`): what the admission budget uses."""
+        return self.bounds.current
+
+    def set_max_staleness(self, max_staleness: int, version: int) -> None:
+        """A new η from `version` on (adaptive staleness, core/adaptive_staleness.py): the budget of every version
+        changes with it, and the groups started from now on are bounded by it (`bounds`). A lower η can leave capacity
+        negative until the trainer has consumed what was admitted under the old one."""
+        self.bounds.set(max_staleness, version)
 
     def budget(self, version: int) -> int:
         """(η + v + 1)·B: how many kept-or-running groups the rule allows at version v."""

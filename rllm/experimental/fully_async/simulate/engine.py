@@ -28,7 +28,7 @@ from collections import deque
 from typing import Any
 
 from rllm.experimental.fully_async.core.adaptive_staleness import StalenessController
-from rllm.experimental.fully_async.core.staleness import StalenessBounds, StalenessManager
+from rllm.experimental.fully_async.core.staleness import StalenessManager
 from rllm.experimental.fully_async.core.versions import groups_per_version, is_sync_step
 from rllm.experimental.fully_async.simulate.model import SimConfig, check
 from rllm.experimental.fully_async.simulate.result import SimResult
@@ -88,7 +88,6 @@ class Simulation:
         self.manager = StalenessManager(groups_per_version(self.R, self.K), max_staleness=self.eta)
         self.controller = StalenessController(cfg.adaptive.rule(), self.eta) if cfg.adaptive.enable else None
         self.next_eta = self.eta  # decided at a sync, applied when it completes
-        self.bounds = StalenessBounds(self.eta)  # each group's drop bound, as the rollout service keeps it
         self.rng = random.Random(cfg.seed)
         self.engines = [_Engine() for _ in range(p.num_engines)]
         self.events: list[tuple[float, int, str, Any]] = []
@@ -264,7 +263,7 @@ class Simulation:
                 return
             got = [self.queue.popleft() for _ in range(self.requested)]
             self.requested = 0
-            kept, stale = self.bounds.split(got, self.version)  # type: ignore[arg-type]
+            kept, stale = self.manager.bounds.split(got, self.version)  # type: ignore[arg-type]
             self._note("split", self.version, tuple(g.min_version for g in got), len(stale))
             self.fresh.extend(kept)
             if stale:
@@ -391,8 +390,7 @@ class Simulation:
         self.version += 1
         if self.next_eta != self.eta:  # the trainer's next request carries the η decided at this sync
             self.eta = self.next_eta
-            self.manager.set_max_staleness(self.eta)
-            self.bounds.set(self.eta, self.version)
+            self.manager.set_max_staleness(self.eta, self.version)
         self.result.syncs += 1
         self.result.trainer_sync_s += self.t - self.sync_started
         self.draining = False

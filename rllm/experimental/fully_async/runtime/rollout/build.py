@@ -94,7 +94,6 @@ def build_rollout_process(
     service = RolloutService(
         executor,
         queue,
-        max_staleness=spec.schedule.max_staleness,
         gate=gate,
         # Under the driver's 120 s wait for write_checkpoint (a sync to wait out, the collection, the continue):
         # a call held by a paused SGLang engine only returns at the continue, so the collection ends by timeout.

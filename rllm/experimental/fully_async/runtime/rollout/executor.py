@@ -158,10 +158,11 @@ class RolloutExecutor:
         if tell is not None:
             tell(version)
 
-    def set_max_staleness(self, max_staleness: int) -> None:
-        """A new η from the trainer (adaptive staleness): the budget follows it (a higher η lets more start now)."""
+    def set_max_staleness(self, max_staleness: int, version: int) -> None:
+        """A new η from the trainer (adaptive staleness) from `version` on: the budget follows it (a higher η lets more
+        start now), and so does the drop bound of the groups started from now on (`staleness.bounds`)."""
         if max_staleness != self.staleness.eta:
-            self.staleness.set_max_staleness(max_staleness)
+            self.staleness.set_max_staleness(max_staleness, version)
             self._state_changed.set()
 
     def set_paused(self, paused: bool) -> None:

@@ -8,7 +8,8 @@ loop with no lock and no call to another process. The trainer talks to it with o
 
 which, in order: applies the acknowledgement of the previous batch (ledger: trained; budget: consumed), takes
 the trainer's η when it sends one (adaptive staleness: the budget follows it, and the drop rule from the groups
-started next: a group keeps the η it was admitted under, core/staleness.StalenessBounds) and its policy version
+started next: a group keeps the η it was admitted under, core/staleness.StalenessBounds, which the executor's
+staleness manager owns: η has one owner in this process) and its policy version
 (core/versions.py; new rollouts may start against it), drops every queued group too stale for that version
 (ledger: dropped_stale; their budget slots come back), waits up to timeout_s for n_groups fresh groups
 and returns them with the queue, ledger and rollout statistics the driver reports.
@@ -29,7 +30,6 @@ from typing import TYPE_CHECKING, Any
 
 from rllm.experimental.fully_async.api.step_messages import Ack, Batch, BatchRequest
 from rllm.experimental.fully_async.api.trajectory import TrajectoryGroup
-from rllm.experimental.fully_async.core.staleness import StalenessBounds
 from rllm.experimental.fully_async.observe.metrics_sink import prefixed
 from rllm.experimental.fully_async.runtime.checkpoints.format import write_rollout_part
 from rllm.experimental.fully_async.runtime.rollout.executor import RolloutExecutor
@@ -51,13 +51,11 @@ class RolloutService:
         self,
         executor: RolloutExecutor,
         queue: MessageQueue,
-        max_staleness: int,
         gate: SyncGate | None = None,
         collect_timeout_s: float = 60.0,
     ) -> None:
         self.executor = executor
         self.queue = queue
-        self.bounds = StalenessBounds(max_staleness)  # each queued group's drop bound
         self.gate = gate if gate is not None else SyncGate()  # syncs vs validations and checkpoint pauses
         self.collect_timeout_s = collect_timeout_s  # bounds the wait for a sync and for the tokens in flight
         self.ledger = executor.ledger
@@ -90,8 +88,7 @@ class RolloutService:
             raise ValueError(f"take_batch(n_groups={request.n_groups}) must ask for 1..{self.queue.max_groups}")
         self.acknowledge(request.ack)
         if request.max_staleness is not None:  # adaptive staleness: budget and drop rule follow the trainer's η
-            self.bounds.set(request.max_staleness, request.version)
-            self.executor.set_max_staleness(request.max_staleness)
+            self.executor.set_max_staleness(request.max_staleness, request.version)
         self.executor.set_version(request.version)
         n, started = request.n_groups, time.monotonic()
         deadline = started + request.timeout_s
@@ -145,7 +142,9 @@ class RolloutService:
 
     def _drop_stale(self, version: int) -> int:
         """Remove every queued group staler at `version` than its bound; ledger it and free its budget slot."""
-        stale: list[TrajectoryGroup] = self.queue.remove_if(lambda g: self.bounds.is_too_stale(g.min_version, version))
+        stale: list[TrajectoryGroup] = self.queue.remove_if(
+            lambda g: self.executor.staleness.bounds.is_too_stale(g.min_version, version)
+        )
         if stale:
             uids = [t.uid for g in stale for t in g.trajectories]
             self.executor.report_consumed([], 0, uids, len(stale))
@@ -161,7 +160,7 @@ class RolloutService:
             "samples_resumed": stats.samples_resumed,
             "version": self.executor.version,
             "tokens_generated": stats.tokens_generated,  # cumulative (experiments: generated per trained token)
-            "max_staleness": self.bounds.current,
+            "max_staleness": self.executor.staleness.eta,
         }
         if stats.resumed:  # after a resume: how the samples in flight at the checkpoint went on, and their tokens
             rollout |= {f"resume/{outcome}": n for outcome, n in stats.resumed.items()}
