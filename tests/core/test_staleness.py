@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from rllm.experimental.fully_async.api.trajectory import Sequence, TrajectoryGroup, VersionedTrajectory
 from rllm.experimental.fully_async.core.staleness import StalenessBounds, StalenessManager, is_too_stale
-from rllm.experimental.fully_async.core.versions import groups_per_version, is_sync_step
+from rllm.experimental.fully_async.core.versions import groups_ahead_budget, groups_per_version, is_sync_step
 from rllm.experimental.fully_async.settings.compat import max_staleness_from_rllm
 
 
@@ -278,3 +278,26 @@ def test_a_sync_closes_every_kth_step_and_never_before_the_first():
     assert [step for step in range(0, 4) if is_sync_step(step, 1)] == [1, 2, 3]
     with pytest.raises(ValueError, match="trigger_parameter_sync_step"):
         is_sync_step(1, 0)
+
+
+@given(
+    eta=st.integers(0, 8),
+    required=st.integers(1, 6),
+    k=st.integers(1, 4),
+    version=st.integers(0, 10),
+)
+@settings(max_examples=60, deadline=None)
+def test_the_groups_ahead_budget_is_what_the_capacity_rule_lets_start_after_a_sync(eta, required, k, version):
+    """The report's dashed budget line (core/versions.groups_ahead_budget) is the manager's own rule: with the
+    trainer at `version` having consumed version·B groups, exactly (η+1)·B more may start before capacity is 0."""
+    manager = StalenessManager(groups_per_version(required, k), max_staleness=eta)
+    consumed = version * manager.B
+    if consumed:
+        manager.on_start(consumed)
+        manager.on_finish(True, consumed)
+        manager.on_consumed(consumed)
+    started = 0
+    while manager.capacity(version) > 0:
+        manager.on_start()
+        started += 1
+    assert started == groups_ahead_budget(eta, required, k)

@@ -271,7 +271,7 @@ def test_limits_and_moments_are_drawn(real):
     figures = dict(rf.build_figures([real]))
     pipeline = figures["Rollout pipeline"]
     limits = {round(s.y0) for s in pipeline.layout.shapes if s.y0 == s.y1 and s.type == "line"}
-    assert {128, 192} <= limits  # (η+1)·K·B staleness budget and the queue capacity
+    assert {128, 192} <= limits  # the (η+1)·B staleness budget and the queue capacity
     staleness = figures["Staleness"]
     assert any("η = 1" in (a.text or "") for a in staleness.layout.annotations)
     idle = figures["Who waited"]

@@ -30,6 +30,14 @@ def groups_per_version(required_samples: int, trigger_parameter_sync_step: int) 
     return required_samples * trigger_parameter_sync_step
 
 
+def groups_ahead_budget(max_staleness: int, required_samples: int, trigger_parameter_sync_step: int) -> int:
+    """(η + 1)·B: the most groups started and not yet taken by the trainer right after a sync, which the staleness
+    rule (core/staleness.py: accepted + running < (η + v + 1)·B, with v·B groups consumed by version v) allows."""
+    if max_staleness < 0:
+        raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+    return (max_staleness + 1) * groups_per_version(required_samples, trigger_parameter_sync_step)
+
+
 def is_sync_step(step: int, trigger_parameter_sync_step: int) -> bool:
     """Whether optimizer step `step` (1-based; 0 = no step yet) ends with a weight sync: every K-th step.
 

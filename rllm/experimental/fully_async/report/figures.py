@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from rllm.experimental.fully_async.core.versions import groups_ahead_budget
 from rllm.experimental.fully_async.report.data import (
     RunRecords,
     RunReport,
@@ -113,8 +114,8 @@ def throughput_figure(reports: Sequence[RunReport]) -> go.Figure:
 
 def pipeline_figure(reports: Sequence[RunReport]) -> go.Figure:
     """Groups generating, waiting in the queue, and ahead of the trainer, with the limits that bound them: the
-    staleness budget (core/staleness.py: at most (η + 1)·K·required_samples groups started and not yet taken by the
-    trainer, right after a sync) and the queue's capacity."""
+    staleness budget (core/versions.groups_ahead_budget: at most (η + 1)·B groups, B = K·required_samples, started and
+    not yet taken by the trainer, right after a sync) and the queue's capacity."""
     lines = [
         Line(
             "generating (started - finished)", _difference("rollout/groups_started", "rollout/groups_queued"), ENGINES
@@ -128,8 +129,8 @@ def pipeline_figure(reports: Sequence[RunReport]) -> go.Figure:
     report = reports[0]
     info = report.info
     if info is not None and None not in (info.max_staleness, info.sync_every, info.required_samples):
-        budget = (info.max_staleness + 1) * info.sync_every * info.required_samples
-        add_limit(fig, budget, f"staleness budget (η+1)·K·B = {budget} groups")
+        budget = groups_ahead_budget(info.max_staleness, info.required_samples, info.sync_every)
+        add_limit(fig, budget, f"staleness budget (η+1)·B = {budget} groups")
     capacity = report.run.last("queue/max_size") or (info.queue_capacity if info else None)
     if capacity:
         add_limit(fig, capacity, f"queue capacity {capacity:.0f} groups")
