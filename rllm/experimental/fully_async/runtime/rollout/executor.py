@@ -14,17 +14,9 @@ the queue it fills) with these guarantees:
 The executor owns the prompt iterator, the ledger and the staleness counters, so its `state_dict()` is the
 rollout side of a checkpoint.
 
-Token-level resume (api/progress.py). For a workflow that records its samples' progress (its `run` takes `progress`:
-single-turn and multi-turn do, an rLLM rollout function does not), the executor holds one `SampleProgress` per
-running sample from `_start_group` until `_accept` queues or ends it, and the checkpoint saves every non-empty one
-(`in_flight_progress` in rollout.json): the tokens so far with their log-probs and versions, and an agent's episode.
-One that JSON cannot hold (a value such as a tuple or a numpy number in an environment's step info) is named in
-`in_flight_unsaved` with its token count instead, and restarts (`progress_not_saved`). Records leave in the same
-step of the event loop in which the ledger and the queue change, so a snapshot taken in one synchronous call is
-consistent with both. A resumed run starts each saved sample from its record, as after a weight sync (with
-partial_rollout off, an unfinished generation restarts from its prompt, as after a sync); the staleness rule applies
-to its tokens as to any (their versions are kept). How each one went on is journaled (`SampleLedger.mark_resumed`)
-as it leaves the rollout side, and counted in `ExecutorStats`.
+Token-level resume: the executor holds one `SampleProgress` per running sample of a resumable workflow, from
+`_start_group` until `_accept` queues or ends it; what a checkpoint saves of them and how a resumed run re-issues
+them is `token_resume.py`'s.
 """
 
 from __future__ import annotations
@@ -36,24 +28,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rllm.experimental.fully_async.api.progress import (
-    CONTINUED,
-    NOTHING_SAVED,
-    PARTIAL_ROLLOUT_OFF,
-    PROGRESS_NOT_SAVED,
-    WORKFLOW_NOT_RESUMABLE,
     SampleProgress,
 )
 from rllm.experimental.fully_async.api.trajectory import TrajectoryGroup, TrajectoryStatus, VersionedTrajectory
 from rllm.experimental.fully_async.api.workflow import resumes_samples
-from rllm.experimental.fully_async.core.ids import SampleId, prompt_uid
+from rllm.experimental.fully_async.core.ids import SampleId
 from rllm.experimental.fully_async.core.ledger import SampleLedger
 from rllm.experimental.fully_async.core.staleness import StalenessManager
 from rllm.experimental.fully_async.core.versions import groups_per_version
-from rllm.experimental.fully_async.data.prompts import PromptDatum
 from rllm.experimental.fully_async.engines.client import NoHealthyEngineError
 from rllm.experimental.fully_async.errors import FullyAsyncError
-from rllm.experimental.fully_async.runtime.checkpoints.format import check_json
 from rllm.experimental.fully_async.runtime.rollout.message_queue import MessageQueue
+from rllm.experimental.fully_async.runtime.rollout.token_resume import reissue_plan, saved_progress
 
 logger = logging.getLogger(__name__)
 
@@ -376,26 +362,9 @@ class RolloutExecutor:
         return self.state_dict(), self.queue.snapshot()
 
     def in_flight_progress(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(saved, unsaved) for every sample still generating that has something to continue from (running, or
-        restored and not yet restarted): saved maps uid -> its JSON record; unsaved, uid -> {reason, tokens} for a
-        record JSON would not hold unchanged (an environment's `info` with a non-JSON value), which is logged and
-        restarts from the prompt after a crash, counted as `progress_not_saved`."""
-
+        """(saved, unsaved) progress of every sample still generating (token_resume.saved_progress)."""
         records = list(self._progress.values()) + [r for _, _, saved in self._reissue for r in saved.values()]
-        saved: dict[str, Any] = {}
-        unsaved: dict[str, Any] = {}
-        for record in records:
-            if not record.saved_anything():
-                continue
-            doc = record.to_json()
-            try:
-                check_json(doc, f"the progress of {record.uid}")
-            except TypeError as exc:
-                logger.warning("%s; it is not checkpointed and restarts from the prompt after a crash", exc)
-                unsaved[record.uid] = {"reason": str(exc), "tokens": record.tokens()}
-                continue
-            saved[record.uid] = doc
-        return saved, unsaved
+        return saved_progress(records)
 
     def load_state_dict(self, state: dict[str, Any], queued: list[TrajectoryGroup] | None = None) -> None:
         """Restore a checkpoint. Samples in flight that are not in `queued` are run again, first, each from its saved
@@ -405,49 +374,14 @@ class RolloutExecutor:
         self.ledger.load_state_dict(state["ledger"])
         self.prompts.load_state_dict(state["prompts"])
         self.staleness.load_state_dict(state["staleness"])
-        saved_docs = state.get("in_flight_progress") or {}  # absent from checkpoints of before token-level resume
-        unsaved_docs = state.get("in_flight_unsaved") or {}
-        queued_uids = {t.uid for g in queued or [] for t in g.trajectories}
-        by_prompt: dict[tuple[int, int], list[int]] = {}
-        restored: dict[str, SampleProgress] = {}
-        for uid in self.ledger.in_flight_uids():
-            if uid in queued_uids:
-                continue
-            sample = SampleId.parse(uid)
-            by_prompt.setdefault((sample.epoch, sample.record), []).append(sample.index)
-            restored[uid] = self._restore_progress(uid, saved_docs.get(uid), unsaved_docs.get(uid))
-        unknown = sorted((set(saved_docs) | set(unsaved_docs)) - set(restored))
-        if unknown:
-            raise ValueError(
-                f"the checkpoint saves progress for samples its ledger does not have in flight: {unknown[:3]}"
-            )
-        records = {record.index: record for record in self.prompts.dataset}
-
-        for (epoch, record), indexes in sorted(by_prompt.items()):
-            datum = PromptDatum(prompt_uid=prompt_uid(epoch, record), epoch=epoch, record=records[record])
-            saved = {str(SampleId(epoch, record, i)): restored[str(SampleId(epoch, record, i))] for i in indexes}
-            self._reissue.append((datum, sorted(indexes), saved))
-        if restored:
-            _log_resume(restored.values())
-
-    def _restore_progress(self, uid: str, doc: Any, unsaved: Any = None) -> SampleProgress:
-        """The record a sample in flight at the checkpoint starts from, with the outcome it is bound for."""
-        if not self.resumable:
-            return SampleProgress(uid, outcome=WORKFLOW_NOT_RESUMABLE)
-        if unsaved is not None:  # its progress was there but could not be written: its tokens are lost
-            tokens = int(unsaved.get("tokens", 0)) if isinstance(unsaved, dict) else 0
-            return SampleProgress(uid, outcome=PROGRESS_NOT_SAVED, restored_tokens=tokens, discarded_tokens=tokens)
-        if doc is None:
-            return SampleProgress(uid, outcome=NOTHING_SAVED)
-        record = SampleProgress.from_json(doc, f"in_flight_progress[{uid!r}]")
-        record.outcome = CONTINUED
-        if not self.settings.partial_rollout and record.generation.finish_reason is None and record.generation:
-            # As after a weight sync without partial rollouts: the unfinished generation restarts from its prompt
-            # (an agent keeps its finished turns).
-            record.discarded_tokens += record.generation.discard()
-            if not record.episode:
-                record.outcome = PARTIAL_ROLLOUT_OFF
-        return record
+        self._reissue = reissue_plan(
+            state,
+            self.ledger.in_flight_uids(),
+            queued or [],
+            self.prompts.dataset,
+            resumable=self.resumable,
+            partial_rollout=self.settings.partial_rollout,
+        )
 
     def state_dict(self) -> dict[str, Any]:
         saved, unsaved = self.in_flight_progress()
@@ -459,30 +393,6 @@ class RolloutExecutor:
             "in_flight_progress": saved,
             "in_flight_unsaved": unsaved,
         }
-
-
-def _log_resume(records: Any) -> None:
-    """One line for the operator: how many samples in flight at the checkpoint go on from their tokens."""
-    records = list(records)
-    outcomes: dict[str, int] = {}
-    for record in records:
-        outcomes[record.outcome] = outcomes.get(record.outcome, 0) + 1
-    tokens = sum(r.restored_tokens - r.discarded_tokens for r in records if r.outcome == CONTINUED)
-    restarts = ", ".join(f"{n} {why}" for why, n in sorted(outcomes.items()) if why != CONTINUED) or "none"
-    logger.warning(
-        "resuming %d samples that were in flight at the checkpoint: %d continue from their saved tokens (%d tokens); "
-        "restarting from the prompt: %s",
-        len(records),
-        outcomes.get(CONTINUED, 0),
-        tokens,
-        restarts,
-    )
-    if outcomes.get(WORKFLOW_NOT_RESUMABLE):
-        logger.warning(
-            "the workflow does not record its samples' progress (e.g. an rLLM rollout function, which is arbitrary "
-            "code): its %d samples in flight restart from the prompt",
-            outcomes[WORKFLOW_NOT_RESUMABLE],
-        )
 
 
 def _reason_key(reason: str | None) -> str:
