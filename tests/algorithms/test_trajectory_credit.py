@@ -1,4 +1,5 @@
-"""The trajectory is the unit of credit (DESIGN rule 12): multi-row trajectories under every estimator.
+"""The trajectory is the unit of credit (docs/design.md#rule-trajectory-unit-of-credit): multi-row trajectories under
+every estimator.
 
 References are written here in plain Python from the published semantics:
 - rLLM's fully-async trainer (`compute_grpo_outcome_advantage` over `trajectory_uuids` in its utils.py): a

@@ -252,5 +252,6 @@ def test_the_dead_band_keeps_eta_steady_where_a_rule_without_it_swings_and_lower
     # trained, not dropped, so the statistics stay outside while they arrive and η falls all the way to the floor.
     etas = [after for _, _, after in swinging.eta_changes]
     assert min(etas) == 1 and max(etas) >= 8 and max(swinging.staleness) > max(banded.staleness) + 3
-    for result in (banded, swinging):  # only what slipped past the soft budget is dropped (DESIGN rule 4)
+    # only what slipped past the soft budget is dropped (docs/design.md#rule-hard-staleness-bound)
+    for result in (banded, swinging):
         assert result.dropped_stale_groups < 0.01 * sum(result.staleness.values())

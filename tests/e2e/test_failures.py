@@ -7,9 +7,9 @@ rollout service's in-process `MessageQueue`. Nothing of ours is mocked;
 the injected faults are reward functions that misbehave for chosen prompts, SIGKILLed engines, sampling settings
 that end a generation at once, and broken parquet files.
 
-What every rollout test checks at the end (DESIGN rule 5): each issued sample is either failed with the expected
-reason or sits in a queued group, and once the queued groups are reported trained,
-issued == in_flight + trained + filtered + dropped_stale + failed with nothing left in flight.
+What every rollout test checks at the end (docs/design.md#rule-nothing-lost-silently): each issued sample is either
+failed with the expected reason or sits in a queued group, and once the queued groups are reported trained, issued ==
+in_flight + trained + filtered + dropped_stale + failed with nothing left in flight.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Generation never stops: rollout engines keep producing trajectories with the newest weights they have, the
 trainer takes one optimizer step per batch from a queue, and weights are pushed back every K steps. See
-DESIGN.md in the project's shared folder for the architecture and `python -m rllm.experimental.fully_async
+docs/design.md in the repository for the architecture and its rules, and `python -m rllm.experimental.fully_async
 --help` for the command line.
 """
 

@@ -1,4 +1,5 @@
-"""rLLM fully-async protocol types, re-implemented so rLLM rollout functions run here unchanged.
+"""rLLM fully-async protocol types, re-implemented so rLLM rollout functions run here unchanged
+(docs/design.md#rule-rllm-names-public).
 
 rLLM's module (`rllm/experimental/fully_async/protocol.py` in rllm-org/rllm) defines what a rollout function
 sees and returns; the names, fields and methods below match it:

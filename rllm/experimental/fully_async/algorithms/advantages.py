@@ -6,14 +6,15 @@ The math is verl's (`verl.trainer.ppo.core_algos`, looked up through `get_adv_es
 pass GiGPO's step fields, needs an `AlgoConfig` even for GAE, and its module does not import in this environment
 (verl.trainer.ppo.ray_trainer pulls in `datasets` -> pyarrow 26, which needs numpy 2; verl 0.7.1 pins numpy < 2).
 
-The trajectory is the unit of credit (DESIGN rule 12; `credit.py`). A trajectory may be several rows (one
-per turn with ``workflow.layout=per_step``); rows belong to trajectories by ``non_tensor_batch["traj_uid"]`` (absent:
-each row is one). Outcome estimators (grpo, rloo, reinforce_plus_plus_baseline) score each trajectory once,
-s_i = the sum of its rows' rewards, in the group statistics, and give every row of trajectory i its A_i; verl's
-functions do the math on one row per trajectory, whose mask holds the trajectory's trained-token count (so the batch
-whitening of reinforce_plus_plus_baseline weighs tokens as before). Token-level estimators (gae, reinforce_plus_plus)
-run over each trajectory's trained tokens chained in step order. So the ``per_step`` and ``concat`` layouts give a
-token the same advantage. GiGPO's episode level is GRPO over trajectories; its step level stays per step.
+The trajectory is the unit of credit (docs/design.md#rule-trajectory-unit-of-credit; `credit.py`). A trajectory may be
+several rows (one per turn with ``workflow.layout=per_step``); rows belong to trajectories by
+``non_tensor_batch["traj_uid"]`` (absent: each row is one). Outcome estimators (grpo, rloo,
+reinforce_plus_plus_baseline) score each trajectory once, s_i = the sum of its rows' rewards, in the group statistics,
+and give every row of trajectory i its A_i; verl's functions do the math on one row per trajectory, whose mask holds the
+trajectory's trained-token count (so the batch whitening of reinforce_plus_plus_baseline weighs tokens as before).
+Token-level estimators (gae, reinforce_plus_plus) run over each trajectory's trained tokens chained in step order. So
+the ``per_step`` and ``concat`` layouts give a token the same advantage. GiGPO's episode level is GRPO over
+trajectories; its step level stays per step.
 
 Estimators (``algorithm.adv_estimator``), with s_i = sum_t r_{i,t} the outcome score of trajectory i in group g:
 

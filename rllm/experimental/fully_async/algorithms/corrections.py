@@ -1,4 +1,5 @@
-"""Off-policy corrections for stale and mismatched rollouts, expressed in verl's terms.
+"""Off-policy corrections for stale and mismatched rollouts, expressed in verl's terms
+(docs/design.md#rule-verl-does-the-math).
 
 Three policies meet in a fully-async step. pi_behav generated the tokens (the engines; a resumed response mixes
 several versions, each token tagged with its version v_behav,t). pi_prox is the proximal policy the PPO trust region

@@ -1,4 +1,5 @@
-"""Credit per trajectory: verl's estimators run over trajectories, not over training rows (DESIGN rule 12).
+"""Credit per trajectory: verl's estimators run over trajectories, not over training rows
+(docs/design.md#rule-trajectory-unit-of-credit).
 
 `core/batch.py` makes one training row per `Sequence`, so one trajectory may be several rows: one per turn with
 ``workflow.layout=per_step``, one per Sequence of an rLLM trajectory. The credit a token gets must not depend on

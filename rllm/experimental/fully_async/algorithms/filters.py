@@ -6,9 +6,10 @@ drops such groups and keeps sampling until the batch is full; slime does the sam
 Responses that ran into the length limit carry a reward for text that was cut off; DAPO's "overlong filtering"
 (Sec. 3.4) keeps them out of the loss. This module does both on `TrajectoryGroup`s, before anything is tensorised.
 
-Every function here is pure: lists in, a `FilterResult` out. Nothing is lost silently (DESIGN rule 5): each
-dropped trajectory comes back inside a `DroppedGroup` carrying a `FilterReason`, so the caller can write exactly one
-``filtered(reason)`` ledger entry per sample. The invariant the tests check is
+Every function here is pure: lists in, a `FilterResult` out. Nothing is lost silently
+(docs/design.md#rule-nothing-lost-silently): each dropped trajectory comes back inside a `DroppedGroup` carrying a
+`FilterReason`, so the caller can write exactly one ``filtered(reason)`` ledger entry per sample. The invariant the
+tests check is
 
     input trajectories = kept trajectories + dropped trajectories      (as multisets of `VersionedTrajectory.uid`).
 

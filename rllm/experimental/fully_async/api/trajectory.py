@@ -2,7 +2,7 @@
 
 These are the only things that cross the MessageQueue. They carry token ids (never text) so the trainer
 trains on exactly what the engine produced, and every generated token carries the policy version that
-produced it (DESIGN rule 3), which is what staleness is measured from.
+produced it (docs/design.md#rule-versions-on-every-token), which is what staleness is measured from.
 
 A VersionedTrajectory holds one or more Sequences so that a multi-turn agent (one model call per turn) fits
 without a redesign; a single-turn RLVR sample is a VersionedTrajectory with one Sequence.
@@ -102,6 +102,7 @@ class TrajectoryGroup:
         return [t.reward for t in self.trajectories]
 
     def staleness(self, trainer_version: int) -> int:
-        """Trainer version minus the oldest token version (DESIGN rule 3); 0 when nothing was generated."""
+        """Trainer version minus the oldest token version (docs/design.md#rule-versions-on-every-token); 0 when nothing
+        was generated."""
         oldest = self.min_version
         return 0 if oldest is None else trainer_version - oldest

@@ -1,4 +1,5 @@
-"""Is the installed verl patched for fully-async training? (`patches/verl_dp_actor.patch`)
+"""Is the installed verl patched for fully-async training? (`patches/verl_dp_actor.patch`,
+docs/design.md#rule-small-proven-patch)
 
 The trainer needs verl 0.7.1 with `patches/verl_dp_actor.patch` applied: without it `update_policy` silently drops
 the staleness correction (the on-policy shortcut replaces `old_log_probs`), weights micro-batches by how the batch

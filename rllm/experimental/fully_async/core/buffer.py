@@ -1,7 +1,7 @@
 """GroupBuffer: the bounded FIFO of TrajectoryGroups between rollout and trainer, as plain bookkeeping.
 
-Pure (DESIGN rule 1): no asyncio, no Ray. It never blocks; it answers "how much fits" and "take exactly n".
-The rollout service's `runtime/rollout/message_queue.py` adds the waiting around it.
+Pure (docs/design.md#rule-functional-core): no asyncio, no Ray. It never blocks; it answers "how much fits" and "take
+exactly n". The rollout service's `runtime/rollout/message_queue.py` adds the waiting around it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The sample ledger: every prompt sample issued ends in exactly one state, so nothing is lost silently.
 
-DESIGN rule 5. A sample (one prompt drawn from the PromptIterator, identified by its `prompt_uid`) is *issued*
-when the executor takes it, and then *ends* exactly once:
+docs/design.md#rule-nothing-lost-silently. A sample (one prompt drawn from the PromptIterator, identified by its
+`prompt_uid`) is *issued* when the executor takes it, and then *ends* exactly once:
 
     trained          its group went into an optimizer step
     filtered(reason) its group was removed on purpose (e.g. all rewards equal, prompt too long)

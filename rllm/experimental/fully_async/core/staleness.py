@@ -1,13 +1,13 @@
 """Staleness policy: how many rollouts may start now and what is too stale to train (rLLM's keys: settings/compat.py).
 
 Pure code (no Ray, no asyncio, no I/O): the RolloutExecutor, the trainer, the simulator and the tests call the
-same functions (DESIGN rule 1). Modelled on AReaL's staleness manager.
+same functions (docs/design.md#rule-functional-core). Modelled on AReaL's staleness manager.
 
 Units (defined once in core/versions.py). Everything counts **groups** (one prompt's n samples, a
 `TrajectoryGroup`); a **version** is one weight sync (the trainer bumps it once per sync, not per optimizer step),
 and `B` is the number of groups consumed per version: required_samples × trigger_parameter_sync_step.
 
-The rule (AReaL; DESIGN rule 4) — a new rollout starts only while
+The rule (AReaL; docs/design.md#rule-hard-staleness-bound) — a new rollout starts only while
 
     accepted + running < (η + v + 1) · B
 
@@ -17,7 +17,7 @@ trained). Why it bounds staleness: the trainer reaches version t after consuming
 version v was among the first (η + v + 1)·B kept groups, so if groups are trained in start order it is trained by
 version η + v at the latest, i.e. with staleness ≤ η. Completion order is not start order (a long generation
 finishes after later short ones), so the bound is soft; the hard bound is the training-time check
-`is_too_stale`, which drops and counts what slipped through (DESIGN rule 4).
+`is_too_stale`, which drops and counts what slipped through (docs/design.md#rule-hard-staleness-bound).
 
 Groups that finish but are not kept (rejected by a workflow) or are kept and later discarded (dropped as too stale,
 filtered at training time) leave `accepted`: they free budget so replacements can be generated — otherwise the
@@ -203,7 +203,8 @@ def _check_positive(n: int) -> None:
 
 
 def is_too_stale(min_token_version: int | None, trainer_version: int, max_staleness: int) -> bool:
-    """True when trainer_version − min_token_version > max_staleness (DESIGN rule 3); False if nothing was generated."""
+    """True when trainer_version − min_token_version > max_staleness (docs/design.md#rule-versions-on-every-token);
+    False if nothing was generated."""
     if min_token_version is None:
         return False
     return trainer_version - min_token_version > max_staleness

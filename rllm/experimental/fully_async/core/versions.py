@@ -7,7 +7,7 @@ one each time the trainer pushes its weights to the engines (one weight sync), n
 trainer pushes its weights every K optimizer steps (`is_sync_step`), so version v covers optimizer steps
 v·K+1 .. (v+1)·K. The engines are tagged with the version of the weights they hold (read back after each sync,
 never assumed), and every generated token carries it. Staleness at training time = trainer version − the oldest
-token version of a group (DESIGN rule 4); η (`max_staleness`) bounds it, in versions.
+token version of a group (docs/design.md#rule-versions-on-every-token); η (`max_staleness`) bounds it, in versions.
 
 **Groups and samples.** A *group* (`TrajectoryGroup`) is one prompt's n samples (`actor_rollout_ref.rollout.n`);
 a *sample* is one trajectory. rLLM/verl's `required_samples` counts groups (prompts) per optimizer step.

@@ -1,4 +1,4 @@
-"""Inference engines behind one HTTP API (SGLang 0.5.6's native subset; DESIGN rule 2).
+"""Inference engines behind one HTTP API (SGLang 0.5.6's native subset; docs/design.md#rule-one-engine-api).
 
 - `embedded/`: the CPU engine (aiohttp server, continuous batching in `scheduler`, model and KV cache in
   `model_runner`, sampling in `sampling`, weight updates into a recycled spare model in `weights`), started

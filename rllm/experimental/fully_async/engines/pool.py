@@ -10,7 +10,7 @@
   wait for the calls that were on the wire when it paused them to come back with their tokens
   (`generate_mark`, `generates_before`).
 - Versions: `read_weight_version` asks an engine (`/get_weight_version`) and records the answer; a version is
-  never assumed (DESIGN rule 4).
+  never assumed (docs/design.md#rule-versions-on-every-token).
 - Admin calls address one engine by URL and retry connection failures (`call`).
 One long-lived pooled aiohttp session serves every engine; it belongs to the event loop of the first call.
 """

@@ -1,9 +1,10 @@
 """rLLM / verl fully-async staleness keys: η in policy versions from their `staleness_threshold`.
 
 Pure code (no I/O). `settings/derive.py` calls `max_staleness_from_rllm` when `async_training.max_staleness` is
-null; it is the one place η is derived from another key (DESIGN rule 14), and its formula is written once, there.
-The other rLLM keys map one to one (`trigger_parameter_sync_step`, `required_samples`, `partial_rollout`,
-`use_rollout_log_probs`) or in `settings/rllm_yaml.py` (`require_batches`, rLLM's top-level `rollout` section).
+null; it is the one place η is derived from another key (docs/design.md#rule-one-quantity-one-name), and its formula is
+written once, there. The other rLLM keys map one to one (`trigger_parameter_sync_step`, `required_samples`,
+`partial_rollout`, `use_rollout_log_probs`) or in `settings/rllm_yaml.py` (`require_batches`, rLLM's top-level `rollout`
+section).
 """
 
 from __future__ import annotations

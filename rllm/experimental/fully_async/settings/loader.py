@@ -1,4 +1,5 @@
-"""Configuration: one YAML file plus `key=value` overrides, validated before any actor starts (DESIGN rule 9).
+"""Configuration: one YAML file plus `key=value` overrides, validated before any actor starts
+(docs/design.md#rule-configuration-is-honest).
 
 Composition, lowest priority first:
 1. verl 0.7.1's full `ppo_trainer` defaults (`verl/trainer/config/_generated_ppo_trainer.yaml`), so every verl key

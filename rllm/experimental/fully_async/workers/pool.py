@@ -1,9 +1,9 @@
 """Isolated user code: a pool of worker processes where a hung call is killed and a crash fails one call only.
 
-Reward functions, environments and tools are user code (DESIGN rule 11). Each runs here, in a worker process of a
-pebble `ProcessPool`, never in the rollout service's process: a call that passes its timeout has its worker KILLED
-(pebble terminates the process and starts a fresh one), a call whose worker dies (segfault, `os._exit`, OOM kill)
-fails alone, and an exception comes back as a value. In all three cases `WorkerPool.call` raises
+Reward functions, environments and tools are user code (docs/design.md#rule-user-code-isolated). Each runs here, in a
+worker process of a pebble `ProcessPool`, never in the rollout service's process: a call that passes its timeout has its
+worker KILLED (pebble terminates the process and starts a fresh one), a call whose worker dies (segfault, `os._exit`,
+OOM kill) fails alone, and an exception comes back as a value. In all three cases `WorkerPool.call` raises
 `IsolatedCallError` whose `kind` is one of
 
     timeout    - no result within timeout_s; the worker was killed and replaced

@@ -4,11 +4,11 @@ A workflow (the contract: api/workflow.py) runs one sample to the end and return
 raises for a bad sample: a reward function that raises, hangs or returns a non-number gives a FAILED trajectory with the
 reason, so the ledger counts it and the run goes on. Only cancellation and engine exhaustion (no engine left) propagate.
 
-Where a reward runs (DESIGN rule 11): a user's synchronous reward function (`reward.custom_reward_function`, or
-verl's `default_compute_score`) is an `IsolatedReward`, called in the worker pool (workers/pool.py), whose timeout
-KILLS a hung call's worker. A built-in task's reward (this package's code, pure and fast) and any in-process
-callable run on a daemon thread that runs nothing else meanwhile (threads are reused, never shared by two calls);
-an `async def` reward is awaited on the loop. Each with `reward_timeout_s`.
+Where a reward runs (docs/design.md#rule-user-code-isolated): a user's synchronous reward function
+(`reward.custom_reward_function`, or verl's `default_compute_score`) is an `IsolatedReward`, called in the worker pool
+(workers/pool.py), whose timeout KILLS a hung call's worker. A built-in task's reward (this package's code, pure and
+fast) and any in-process callable run on a daemon thread that runs nothing else meanwhile (threads are reused, never
+shared by two calls); an `async def` reward is awaited on the loop. Each with `reward_timeout_s`.
 """
 
 from __future__ import annotations

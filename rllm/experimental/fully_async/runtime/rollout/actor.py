@@ -1,8 +1,8 @@
 """Ray actor shell of the rollout service (RolloutService in service.py), plus validation through the same engines.
 
-One async actor, one process (DESIGN rule 2): the executor loop, the queue, the staleness budget and the ledger share
-its event loop. The trainer calls `take_batch` once per step; the driver starts validations, writes the rollout part
-of checkpoints, routes rollouts to restarted engines and stops the rollouts.
+One async actor, one process (docs/design.md#rule-one-rollout-service): the executor loop, the queue, the staleness
+budget and the ledger share its event loop. The trainer calls `take_batch` once per step; the driver starts validations,
+writes the rollout part of checkpoints, routes rollouts to restarted engines and stops the rollouts.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The rollout service's process wired from the run spec, in one place: `build_rollout_process`.
+"""The rollout service's process wired from the run spec, in one place (docs/design.md#rule-one-wiring-place):
+`build_rollout_process`.
 
 What it builds, bottom up: the engines' tokenizer; the worker pool where user code (rewards, environments, tools)
 runs with timeouts that kill a hung call (workers/pool.py); the reward; the engine client; the ledger with its

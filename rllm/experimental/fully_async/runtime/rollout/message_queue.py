@@ -2,7 +2,8 @@
 
 `core/buffer.GroupBuffer` is the bookkeeping (bounded FIFO, counters, statistics); this class adds what needs an
 event loop, and lives in the rollout service's process next to the executor that fills it and the `take_batch`
-that empties it (DESIGN rule 2), so no call crosses a process and no lock is needed: everything runs on one loop.
+that empties it (docs/design.md#rule-one-rollout-service), so no call crosses a process and no lock is needed:
+everything runs on one loop.
 
 Contract:
 - `put(groups)` never blocks and never drops: what does not fit waits in a *backlog*, in order, and moves into

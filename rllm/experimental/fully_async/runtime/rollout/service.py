@@ -1,8 +1,8 @@
 """RolloutService: the rollout side in one process — executor loop, message queue, staleness budget, ledger.
 
-DESIGN rule 2. One async Ray actor (`RolloutServiceActor`) owns the `RolloutExecutor` (which owns the staleness
-budget and the ledger with its journal) and the `MessageQueue` it fills, so their invariants hold on one event
-loop with no lock and no call to another process. The trainer talks to it with one call per step:
+docs/design.md#rule-one-rollout-service. One async Ray actor (`RolloutServiceActor`) owns the `RolloutExecutor` (which
+owns the staleness budget and the ledger with its journal) and the `MessageQueue` it fills, so their invariants hold on
+one event loop with no lock and no call to another process. The trainer talks to it with one call per step:
 
     take_batch(BatchRequest(n_groups, version, ack, timeout_s)) -> Batch        (api/step_messages.py)
 

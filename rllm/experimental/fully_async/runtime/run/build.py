@@ -1,4 +1,4 @@
-"""The driver's process wired from a checked config, in one place.
+"""The driver's process wired from a checked config, in one place (docs/design.md#rule-one-wiring-place).
 
 `prepare_run(cfg, rllm_functions)` makes the config final and freezes it: the built-in task's data and model, the
 prompt data checked, the LR schedule's horizon, the run directory settled (finished? fresh? a resume whose config

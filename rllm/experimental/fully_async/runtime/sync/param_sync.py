@@ -10,7 +10,8 @@
 Why the version is set separately and read back: SGLang 0.5.6's `/update_weights_from_disk` returns early when
 the engine is paused, WITHOUT applying its `weight_version` (`tokenizer_manager.update_weights_from_disk`), so a
 version passed with the load alone never reaches a real engine. An engine that does not read back the pushed
-version fails the sync with a SyncError naming it (DESIGN rule 4: read back, never assumed).
+version fails the sync with a SyncError naming it (read back, never assumed:
+docs/design.md#rule-versions-on-every-token).
 
 The paused window (`SyncReport.pause_s`) is only the load, because writing happens before the pause. Engines are
 always continued, also when a load fails or an engine is dead, so nothing stays paused; the failure is then

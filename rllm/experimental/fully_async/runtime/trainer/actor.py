@@ -1,4 +1,5 @@
-"""Ray actor shell of the trainer. No policy here.
+"""Ray actor shell of the trainer (docs/design.md#rule-one-wiring-place). No policy here. Every call it makes to the
+rollout service waits with a timeout that names the call (docs/design.md#rule-every-wait-has-a-timeout).
 
 - `FullyAsyncTrainerActor`: owns the policy backend (patched verl actor), ParamSync and the `FullyAsyncTrainer`,
   built by `build.py` from the run spec; it reaches the rollout side through one call per step

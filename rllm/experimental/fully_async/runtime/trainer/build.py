@@ -1,5 +1,6 @@
-"""The trainer process wired from the run spec: the policy backend, its ParamSync, the critic, the correction, the
-adaptive staleness controller, the dump and the batch recorder, assembled into a FullyAsyncTrainer.
+"""The trainer process wired from the run spec (docs/design.md#rule-one-wiring-place): the policy backend, its
+ParamSync, the critic, the correction, the adaptive staleness controller, the dump and the batch recorder, assembled
+into a FullyAsyncTrainer.
 
 The trainer actor (actor.py) and `replay` (replay.py) both build the trainer here, so a replay runs the training code
 the run ran.
