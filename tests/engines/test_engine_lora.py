@@ -33,7 +33,7 @@ from transformers import AutoModelForCausalLM
 
 from rllm.experimental.fully_async.engines import EngineLauncher
 from rllm.experimental.fully_async.engines.client import EngineClient, EngineHTTPError
-from rllm.experimental.fully_async.engines.lora import adapter_name
+from rllm.experimental.fully_async.engines.lora import adapter_name, adapter_version
 from rllm.experimental.fully_async.run_spec import EngineLoRASpec
 from rllm.experimental.fully_async.runtime.sync.sender import LocalSender
 
@@ -371,3 +371,11 @@ def test_the_embedded_engine_receives_an_adapter_over_the_weight_update_group(mo
     result = out["result"]
     assert result.versions == [3] * 10 and out["listed"] == {adapter_name(3): None}
     assert max_abs_diff(result.logprobs, reference_logprobs(references["qv8"], [3, 4], result.output_ids)) < LOGPROB_TOL
+
+
+def test_versioned_adapter_names_round_trip_and_other_names_carry_no_version():
+    assert adapter_name(12) == "policy-v12" and adapter_version("policy-v12") == 12
+    assert adapter_version("my-adapter") is None and adapter_version(None) is None
+    assert adapter_version("policy-v3.bak") is None
+    with pytest.raises(ValueError, match="policy version"):
+        adapter_name(-1)
