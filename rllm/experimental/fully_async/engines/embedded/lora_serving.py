@@ -324,5 +324,5 @@ class LoRAServing:
         pinned_total = sum(a.pinned for a in self._loaded.values())
         if pinned_total == 0:
             return True
-        pinned_here = sum(1 for i in lora_ids if i is not None and self._loaded[i].pinned)
+        pinned_here = sum(1 for i in lora_ids if i is not None and (a := self._loaded.get(i)) is not None and a.pinned)
         return len(lora_ids) - pinned_here <= limit - pinned_total

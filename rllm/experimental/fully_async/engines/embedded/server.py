@@ -305,9 +305,9 @@ async def _require_api_key(request: web.Request, handler: Any) -> web.StreamResp
     return await handler(request)
 
 
-def build_app(scheduler: Scheduler, args: argparse.Namespace, lora: LoRAServing | None = None) -> web.Application:
-    """The aiohttp application for one engine (routes as SGLang names them). `lora`: the adapters it serves (the
-    scheduler's; a disabled one when the engine runs without --enable-lora, whose LoRA routes then refuse)."""
+def build_app(scheduler: Scheduler, args: argparse.Namespace) -> web.Application:
+    """The aiohttp application for one engine (routes as SGLang names them). Without --enable-lora (no
+    `scheduler.lora`) the LoRA routes answer as SGLang's do then: "LoRA is not enabled"."""
     app = web.Application(client_max_size=1 << 30, middlewares=[_require_api_key])
     app[API_KEY] = getattr(args, "api_key", None) or ""
     app[SCHEDULER_KEY] = scheduler
@@ -333,8 +333,7 @@ def build_app(scheduler: Scheduler, args: argparse.Namespace, lora: LoRAServing 
     ]:
         app.router.add_get(path, handler)
     add_weight_group_routes(app, scheduler, args.weight_update_timeout_s)  # /init_weights_update_group & co
-    if lora is None:
-        lora = scheduler.lora or LoRAServing(LoRALimits(0, frozenset()), lambda: scheduler.runner.model, enabled=False)
+    lora = scheduler.lora or LoRAServing(LoRALimits(0, frozenset()), lambda: scheduler.runner.model, enabled=False)
     add_lora_routes(app, lora, args.model_path, scheduler.runner.info.context_length)  # /load_lora_adapter & co
     return app
 
