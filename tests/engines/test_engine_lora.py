@@ -379,3 +379,25 @@ def test_versioned_adapter_names_round_trip_and_other_names_carry_no_version():
     assert adapter_version("policy-v3.bak") is None
     with pytest.raises(ValueError, match="policy version"):
         adapter_name(-1)
+
+
+def test_adapters_stay_served_over_new_base_weights_after_a_full_weight_update(lora_engines, models, adapters):
+    """A full weight update swaps in another model object (the engine double-buffers models): the adapters' hooks
+    follow it, so a request naming an adapter then gets peft's log-probs over the NEW base weights."""
+    _kind, urls = lora_engines
+    url = urls[0]
+
+    async def run() -> Any:
+        async with EngineClient(urls) as client:
+            await fresh(client, urls)
+            await client.load_lora_adapter(url, "a", str(adapters["all4"]))
+            try:
+                for folder in (models["b"][0], models["a"][0], models["b"][0]):  # the third lands on a recycled model
+                    await client.update_weights_from_disk(url, str(folder), "0")
+                return await client.generate([3, 4], LONG | {"max_new_tokens": 10}, lora_path="a")
+            finally:
+                await client.update_weights_from_disk(url, str(models["a"][0]), "0")
+
+    result = asyncio.run(run())
+    over_b = peft_reference(models["b"][0], adapters["all4"])
+    assert max_abs_diff(result.logprobs, reference_logprobs(over_b, [3, 4], result.output_ids)) < LOGPROB_TOL
