@@ -1,10 +1,11 @@
 """LoRA on the engines, from the rollout side: the versioned adapter names a run serves, and the engine flags its
 settings give (`run_spec.EngineLoRASpec`).
 
-Names. Policy version v is served as the adapter `policy-v<v>`: each weight sync loads a new name, so a request
-that names a version keeps it from its first token to its last, whatever is loaded meanwhile (SGLang holds a
-request's adapter until it ends; an unload waits for it). SGLang's `/generate` answer does not say which adapter
-produced it (meta_info: id, finish_reason, prompt_tokens, weight_version, ...;
+Names (docs/design.md#rule-one-version-per-lora-sample). Policy version v is served as the adapter `policy-v<v>`:
+each weight sync loads a new name, so a request that names a version keeps it from its first token to its last,
+whatever is loaded meanwhile (SGLang holds a request's adapter until it ends; an unload waits for it; its radix
+cache keys prefixes by adapter id, so no KV computed under one version serves another). SGLang's `/generate` answer
+does not say which adapter produced it (meta_info: id, finish_reason, prompt_tokens, weight_version, ...;
 `tokenizer_manager._handle_batch_output`), so the adapter a result records is the one its request named, and its
 tokens' version is read from that name (`adapter_version`); the engine's `weight_version` is the base model's.
 
