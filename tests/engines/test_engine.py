@@ -398,6 +398,17 @@ def test_invalid_requests_are_rejected_with_a_message(engine):
         assert needle in resp.json()["error"]["message"]
 
 
+def test_without_enable_lora_a_lora_path_is_refused_and_the_lora_routes_say_so(engine):
+    """SGLang would silently run such a request on the base model (the stand-in reproduces that); the embedded
+    engine refuses it, so a sample is never labelled with an adapter that did not generate it."""
+    refused = post(engine, "/generate", {"input_ids": [3], "lora_path": "policy-v1"})
+    assert refused.status_code == 400 and "--enable-lora" in refused.json()["error"]["message"]
+    load = post(engine, "/load_lora_adapter", {"lora_name": "a", "lora_path": "/x"})
+    assert load.status_code == 400 and load.json()["error_message"].startswith("LoRA is not enabled.")
+    cards = httpx.get(f"{engine}/v1/models").json()["data"]
+    assert len(cards) == 1 and cards[0]["parent"] is None and cards[0]["max_model_len"] == 256
+
+
 def test_flush_cache_health_and_model_info(engine, models):
     assert httpx.get(f"{engine}/health").status_code == 200
     assert httpx.post(f"{engine}/flush_cache").status_code == 200

@@ -25,19 +25,22 @@ LOGPROB_TOL = 1e-4
 ENGINE_KINDS = ["embedded", pytest.param("sglang_standin", marks=pytest.mark.slow)]
 
 
-def engine_command(kind: str, model_path: Path, *, max_running_requests: int = 64, api_key: str | None = None) -> Any:
+def engine_command(
+    kind: str, model_path: Path, *, max_running_requests: int = 64, api_key: str | None = None, lora: Any = None
+) -> Any:
     """The launch command of one engine kind serving `model_path`: the embedded engine, or the SGLang stand-in
-    started through the project's real `SGLangEngineCommand` (tests/standins/sglang_standin)."""
+    started through the project's real `SGLangEngineCommand` (tests/standins/sglang_standin). `lora`: an
+    `EngineLoRASpec` (LoRA flags), as a run's config gives it."""
     from rllm.experimental.fully_async.engines import EmbeddedEngineCommand
 
     if kind == "embedded":
         extra = ("--api-key", api_key) if api_key else ()
         return EmbeddedEngineCommand(
-            str(model_path), max_running_requests=max_running_requests, num_threads=1, extra_args=extra
+            str(model_path), max_running_requests=max_running_requests, num_threads=1, lora=lora, extra_args=extra
         )
     from sglang_standin import standin_command
 
-    return standin_command(str(model_path), max_running_requests=max_running_requests, api_key=api_key)
+    return standin_command(str(model_path), max_running_requests=max_running_requests, api_key=api_key, lora=lora)
 
 
 def sharpen(src: Path, dst: Path, seed: int) -> Path:

@@ -422,6 +422,9 @@ SPEC_LEVEL: dict[str, str] = {
     "engines.on_engine_failure": "the engine supervisor (test_engine_restart)",
     "engines.max_restarts": "the engine supervisor (test_engine_restart)",
     "engines.sampling_seed": "the engine client's per-request sampling seeds (test_sampling_seed)",
+    # without LoRA they are refused (REFUSED); with actor_rollout_ref.model.lora_rank > 0 they are the engines' LoRA
+    # flags (tests/settings/test_engine_lora_settings.py)
+    "engines.lora.": "the engines' LoRA flags (test_engine_lora_settings, test_engine_lora)",
     "task.": "the built-in task (test_task)",
     "workflow.": "the rollout workflow (test_agent_wiring, test_multi_turn)",
     "env.": "the multi_turn environment (test_agent_wiring)",
@@ -490,7 +493,12 @@ PERTURB: dict[str, str] = {
 }
 
 # Keys refused at their perturbed value in the default config, with the words the refusal must contain.
+LORA_KEYS = ("max_loaded_loras", "max_loras_per_batch", "max_lora_rank", "target_modules", "eviction_policy", "backend")
+PERTURB |= dict(
+    zip((f"engines.lora.{k}" for k in LORA_KEYS), ("4", "4", "8", "[q_proj]", "fifo", "triton"), strict=True)
+)
 REFUSED: dict[str, str] = {
+    **{f"engines.lora.{k}": "read only when the policy trains as LoRA" for k in LORA_KEYS},
     "async_training.staleness_threshold": "only derives max_staleness when that is null",
     "workflow.name": "not a built-in workflow",
     "workflow.rllm_batched": "read only with an rLLM rollout function",

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import importlib
 import subprocess
 import sys
 import time
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -22,12 +24,14 @@ from engine_helpers import (
     wait_for_running,
 )
 from omegaconf import OmegaConf
+from sglang_standin import STANDIN_DIR
 
 from rllm.experimental.fully_async.engines import EngineLauncher, SGLangEngineCommand
 from rllm.experimental.fully_async.engines.client import EngineClient, EngineHTTPError, GenerationResult
+from rllm.experimental.fully_async.engines.embedded.server import parse_args as embedded_parse_args
 from rllm.experimental.fully_async.engines.from_config import api_key_for, engine_launcher, sglang_extra_args
 from rllm.experimental.fully_async.engines.http import EngineHTTP
-from rllm.experimental.fully_async.run_spec import EnginesSpec, engines_spec
+from rllm.experimental.fully_async.run_spec import EngineLoRASpec, EnginesSpec, engines_spec
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
 
@@ -327,14 +331,29 @@ def dataclass_fields(source: str, class_name: str) -> set[str]:
 def test_every_flag_the_launcher_emits_exists_in_sglangs_server_args(sglang_wheel_source):
     source = sglang_wheel_source["server_args.py"]
     known = {n.value for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    lora = EngineLoRASpec(8, ("q_proj", "v_proj"), 4, 4, "fifo", "triton")
     cmd = SGLangEngineCommand(
         "/m", max_running_requests=8, context_length=512, skip_server_warmup=True, api_key="k",
-        deterministic_inference=True,
+        deterministic_inference=True, lora=lora,
         extra_args=sglang_extra_args({"enable_torch_compile": True, "chunked_prefill_size": 4096}),
     ).build("127.0.0.1", 30000, 0)  # fmt: skip
     flags = [a.split("=")[0] for a in cmd if a.startswith("--")]
-    assert len(flags) >= 15 and "--enable-deterministic-inference" in flags
+    assert len(flags) >= 22 and "--enable-deterministic-inference" in flags and "--max-loaded-loras" in flags
     assert [f for f in flags if f not in known] == []
+    # the LoRA choices the launcher may emit are SGLang's (server_args: --lora-eviction-policy, LORA_BACKEND_CHOICES)
+    assert 'choices=["lru", "fifo"]' in source and 'LORA_BACKEND_CHOICES = ["triton", "csgmv", "ascend"]' in source
+    assert cmd[cmd.index("--lora-target-modules") + 1 : cmd.index("--max-loras-per-batch")] == ["q_proj", "v_proj"]
+
+
+GENERATED = {  # one token, as SGLang answers (the client parses it)
+    "output_ids": [5],
+    "meta_info": {
+        "finish_reason": {"type": "length", "length": 1},
+        "output_token_logprobs": [[-0.5, 5, None]],
+        "weight_version": "0",
+        "prompt_tokens": 1,
+    },
+}
 
 
 def test_every_json_key_the_client_and_param_sync_send_exists_in_io_struct(sglang_wheel_source):
@@ -343,6 +362,10 @@ def test_every_json_key_the_client_and_param_sync_send_exists_in_io_struct(sglan
 
     async def record(self, method, path, payload, timeout_s):
         sent.append((path, payload or {}))
+        if path == "/generate" and isinstance(payload["input_ids"][0], int):
+            return GENERATED
+        if path == "/generate" and isinstance(payload.get("rid"), list):  # the client's batches carry one rid each
+            return [GENERATED] * len(payload["input_ids"])
         return {"success": True, "weight_version": "1", "output_ids": [], "meta_info": {}}
 
     async def run() -> None:
@@ -369,6 +392,12 @@ def test_every_json_key_the_client_and_param_sync_send_exists_in_io_struct(sglan
             flush_cache=True,
             timeout_s=1,
         )
+        await http.load_lora_adapter("policy-v1", "/adapters/v1", False, 1)
+        await http.unload_lora_adapter("policy-v1", 1)
+        async with EngineClient(["http://x"]) as client:
+            client.pool.engine("http://x").http.request = http.request  # type: ignore[method-assign]
+            await client.generate([1], {"max_new_tokens": 1}, lora_path="policy-v1")
+            await client.generate_batch([[1], [2]], {"max_new_tokens": 1}, rids=["a", "b"], lora_path="policy-v1")
 
     asyncio.run(run())
     request_class = {
@@ -380,7 +409,10 @@ def test_every_json_key_the_client_and_param_sync_send_exists_in_io_struct(sglan
         "/update_weight_version": "UpdateWeightVersionReqInput",
         "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
         "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
+        "/load_lora_adapter": "LoadLoRAAdapterReqInput",
+        "/unload_lora_adapter": "UnloadLoRAAdapterReqInput",
     }
+    assert sum(1 for path, payload in sent if path == "/generate" and payload.get("lora_path") == "policy-v1") == 2
     assert {path for path, _ in sent} == set(request_class)
     for path, payload in sent:
         fields = dataclass_fields(source, request_class[path])
@@ -391,3 +423,60 @@ def test_every_json_key_the_client_and_param_sync_send_exists_in_io_struct(sglan
     assert "sampling_seed: int = 42" in sampling
     for key in ("max_new_tokens", "temperature", "top_p", "top_k", "ignore_eos", "stop_token_ids", "sampling_seed"):
         assert f"{key}:" in sampling or f"self.{key} =" in sampling, key
+
+
+# ---------------------------------------------------------------- LoRA without --enable-lora, and the LoRA flags
+
+
+def test_without_enable_lora_a_lora_path_is_ignored_and_the_lora_routes_refuse(standin):
+    """tokenizer_manager.generate_request resolves adapters only `if self.server_args.enable_lora and
+    obj.lora_path`: the request runs on the base model. load/unload answer 400 with SGLang's message
+    (tokenizer_communicator_mixin.load_lora_adapter); /v1/models lists the served model alone."""
+    with httpx.Client(headers=auth(), timeout=60) as http:
+        body = {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
+        assert http.post(f"{standin}/generate", json={**body, "lora_path": "never-loaded"}).status_code == 200
+        refused = http.post(f"{standin}/load_lora_adapter", json={"lora_name": "a", "lora_path": "/x"})
+        assert refused.status_code == 400
+        assert refused.json()["error_message"] == "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
+        assert refused.json()["success"] is False and refused.json()["loaded_adapters"] is None
+        assert http.post(f"{standin}/load_lora_adapter", json={"lora_name": "a"}).status_code == 422
+        cards = http.get(f"{standin}/v1/models").json()["data"]
+        assert [c["parent"] for c in cards] == [None] and cards[0]["owned_by"] == "sglang"
+
+
+@pytest.fixture
+def standin_parse_args(monkeypatch) -> Any:
+    """The stand-in's flag parser, imported here as its launcher imports it (its folder on sys.path)."""
+    monkeypatch.syspath_prepend(STANDIN_DIR)
+    return importlib.import_module("standin_server").parse_args
+
+
+@pytest.mark.parametrize("server", ["embedded", "standin"])
+def test_the_lora_flags_are_checked_as_sglangs_check_lora_server_args(server, request):
+    """server_args.check_lora_server_args: --lora-paths enable LoRA; without them --max-lora-rank and
+    --lora-target-modules are both required; --max-loaded-loras >= --max-loras-per-batch and >= the paths;
+    'all' alone; LoRAPathAction's PATH | NAME=PATH | JSON forms."""
+    parse_args = embedded_parse_args if server == "embedded" else request.getfixturevalue("standin_parse_args")
+    base = ["--model-path", "/m", "--port", "1"]
+    ok = parse_args([*base, "--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "all"])
+    assert ok.enable_lora and ok.lora_target_modules == frozenset({"qkv_proj", "gate_up_proj", "o_proj", "down_proj"})
+    paths = parse_args([*base, "--lora-paths", "/a", "b=/b", '{"lora_name": "c", "lora_path": "/c", "pinned": true}'])
+    assert paths.enable_lora is True, "--lora-paths turn LoRA on"
+    assert paths.lora_refs == [("/a", "/a", False), ("b", "/b", False), ("c", "/c", True)]
+    assert not parse_args(base).enable_lora
+    for bad in (
+        ["--enable-lora", "--max-lora-rank", "8"],  # no target modules, no paths
+        ["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "all", "q_proj"],
+        ["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "all", "--max-loaded-loras", "4"],
+        ["--lora-paths", "/a", "/b", "--max-loras-per-batch", "1", "--max-loaded-loras", "1"],
+        ["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "embed_tokens"],
+    ):
+        with pytest.raises(SystemExit):
+            parse_args([*base, *bad])
+    if server == "embedded":  # GPU-only flags: the embedded engine has no kernels or buffer slots to choose
+        with pytest.raises(SystemExit):
+            parse_args([*base, "--enable-lora", "--lora-backend", "triton"])
+    else:
+        assert (
+            parse_args([*base, "--lora-eviction-policy", "fifo", "--lora-backend", "triton"]).lora_backend == "triton"
+        )

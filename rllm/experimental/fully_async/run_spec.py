@@ -135,6 +135,19 @@ class TrainerSpec:
 
 
 @dataclass(frozen=True)
+class EngineLoRASpec:
+    """LoRA on the engines (actor_rollout_ref.model.lora_rank > 0): SGLang 0.5.6's LoRA server flags, from
+    engines.lora.* with their derived defaults (settings/derive.py); engines/lora.py turns them into flags."""
+
+    max_lora_rank: int  # --max-lora-rank
+    target_modules: tuple[str, ...]  # --lora-target-modules (SGLang's names, or ("all",))
+    max_loras_per_batch: int  # --max-loras-per-batch
+    max_loaded_loras: int | None  # --max-loaded-loras (None: no limit)
+    eviction_policy: str  # --lora-eviction-policy (sglang only)
+    backend: str  # --lora-backend (sglang only)
+
+
+@dataclass(frozen=True)
 class EnginesSpec:
     """The inference engines and how they are started and supervised."""
 
@@ -155,6 +168,7 @@ class EnginesSpec:
     log_level: str
     sampling_seed: int | None = None  # engines.sampling_seed: per-request seeds (engines/client.py)
     deterministic_inference: bool = False  # engines.deterministic_inference
+    lora: EngineLoRASpec | None = None  # LoRA adapters served (actor_rollout_ref.model.lora_rank > 0)
 
 
 @dataclass(frozen=True)
@@ -330,6 +344,22 @@ def engines_spec(cfg: DictConfig) -> EnginesSpec:
         log_level=str(cfg.run.log_level),
         sampling_seed=None if e.sampling_seed is None else int(e.sampling_seed),
         deterministic_inference=bool(e.deterministic_inference),
+        lora=engine_lora_spec(cfg),
+    )
+
+
+def engine_lora_spec(cfg: DictConfig) -> EngineLoRASpec | None:
+    """engines.lora.* once derived (settings/derive.py), or None when the policy is not trained as LoRA."""
+    if not int(cfg.actor_rollout_ref.model.get("lora_rank", 0) or 0):
+        return None
+    lora = cfg.engines.lora
+    return EngineLoRASpec(
+        max_lora_rank=int(lora.max_lora_rank),
+        target_modules=tuple(str(m) for m in lora.target_modules),
+        max_loras_per_batch=int(lora.max_loras_per_batch),
+        max_loaded_loras=None if lora.max_loaded_loras is None else int(lora.max_loaded_loras),
+        eviction_policy=str(lora.eviction_policy),
+        backend=str(lora.backend),
     )
 
 

@@ -29,6 +29,8 @@ against this server. Its HTTP layer reproduces what `sglang/srt/entrypoints/http
 - `/slow_down {forward_sleep_time}` (GET or POST; a number, or null or <= 0 to stop) makes the scheduler sleep that
   long before every batch and answers 200 with a null body (`Scheduler.slow_down`, `run_batch`): the tests' way to
   catch a request mid-decode.
+- LoRA: `--enable-lora` & co, `/load_lora_adapter`, `/unload_lora_adapter`, `/v1/models`, `/generate`'s
+  `lora_path`; its quirks are listed in `lora_routes.py`.
 The distributed weight-update routes are in `distributed_routes.py`. `/get_server_info` carries
 `internal_states: [<embedded scheduler stats>]` (SGLang's shape; the keys inside are the embedded engine's, which
 the tests read).
@@ -49,7 +51,20 @@ from typing import Any
 import torch
 from aiohttp import web
 from distributed_routes import add_routes as _add_distributed_routes
+from lora_routes import InternalServerError, lora_paths
+from lora_routes import add_routes as _add_lora_routes
 
+from rllm.experimental.fully_async.engines.embedded.lora import (
+    LORA_TARGET_ALL,
+    SUPPORTED_LORA_TARGET_MODULES,
+    LoRALimits,
+)
+from rllm.experimental.fully_async.engines.embedded.lora_api import (
+    check_lora_flags,
+    load_initial_adapters,
+    lora_limits,
+)
+from rllm.experimental.fully_async.engines.embedded.lora_serving import LoRAServing
 from rllm.experimental.fully_async.engines.embedded.model_runner import ModelRunner, load_model
 from rllm.experimental.fully_async.engines.embedded.requests import WeightUpdateError
 from rllm.experimental.fully_async.engines.embedded.sampling import SamplingParams
@@ -68,12 +83,18 @@ def _detail(loc: str, msg: str) -> web.Response:
     return web.json_response({"detail": [{"type": "value_error", "loc": ["body", loc], "msg": msg}]}, status=422)
 
 
+def lora_limits_off() -> LoRALimits:
+    """Limits of a server without --enable-lora (its LoRA routes refuse before reading them)."""
+    return LoRALimits(max_lora_rank=0, target_modules=frozenset())
+
+
 class StandinState:
     """The TokenizerManager's state that matters here: pause flag and condition, version, model-update lock."""
 
-    def __init__(self, scheduler: Scheduler, args: argparse.Namespace) -> None:
+    def __init__(self, scheduler: Scheduler, args: argparse.Namespace, lora: LoRAServing | None = None) -> None:
         self.scheduler = scheduler
         self.args = args
+        self.lora = lora or LoRAServing(lora_limits_off(), lambda: scheduler.runner.model, enabled=False)
         self.weight_version: str = args.weight_version
         self.model_path: str = args.model_path
         self.is_pause = False
@@ -176,6 +197,9 @@ async def generate(request: web.Request) -> web.Response:
         else:
             rids = _per_item(rid, n, lambda v: v is None)
         logprob = _per_item(body.get("return_logprob", False), n, lambda v: isinstance(v, bool))
+        loras = lora_paths(st, body.get("lora_path"), n)
+    except InternalServerError:
+        return web.Response(status=500, text="Internal Server Error")
     except (ValueError, TypeError) as exc:
         return web.json_response({"error": {"message": str(exc)}}, status=400)
     rids = [str(r or uuid.uuid4().hex) for r in rids]
@@ -184,7 +208,10 @@ async def generate(request: web.Request) -> web.Response:
     await st.reader_enter()
     try:
         outs = await asyncio.gather(
-            *(st.scheduler.generate(list(p), sp, rid) for p, sp, rid in zip(prompts, params, rids, strict=True))
+            *(
+                st.scheduler.generate(list(p), sp, rid, lora_path=lora)
+                for p, sp, rid, lora in zip(prompts, params, rids, loras, strict=True)
+            )
         )
     except ValueError as exc:
         return web.json_response({"error": {"message": str(exc)}}, status=400)
@@ -356,8 +383,9 @@ async def server_info(request: web.Request) -> web.Response:
 
 def build_app(scheduler: Scheduler, args: argparse.Namespace) -> web.Application:
     app = web.Application(client_max_size=1 << 30, middlewares=[api_key_middleware])
-    app[STATE] = StandinState(scheduler, args)
+    app[STATE] = StandinState(scheduler, args, scheduler.lora)
     _add_distributed_routes(app, app[STATE])  # /init_weights_update_group & co
+    _add_lora_routes(app, app[STATE])  # /load_lora_adapter, /unload_lora_adapter, /v1/models
     for path, handler, methods in [
         ("/generate", generate, ("POST", "PUT")),
         ("/pause_generation", pause_generation, ("POST",)),
@@ -398,7 +426,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-server-warmup", action="store_true")
     p.add_argument("--api-key", default=None)
     p.add_argument("--enable-deterministic-inference", action="store_true")
+    # LoRA (server_args.py, names, choices and defaults as 0.5.6)
+    p.add_argument("--enable-lora", default=None, action="store_true")
+    p.add_argument("--max-lora-rank", type=int, default=None)
+    p.add_argument(
+        "--lora-target-modules", choices=[*SUPPORTED_LORA_TARGET_MODULES, LORA_TARGET_ALL], nargs="*", default=None
+    )
+    p.add_argument("--lora-paths", nargs="*", default=None)
+    p.add_argument("--max-loras-per-batch", type=int, default=8)
+    p.add_argument("--max-loaded-loras", type=int, default=None)
+    p.add_argument("--lora-eviction-policy", default="lru", choices=["lru", "fifo"])
+    p.add_argument("--lora-backend", default="csgmv", choices=["triton", "csgmv", "ascend"])
+    p.add_argument("--max-lora-chunk-size", type=int, default=16, choices=[16, 32, 64, 128])
     args = p.parse_args(argv)
+    try:
+        check_lora_flags(args)  # SGLang's check_lora_server_args (its asserts stop the server)
+    except ValueError as exc:
+        p.error(str(exc))
     if args.tp_size != 1:
         p.error("the CPU stand-in runs tp_size 1 only")
     if args.dtype in ("half", "float16"):
@@ -409,13 +453,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 async def serve(args: argparse.Namespace) -> None:
     dtype = SGLANG_DTYPES[args.dtype]
     model, info = await asyncio.to_thread(load_model, args.model_path, dtype)
-    runner = ModelRunner(model, info, seed=args.random_seed or 0, seeded_rule="sglang-0.5.6")  # its biased rule
+    lora = None
+    if args.enable_lora:
+        # strict=False: served as SGLang serves it (alpha / r, other peft options unread)
+        lora = LoRAServing(await asyncio.to_thread(lora_limits, args), lambda: runner.model, strict=False)
+    runner = ModelRunner(
+        model,
+        info,
+        seed=args.random_seed or 0,
+        seeded_rule="sglang-0.5.6",  # its biased rule
+        lora_layers=lora.layers if lora else None,
+    )
     scheduler = Scheduler(
         runner,
         max_running_requests=args.max_running_requests or 256,
         weight_loader=WeightLoader(dtype),
         deterministic=args.enable_deterministic_inference,
+        lora=lora,
     )
+    if lora is not None:
+        await load_initial_adapters(lora, args.lora_refs)
     scheduler.start()
     app_runner = web.AppRunner(build_app(scheduler, args), handler_cancellation=True, access_log=None)
     await app_runner.setup()

@@ -23,6 +23,8 @@ import sys
 from omegaconf import DictConfig
 
 from rllm.experimental.fully_async.core.placement import PlacementError, PlacementPlan, node_bundles, plan_on_nodes
+from rllm.experimental.fully_async.run_spec import engine_lora_spec
+from rllm.experimental.fully_async.settings.derive import largest_staleness
 
 PLACEHOLDER_HOST = "127.0.0.1"
 PLACEHOLDER_PORT = 30000  # the launcher picks free ports at start; engine i is shown on PLACEHOLDER_PORT + i
@@ -75,8 +77,24 @@ def engine_lines(cfg: DictConfig, slots: list[tuple[int, int, dict[str, str]]], 
     return lines
 
 
+def lora_line(cfg: DictConfig) -> str | None:
+    """With LoRA, what the engines' LoRA flags hold (their flags are on the engine lines)."""
+    lora = engine_lora_spec(cfg)
+    if lora is None:
+        return None
+    eta_max = largest_staleness(cfg.async_training)
+    loaded = "no limit" if lora.max_loaded_loras is None else str(lora.max_loaded_loras)
+    return (
+        f"LoRA: each sync loads one adapter version per engine (no pause); an engine keeps the eta_max + 1 = "
+        f"{eta_max + 1} versions the staleness bound admits: --max-loaded-loras {loaded}, --max-loras-per-batch "
+        f"{lora.max_loras_per_batch}, --max-lora-rank {lora.max_lora_rank}, modules {' '.join(lora.target_modules)}"
+    )
+
+
 def run_plan(cfg: DictConfig, gpus_per_node: list[int] | None = None, source: str = "flags") -> int:
     """Print the plan; returns the exit code (0 fits, 1 does not)."""
+    if (line := lora_line(cfg)) is not None:
+        print(line)
     if str(cfg.engines.backend) == "embedded":
         num_engines = int(cfg.engines.num_engines)
         print(f"CPU run: {num_engines} embedded engine process(es) on loopback, 1 trainer rank; no GPU needed")

@@ -7,6 +7,11 @@
 `EngineClient.generate` routes, fails over and resumes (see those modules). The admin calls
 (`pause_generation`, `continue_generation`, `update_weights_from_disk`, ...) address one engine by URL, retrying
 connection failures; `param_sync.ParamSync` uses them.
+
+LoRA: `load_lora_adapter` / `unload_lora_adapter` / `lora_adapters` (SGLang's /load_lora_adapter,
+/unload_lora_adapter, /v1/models) address one engine and keep the pool's record of what it serves, so that
+`generate(..., lora_path=name)` goes to an engine serving `name`. The result records the adapter named
+(`GenerationResult.lora_path`) and, for a versioned name (`engines/lora.py`), its tokens carry that version.
 """
 
 from __future__ import annotations
@@ -137,9 +142,11 @@ class EngineClient:
         *,
         rid: str | None = None,
         progress: GenerationProgress | None = None,
+        lora_path: str | None = None,
     ) -> GenerationResult:
         """Generate from `input_ids`, resuming across weight updates (`resumable.generate_resumable`); `progress`
-        keeps the tokens so far where a checkpoint reads them, and continues from the ones it was restored with."""
+        keeps the tokens so far where a checkpoint reads them, and continues from the ones it was restored with.
+        `lora_path`: the LoRA adapter (its name, e.g. `engines.lora.adapter_name(v)`) to generate with."""
         return await generate_resumable(
             self.pool,
             input_ids,
@@ -150,6 +157,7 @@ class EngineClient:
             partial_rollout=self.partial_rollout,
             run_seed=self.sampling_seed,
             progress=progress,
+            lora_path=lora_path,
         )
 
     async def generate_batch(
@@ -159,9 +167,11 @@ class EngineClient:
         *,
         rids: list[str],
         progress: list[GenerationProgress] | None = None,
+        lora_path: str | None = None,
     ) -> list[GenerationResult]:
         """Generate from several prompts as SGLang batched requests (`resumable.generate_resumable_batch`): for
-        samples consumed together, such as one prompt's GRPO group; `progress`: one record per prompt."""
+        samples consumed together, such as one prompt's GRPO group; `progress`: one record per prompt;
+        `lora_path`: the LoRA adapter every prompt is generated with."""
         return await generate_resumable_batch(
             self.pool,
             prompts,
@@ -172,6 +182,7 @@ class EngineClient:
             partial_rollout=self.partial_rollout,
             run_seed=self.sampling_seed,
             progress=progress,
+            lora_path=lora_path,
         )
 
     @contextlib.asynccontextmanager
@@ -285,3 +296,77 @@ class EngineClient:
     async def get_server_info(self, url: str, *, timeout_s: float | None = None) -> dict[str, Any]:
         t = self._t(timeout_s)
         return await self.pool.call(url, "/get_server_info", lambda h: h.get_server_info(t))
+
+    # ---------------------------------------------------------------- LoRA adapters (one engine each)
+    async def load_lora_adapter(
+        self, url: str, name: str, path: str, *, pinned: bool = False, timeout_s: float | None = None
+    ) -> dict[str, str | None]:
+        """Load the peft folder `path` as adapter `name` on one engine (SGLang's /load_lora_adapter; generation goes
+        on). Returns the adapters the engine holds (name -> path); raises EngineHTTPError with SGLang's message
+        when refused (a name already loaded, a rank above --max-lora-rank, ...). With --max-loaded-loras reached,
+        SGLang evicts its least recently used adapter first and answers once that adapter's requests are done."""
+        t = self._t(timeout_s)
+        body = await self.pool.call(url, "/load_lora_adapter", lambda h: h.load_lora_adapter(name, path, pinned, t))
+        return self._after_load(url, name, body)
+
+    def _after_load(self, url: str, name: str, body: dict[str, Any]) -> dict[str, str | None]:
+        """Record what engine `url` serves after loading `name`: what it served plus `name`, minus what the load
+        evicted. (Its answer also lists adapters still draining for an unload; those are not served any more.)"""
+        loaded = dict(body.get("loaded_adapters") or {})
+        known = self.pool.engine(url).lora_adapters
+        self.pool.set_lora_adapters(url, ((known if known is not None else set(loaded)) | {name}) & set(loaded))
+        return loaded
+
+    async def unload_lora_adapter(
+        self, url: str, name: str, *, timeout_s: float | None = None
+    ) -> dict[str, str | None]:
+        """Unload adapter `name` from one engine. The engine stops admitting requests naming it at once, but answers
+        only when those already using it have finished (SGLang holds its LoRA update lock meanwhile: a load sent
+        to that engine waits too), so give a timeout that covers them. Returns the adapters still held."""
+        t = self._t(timeout_s)
+        self.pool.drop_lora_adapter(url, name)  # route away now: SGLang unregisters the name at once
+        body = await self.pool.call(url, "/unload_lora_adapter", lambda h: h.unload_lora_adapter(name, t))
+        return dict(body.get("loaded_adapters") or {})
+
+    async def lora_adapters(self, url: str, *, timeout_s: float | None = None) -> dict[str, str | None]:
+        """The adapters one engine serves now, name -> path (its /v1/models cards with a parent), as recorded."""
+        t = self._t(timeout_s)
+        cards = await self.pool.call(url, "/v1/models", lambda h: h.list_models(t))
+        adapters = {str(c["id"]): c.get("root") for c in cards if c.get("parent") is not None}
+        self.pool.set_lora_adapters(url, set(adapters))
+        return adapters
+
+    async def load_lora_adapter_from_distributed(
+        self,
+        url: str,
+        name: str,
+        config: dict[str, Any],
+        *,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        load_format: str | None = None,
+        pinned: bool = False,
+        timeout_s: float | None = None,
+    ) -> dict[str, str | None]:
+        """The embedded engine's extension (SGLang 0.5.6 has no such route): receive adapter `name` (`config` =
+        its adapter_config.json, `names` = peft's tensor names) over the weight-update group `group_name`; call it
+        concurrently with rank 0's broadcast of those tensors. Returns the adapters the engine holds."""
+        t = self._t(timeout_s)
+        body = await self.pool.call(
+            url,
+            "/load_lora_adapter_from_distributed",
+            lambda h: h.load_lora_adapter_from_distributed(
+                name=name,
+                config=config,
+                names=names,
+                dtypes=dtypes,
+                shapes=shapes,
+                group_name=group_name,
+                load_format=load_format,
+                pinned=pinned,
+                timeout_s=t,
+            ),
+        )
+        return self._after_load(url, name, body)

@@ -5,6 +5,9 @@ Keys honoured here, for `engines.backend=sglang`:
 - `actor_rollout_ref.rollout.gpu_memory_utilization` -> `--mem-fraction-static`;
 - `engines.dtype`, `engines.max_running_requests`, `run.seed` (engine i samples with seed + i);
 - `engines.deterministic_inference` -> `--enable-deterministic-inference` (both backends);
+- with LoRA (actor_rollout_ref.model.lora_rank > 0), `engines.lora.*` -> `--enable-lora`, `--max-lora-rank`,
+  `--lora-target-modules`, `--max-loras-per-batch`, `--max-loaded-loras` (both backends), `--lora-eviction-policy`,
+  `--lora-backend` (sglang only; refused with the embedded engine by settings/validate.py);
 - `engines.extra_args` -> extra `sglang.launch_server` flags: `{enable_foo: true}` becomes the bare `--enable-foo`
   (SGLang's argparse rejects `--enable-foo=True`), false or null omits the flag, a list becomes
   `--flag v1 v2`, anything else `--flag=value`. A flag this module already sets is refused.
@@ -40,6 +43,13 @@ MANAGED_SGLANG_FLAGS = frozenset(
         "max-running-requests",
         "api-key",
         "enable-deterministic-inference",
+        "enable-lora",
+        "max-lora-rank",
+        "lora-target-modules",
+        "max-loras-per-batch",
+        "max-loaded-loras",
+        "lora-eviction-policy",
+        "lora-backend",
     }
 )
 
@@ -80,6 +90,7 @@ def engine_command(engines: EnginesSpec, api_key: str | None = None) -> Any:
             num_threads=engines.torch_threads,
             log_level=engines.log_level,
             deterministic_inference=engines.deterministic_inference,
+            lora=engines.lora,
             extra_args=("--api-key", api_key) if api_key else (),
         )
     from rllm.experimental.fully_async.engines.sglang import SGLangEngineCommand
@@ -93,6 +104,7 @@ def engine_command(engines: EnginesSpec, api_key: str | None = None) -> Any:
         seed=engines.seed,
         api_key=api_key,
         deterministic_inference=engines.deterministic_inference,
+        lora=engines.lora,
         extra_args=sglang_extra_args(thaw(engines.extra_args)),
     )
 

@@ -144,6 +144,55 @@ class EngineHTTP:
     async def get_server_info(self, timeout_s: float) -> dict[str, Any]:
         return await self.request("GET", "/get_server_info", None, timeout_s)
 
+    # ---------------------------------------------------------------- LoRA (SGLang's routes; one extension)
+    async def load_lora_adapter(self, name: str, path: str, pinned: bool, timeout_s: float) -> dict[str, Any]:
+        """/load_lora_adapter; the answer's `loaded_adapters` (name -> path). A refusal (HTTP 400, success false)
+        raises EngineHTTPError carrying SGLang's `error_message`."""
+        payload = {"lora_name": name, "lora_path": path, "pinned": pinned}
+        return _lora_update(
+            self.url, "/load_lora_adapter", await self.request("POST", "/load_lora_adapter", payload, timeout_s)
+        )
+
+    async def unload_lora_adapter(self, name: str, timeout_s: float) -> dict[str, Any]:
+        """/unload_lora_adapter; returns once the adapter's requests have finished (SGLang waits for them)."""
+        body = await self.request("POST", "/unload_lora_adapter", {"lora_name": name}, timeout_s)
+        return _lora_update(self.url, "/unload_lora_adapter", body)
+
+    async def list_models(self, timeout_s: float) -> list[dict[str, Any]]:
+        """/v1/models: the base model's card, then one per registered adapter (`parent` set)."""
+        body = await self.request("GET", "/v1/models", None, timeout_s)
+        if not isinstance(body, dict) or not isinstance(body.get("data"), list):
+            raise EngineHTTPError(self.url, "/v1/models", 200, str(body))
+        return body["data"]
+
+    async def load_lora_adapter_from_distributed(
+        self,
+        *,
+        name: str,
+        config: dict[str, Any],
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        load_format: str | None,
+        pinned: bool,
+        timeout_s: float,
+    ) -> dict[str, Any]:
+        """The embedded engine's extension (not SGLang's): receive an adapter over the weight-update group; call it
+        concurrently with rank 0's broadcast, as `/update_weights_from_distributed`."""
+        payload = {
+            "lora_name": name,
+            "config": config,
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": group_name,
+            "load_format": load_format,
+            "pinned": pinned,
+        }
+        path = "/load_lora_adapter_from_distributed"
+        return _lora_update(self.url, path, await self.request("POST", path, payload, timeout_s))
+
     async def init_weights_update_group(
         self,
         *,
@@ -185,3 +234,10 @@ class EngineHTTP:
             "weight_version": weight_version,
         }
         return await self.request("POST", "/update_weights_from_distributed", payload, timeout_s)
+
+
+def _lora_update(url: str, path: str, body: Any) -> dict[str, Any]:
+    """SGLang's LoRAUpdateOutput with success true (a false one comes with HTTP 400, raised by `request`)."""
+    if not isinstance(body, dict) or body.get("success") is not True:
+        raise EngineHTTPError(url, path, 200, str(body))
+    return body

@@ -31,7 +31,9 @@ from typing import Protocol
 
 import httpx
 
+from rllm.experimental.fully_async.engines.lora import lora_flags
 from rllm.experimental.fully_async.errors import FullyAsyncError
+from rllm.experimental.fully_async.run_spec import EngineLoRASpec
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +75,7 @@ class EmbeddedEngineCommand:
     log_level: str = "INFO"
     # --enable-deterministic-inference: seeded draws, one request at a time (engines/embedded/scheduler.py)
     deterministic_inference: bool = False
+    lora: EngineLoRASpec | None = None  # LoRA adapters served: SGLang's LoRA flags (engines/lora.py)
     extra_args: tuple[str, ...] = ()
     python: str = sys.executable
 
@@ -103,6 +106,7 @@ class EmbeddedEngineCommand:
             "--log-level",
             self.log_level,
             *deterministic,
+            *lora_flags(self.lora, sglang=False),
             *self.extra_args,
         ]
 

@@ -9,6 +9,8 @@
 - Calls in flight: every `post_generate` takes a ticket in send order, so a checkpoint that pauses the engines can
   wait for the calls that were on the wire when it paused them to come back with their tokens
   (`generate_mark`, `generates_before`).
+- LoRA adapters: what each engine serves, as this pool's calls left it (`lora_adapters`, set by the client's
+  load/unload/list calls); a /generate naming an adapter goes to a live engine known to serve it when there is one.
 - Versions: `read_weight_version` asks an engine (`/get_weight_version`) and records the answer; a version is
   never assumed (docs/design.md#rule-versions-on-every-token).
 - Admin calls address one engine by URL and retry connection failures (`call`).
@@ -56,6 +58,7 @@ class EngineState:
     weight_version: str | None = None  # as last read back from the engine (None: not read yet)
     busy_s: float = 0.0  # wall time with at least one of this pool's requests in flight, finished spans only
     busy_since: float | None = None  # start of the current busy span (in_flight > 0), time.monotonic()
+    lora_adapters: frozenset[str] | None = None  # adapter names it serves, as last loaded/listed (None: not known)
 
     def begin_request(self, n: int = 1) -> None:
         if self.in_flight == 0:
@@ -174,6 +177,20 @@ class EnginePool:
         """Each engine's weight version as last read back from it (None: not read yet)."""
         return {e.url: e.weight_version for e in self._engines.values()}
 
+    def lora_adapters(self) -> dict[str, frozenset[str] | None]:
+        """Each engine's LoRA adapters as this pool's calls left them (None: never loaded or listed)."""
+        return {e.url: e.lora_adapters for e in self._engines.values()}
+
+    def set_lora_adapters(self, url: str, names: set[str] | frozenset[str]) -> None:
+        """Record the adapters engine `url` serves (after a load or a listing)."""
+        self.engine(url).lora_adapters = frozenset(names)
+
+    def drop_lora_adapter(self, url: str, name: str) -> None:
+        """Stop routing requests naming `name` to `url` (called as its unload starts: SGLang unregisters at once)."""
+        engine = self.engine(url)
+        if engine.lora_adapters is not None:
+            engine.lora_adapters = engine.lora_adapters - {name}
+
     def engine(self, url: str) -> EngineState:
         state = self._engines.get(url.rstrip("/"))
         if state is None:
@@ -277,13 +294,19 @@ class EnginePool:
             alive = [e for e in self._engines.values() if not e.dead]
         return alive
 
-    async def pick(self, avoid: set[str]) -> EngineState:
-        """The least-loaded live engine, preferring ones that have not failed this call."""
+    async def pick(self, avoid: set[str], lora_path: Any = None) -> EngineState:
+        """The least-loaded live engine, preferring ones that have not failed this call and, for a request naming
+        LoRA adapters (`lora_path`: a name or a list), ones known to serve them all."""
         alive = await self._wait_for_live_engine()
         if not alive:
             details = "; ".join(f"{e.url}: {e.last_error or 'dead'}" for e in self._engines.values())
             waited = f", none restarted within {self.wait_for_engine_s:g}s" if self.wait_for_engine_s > 0 else ""
             raise NoHealthyEngineError(f"no healthy inference engine left{waited} ({details})")
+        wanted = {lora_path} if isinstance(lora_path, str) else {n for n in (lora_path or []) if n is not None}
+        if wanted:
+            # An engine that does not serve them would fail the request (a name never loaded there) or reload it
+            # (SGLang reloads a name it unloaded); when none is known to serve them, the engine answers for itself.
+            alive = [e for e in alive if e.lora_adapters is not None and wanted <= e.lora_adapters] or alive
         candidates = [e for e in alive if e.url not in avoid] or alive
         low = min(e.in_flight for e in candidates)
         tied = [e for e in candidates if e.in_flight == low]
@@ -315,7 +338,7 @@ class EnginePool:
         failed_on: set[str] = set()
         max_attempts = self.connect_retries * len(self._engines) + 1
         for attempt in range(max_attempts):
-            engine = await self.pick(failed_on)
+            engine = await self.pick(failed_on, payload.get("lora_path"))
             engine.begin_request(n)
             rids = [f"{r}-{attempt}" for r in rid] if isinstance(rid, list) else f"{rid}-{attempt}"
             try:

@@ -27,6 +27,12 @@ sync is not continued with the new weights. Its tokens are discarded and it is r
 by the paused engine, so it starts on the new weights); every finished sequence therefore carries exactly one
 weight version. The discarded tokens are counted in `GenerationResult.discarded_tokens`.
 
+`lora_path` (LoRA): the adapter every piece of the sequence is generated with (SGLang's `/generate` field: an
+adapter NAME). The engine holds a request's adapter from its first token to its last, and SGLang does not say in its
+answer which adapter it used, so the result records the name sent (`GenerationResult.lora_path`) and, for a
+versioned name (`engines/lora.py`: `policy-v<N>`), every token's version is N; for another name, or none, the
+version is the engine's `weight_version` as before.
+
 `run_seed` (engines.sampling_seed): each sequence carries SGLang's `sampling_seed`, derived from the run seed and its
 rid (`core.ids.sampling_seed_for`), in every piece; the engine keys a draw by the token's position, so a resumed
 piece continues the draws where the interrupted one stopped (the same tokens, if the weights did not change).
@@ -44,6 +50,7 @@ from rllm.experimental.fully_async.api.progress import GenerationProgress
 from rllm.experimental.fully_async.api.trajectory import Sequence
 from rllm.experimental.fully_async.core.ids import sampling_seed_for
 from rllm.experimental.fully_async.engines.http import EngineError
+from rllm.experimental.fully_async.engines.lora import adapter_version
 from rllm.experimental.fully_async.engines.pool import EnginePool
 
 logger = logging.getLogger(__name__)
@@ -63,6 +70,7 @@ class GenerationResult:
     prompt_tokens: int
     num_retries: int = 0  # connection failures survived (engine down, request re-sent)
     discarded_tokens: int = 0  # tokens thrown away by restarts from the prompt (partial_rollout=False)
+    lora_path: str | None = None  # the LoRA adapter every piece named (None: the base model)
 
     def to_sequence(self, prompt_ids: list[int]) -> Sequence:
         """The protocol message the trainer consumes."""
@@ -137,8 +145,11 @@ class _Resumption:
         partial_rollout: bool,
         run_seed: int | None = None,
         progress: GenerationProgress | None = None,
+        lora_path: str | None = None,
     ) -> None:
         self.prompt = list(input_ids)
+        self.lora_path = lora_path
+        self.adapter_version = adapter_version(lora_path)  # a versioned adapter's policy version, else None
         if run_seed is not None and params.get("sampling_seed") is None:
             # its own draws, the same in every piece: a resumed piece continues at its positions (SGLang's rule)
             params = {**params, "sampling_seed": sampling_seed_for(run_seed, rid)}
@@ -155,6 +166,14 @@ class _Resumption:
     @property
     def done(self) -> bool:
         return self.progress.finish_reason is not None
+
+    def payload(self) -> dict[str, Any]:
+        """The /generate body of the next piece (one prompt)."""
+        prompt, params = self.next_input()
+        body: dict[str, Any] = {"input_ids": prompt, "sampling_params": params, "return_logprob": True}
+        if self.lora_path is not None:
+            body["lora_path"] = self.lora_path
+        return body
 
     def next_input(self) -> tuple[list[int], dict[str, Any]]:
         """input_ids and sampling_params of the next piece: prompt + tokens so far, the budget that is left."""
@@ -175,7 +194,8 @@ class _Resumption:
         state.logprobs += piece.logprobs
         if piece.output_ids:
             assert piece.version is not None  # parse_piece guarantees a version for any token
-            state.versions += [piece.version] * len(piece.output_ids)
+            version = self.adapter_version if self.adapter_version is not None else piece.version
+            state.versions += [version] * len(piece.output_ids)
         if piece.finish_type != "abort":
             state.finish_reason = piece.finish_type
             return True
@@ -206,6 +226,7 @@ class _Resumption:
             prompt_tokens=len(self.prompt),
             num_retries=self.retries,
             discarded_tokens=self.discarded,
+            lora_path=self.lora_path,
         )
 
 
@@ -220,22 +241,30 @@ async def generate_resumable(
     partial_rollout: bool = True,
     run_seed: int | None = None,
     progress: GenerationProgress | None = None,
+    lora_path: str | None = None,
 ) -> GenerationResult:
     """Generate from `input_ids` on `pool`, resuming across weight updates; see the module docstring.
 
     `partial_rollout=False`: an interrupted generation restarts from the prompt instead of being continued.
     `run_seed`: add `sampling_seed = core.ids.sampling_seed_for(run_seed, rid)` unless the params carry one.
     `progress`: where the tokens so far are kept (and, restored from a checkpoint, where they are continued from).
+    `lora_path`: the LoRA adapter (its name) every piece is generated with.
     """
     params = dict(sampling_params or {})
     state = _Resumption(
-        input_ids, params, rid or uuid.uuid4().hex, max_resumes, partial_rollout, run_seed, progress=progress
+        input_ids,
+        params,
+        rid or uuid.uuid4().hex,
+        max_resumes,
+        partial_rollout,
+        run_seed,
+        progress=progress,
+        lora_path=lora_path,
     )
     if state.done:  # restored finished: its result is already known
         return state.result()
     for piece_index in itertools.count():
-        prompt, piece_params = state.next_input()
-        payload = {"input_ids": prompt, "sampling_params": piece_params, "return_logprob": True}
+        payload = state.payload()
         url, data, failures = await pool.post_generate(payload, f"{state.rid}-{piece_index}", request_timeout_s)
         state.retries += failures
         if state.absorb(parse_piece(url, data)):
@@ -254,6 +283,7 @@ async def generate_resumable_batch(
     partial_rollout: bool = True,
     run_seed: int | None = None,
     progress: list[GenerationProgress] | None = None,
+    lora_path: str | None = None,
 ) -> list[GenerationResult]:
     """`generate_resumable` for several prompts sent as SGLang batched requests (one /generate per round).
 
@@ -271,7 +301,7 @@ async def generate_resumable_batch(
     params = dict(sampling_params or {})
     records = progress if progress is not None else [None] * len(prompts)
     states = [
-        _Resumption(p, params, r, max_resumes, partial_rollout, run_seed, progress=g)
+        _Resumption(p, params, r, max_resumes, partial_rollout, run_seed, progress=g, lora_path=lora_path)
         for p, r, g in zip(prompts, rids, records, strict=True)
     ]
     pending = [s for s in states if not s.done]  # restored finished ones are not sent again
@@ -284,6 +314,8 @@ async def generate_resumable_batch(
             "sampling_params": [p for _, p in inputs],
             "return_logprob": True,
         }
+        if lora_path is not None:
+            payload["lora_path"] = lora_path  # one name for the whole batch (SGLang broadcasts it)
         round_rids = [f"{s.rid}-{piece_index}" for s in pending]
         url, data, failures = await pool.post_generate(payload, round_rids, request_timeout_s)
         if not isinstance(data, list) or len(data) != len(pending):

@@ -12,12 +12,18 @@ Choices that matter for fully-async RL:
 - `--random-seed` differs per engine (seed + index), so replicas do not sample identical streams.
 - `--enable-deterministic-inference` (engines.deterministic_inference): batch-invariant kernels, the pytorch sampling
   backend and each request's `sampling_seed` (default 42); without it SGLang 0.5.6 ignores `sampling_seed`.
+- LoRA (actor_rollout_ref.model.lora_rank > 0): `--enable-lora` with `--max-lora-rank`, `--lora-target-modules`,
+  `--max-loras-per-batch`, `--max-loaded-loras`, `--lora-eviction-policy`, `--lora-backend` from engines.lora.*
+  (engines/lora.py), sized so an engine holds every adapter version the staleness bound admits.
 """
 
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+
+from rllm.experimental.fully_async.engines.lora import lora_flags
+from rllm.experimental.fully_async.run_spec import EngineLoRASpec
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,7 @@ class SGLangEngineCommand:
     skip_server_warmup: bool = False
     api_key: str | None = None  # per-run secret for engines reachable beyond loopback (`--api-key`)
     deterministic_inference: bool = False  # `--enable-deterministic-inference` (module docstring)
+    lora: EngineLoRASpec | None = None  # LoRA adapters served: `--enable-lora` and its limits (engines/lora.py)
     extra_args: tuple[str, ...] = ()  # anything else, passed through verbatim
     python: str = sys.executable
 
@@ -80,7 +87,7 @@ class SGLangEngineCommand:
             cmd += ["--api-key", self.api_key]
         if self.deterministic_inference:
             cmd.append("--enable-deterministic-inference")
-        return cmd + list(self.extra_args)
+        return cmd + lora_flags(self.lora, sglang=True) + list(self.extra_args)
 
     def gpus_for(self, index: int) -> list[int]:
         """The block of `tp_size` GPUs engine `index` runs on."""

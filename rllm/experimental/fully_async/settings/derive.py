@@ -56,8 +56,8 @@ def resolve_derived(cfg: DictConfig) -> None:
         at.max_concurrent_rollouts = 2 * at.required_samples * n
     if at.queue_max_groups is None:
         # Room for every group the staleness rule can admit ahead of the trainer (at the largest η it may reach).
-        eta_max = at.adaptive_staleness.max if at.adaptive_staleness.enable else at.max_staleness
-        at.queue_max_groups = (max(at.max_staleness, eta_max) + 2) * at.required_samples
+        at.queue_max_groups = (largest_staleness(at) + 2) * at.required_samples
+    _derive_engine_lora(cfg)
     for optim in (cfg.actor_rollout_ref.actor.optim, cfg.critic.optim):
         if optim.total_training_steps in (None, -1) and cfg.trainer.total_training_steps is not None:
             # As verl's workers do at start-up: the LR schedule (cosine) spans the run's optimizer steps.
@@ -66,3 +66,34 @@ def resolve_derived(cfg: DictConfig) -> None:
         cfg.run.dir = str(Path("runs") / str(cfg.trainer.experiment_name))
     if cfg.param_sync.weights_dir is None:
         cfg.param_sync.weights_dir = str(Path(cfg.run.dir) / "weights")
+
+
+def largest_staleness(at: DictConfig) -> int:
+    """η_max: the largest η the run may reach (adaptive staleness: its max; else async_training.max_staleness)."""
+    eta_max = at.adaptive_staleness.max if at.adaptive_staleness.enable else at.max_staleness
+    return int(max(at.max_staleness, eta_max))
+
+
+def _derive_engine_lora(cfg: DictConfig) -> None:
+    """engines.lora.* left null, for a policy trained as LoRA (schema.EnginesLoRAConfig): each engine keeps the
+    η_max + 1 adapter versions the staleness bound admits, plus the one being retired while its requests finish."""
+    model, lora = cfg.actor_rollout_ref.model, cfg.engines.lora
+    if int(model.lora_rank or 0) <= 0:
+        return  # engines.lora.* are then refused if set (settings/validate.py)
+    versions = largest_staleness(cfg.async_training) + 2
+    if lora.max_loaded_loras is None:
+        lora.max_loaded_loras = versions
+    if lora.max_loras_per_batch is None:
+        lora.max_loras_per_batch = versions
+    if lora.max_lora_rank is None:
+        lora.max_lora_rank = int(model.lora_rank)
+    if lora.target_modules is None:
+        lora.target_modules = sglang_target_modules(model.target_modules)
+
+
+def sglang_target_modules(target_modules: object) -> list[str]:
+    """verl's actor_rollout_ref.model.target_modules as SGLang's --lora-target-modules: all-linear -> [all]; a list
+    of module names -> their last dotted parts. Names SGLang cannot serve LoRA on are refused by validate."""
+    if isinstance(target_modules, str):
+        return ["all"] if target_modules == "all-linear" else [target_modules.split(".")[-1]]
+    return sorted({str(name).split(".")[-1] for name in target_modules})

@@ -77,6 +77,30 @@ class AsyncTrainingConfig:
 
 
 @dataclass
+class EnginesLoRAConfig:
+    """SGLang 0.5.6's LoRA flags for the engines, read only when the policy trains as LoRA
+    (actor_rollout_ref.model.lora_rank > 0). Each weight sync loads a new adapter version under its own name and the
+    engines keep every version the staleness bound still admits: η_max + 1 of them (η_max: async_training.
+    max_staleness, or adaptive_staleness.max), one more while the oldest is being retired. null: derived."""
+
+    # --max-loaded-loras: adapters an engine holds at once; SGLang evicts the least recently used beyond it (the
+    # load that evicts waits for the evicted adapter's requests). null: η_max + 2. Must be >= η_max + 1.
+    max_loaded_loras: int | None = None
+    # --max-loras-per-batch: distinct adapters in one running batch (the base model counts as one); a request whose
+    # adapter does not fit waits, and so does the queue behind it. null: η_max + 2. Must be >= η_max + 1.
+    max_loras_per_batch: int | None = None
+    # --max-lora-rank: the largest adapter rank served. null: actor_rollout_ref.model.lora_rank.
+    max_lora_rank: int | None = None
+    # --lora-target-modules: SGLang's module names (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj
+    # qkv_proj gate_up_proj) or [all]. null: from actor_rollout_ref.model.target_modules (all-linear -> [all]).
+    target_modules: list[str] | None = None
+    # --lora-eviction-policy (sglang only): which GPU buffer slot a newly used adapter overwrites: lru | fifo.
+    eviction_policy: str = "lru"
+    # --lora-backend (sglang only): the multi-LoRA GPU kernels: csgmv | triton | ascend.
+    backend: str = "csgmv"
+
+
+@dataclass
 class EnginesConfig:
     """Inference engines. `embedded` is this project's CPU server; `sglang` needs GPUs."""
 
@@ -107,6 +131,7 @@ class EnginesConfig:
     # the embedded engine runs one request at a time, so log-probs too are bit-identical whatever the load. Needs
     # sampling_seed (else every sample of a prompt draws with SGLang's default seed 42: n identical samples).
     deterministic_inference: bool = False
+    lora: EnginesLoRAConfig = field(default_factory=EnginesLoRAConfig)
 
 
 @dataclass

@@ -12,6 +12,8 @@ from omegaconf import DictConfig, OmegaConf
 from rllm.experimental.fully_async.core.addresses import check_master_address
 from rllm.experimental.fully_async.errors import ConfigError
 from rllm.experimental.fully_async.errors import first_line as _first_line
+from rllm.experimental.fully_async.settings.derive import largest_staleness
+from rllm.experimental.fully_async.settings.schema import EnginesLoRAConfig
 from rllm.experimental.fully_async.tasks import task_names, unknown_task_message
 
 logger = logging.getLogger(__name__)
@@ -34,6 +36,8 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "run.log_level": ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
     "workflow.layout": ("per_step", "concat"),
     "tools.format": ("hermes", "compact"),
+    "engines.lora.eviction_policy": ("lru", "fifo"),  # SGLang's --lora-eviction-policy choices
+    "engines.lora.backend": ("csgmv", "triton", "ascend"),  # SGLang's --lora-backend choices
 }
 
 # key -> (minimum, strict): value must be > minimum (strict) or >= minimum.
@@ -290,6 +294,7 @@ def _validate_cross_fields(cfg: DictConfig) -> None:
             "step per batch (raise async_training.required_samples for larger steps)"
         )
     _validate_sampling_seed(cfg.engines)
+    _validate_engine_lora(cfg)
     if cfg.engines.backend != cfg.actor_rollout_ref.rollout.name:
         raise ConfigError(
             f"'engines.backend' ({cfg.engines.backend}) and 'actor_rollout_ref.rollout.name' "
@@ -341,6 +346,58 @@ def _validate_sampling_seed(engines: DictConfig) -> None:
         raise ConfigError(
             "'engines.sampling_seed' is ignored by SGLang 0.5.6 unless it runs with --enable-deterministic-inference: "
             "set engines.deterministic_inference=true too, or remove engines.sampling_seed"
+        )
+
+
+# SGLang 0.5.6's --lora-target-modules choices (sglang/srt/utils/common.py SUPPORTED_LORA_TARGET_MODULES, and all).
+SGLANG_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj")
+SGLANG_LORA_TARGETS += ("gate_up_proj", "all")
+
+
+def _validate_engine_lora(cfg: DictConfig) -> None:
+    """engines.lora.*: read only with LoRA; the engines must hold every adapter version the staleness bound admits
+    (η_max + 1, settings/derive.py) and serve the trainer's rank and modules, as SGLang 0.5.6 can."""
+    lora, rank = cfg.engines.lora, int(cfg.actor_rollout_ref.model.lora_rank or 0)
+    if rank <= 0:
+        for key, default in EnginesLoRAConfig().__dict__.items():
+            if lora[key] != default:
+                raise ConfigError(
+                    f"'engines.lora.{key}' is read only when the policy trains as LoRA "
+                    "(actor_rollout_ref.model.lora_rank > 0); remove it"
+                )
+        return
+    need = largest_staleness(cfg.async_training) + 1
+    for key, flag in (("max_loaded_loras", "--max-loaded-loras"), ("max_loras_per_batch", "--max-loras-per-batch")):
+        if lora[key] is not None and lora[key] < need:
+            raise ConfigError(
+                f"'engines.lora.{key}={lora[key]}' cannot hold the η+1={need} adapter versions the staleness bound "
+                f"admits (η_max={need - 1}): raise it (SGLang's {flag}) to at least {need}, or lower the staleness"
+            )
+    if lora.max_loaded_loras is not None and lora.max_loaded_loras < lora.max_loras_per_batch:
+        raise ConfigError(
+            f"'engines.lora.max_loaded_loras' ({lora.max_loaded_loras}) must be >= engines.lora.max_loras_per_batch "
+            f"({lora.max_loras_per_batch}): SGLang refuses to start otherwise"
+        )
+    if lora.max_lora_rank < rank:
+        raise ConfigError(
+            f"'engines.lora.max_lora_rank' ({lora.max_lora_rank}) is below actor_rollout_ref.model.lora_rank ({rank}): "
+            "the engines would refuse every adapter; raise it or leave it null"
+        )
+    unknown = [m for m in lora.target_modules if m not in SGLANG_LORA_TARGETS]
+    if unknown or not lora.target_modules or ("all" in lora.target_modules and len(lora.target_modules) > 1):
+        raise ConfigError(
+            f"'engines.lora.target_modules' {list(lora.target_modules)}: SGLang 0.5.6 serves LoRA on "
+            f"{', '.join(SGLANG_LORA_TARGETS[:-1])}, or [all] alone; set actor_rollout_ref.model.target_modules to "
+            "those (or all-linear)"
+        )
+    sglang_only = {k: lora[k] for k in ("eviction_policy", "backend") if lora[k] != EnginesLoRAConfig().__dict__[k]}
+    if cfg.engines.backend == "embedded" and sglang_only:
+        raise ConfigError(f"'engines.lora.{next(iter(sglang_only))}' is read by SGLang only (GPU); remove it")
+    if cfg.engines.backend == "sglang" and cfg.param_sync.transport in ("distributed", "nccl"):
+        raise ConfigError(
+            f"'param_sync.transport={cfg.param_sync.transport}' cannot carry LoRA adapters to SGLang 0.5.6, which "
+            "loads them only from a folder (/load_lora_adapter): set param_sync.transport=disk with "
+            "param_sync.weights_dir on a filesystem every engine reads"
         )
 
 

@@ -17,12 +17,17 @@ are trimmed whenever rows leave.
 
 Models with sliding-window layers are rejected: the mask would count padding columns as positions.
 
+LoRA: with `lora_layers` (an engine started with `--enable-lora`), `prefill` and `decode` take one adapter per row
+(None: the base model) and run the pass with those rows' adapters added (`lora.LoRALayers`); the KV cache of a row
+is then its adapter's, and a row keeps its adapter until it leaves.
+
 Threading: the scheduler runs `prefill`/`decode` in one worker thread at a time and calls the other methods
 between steps, so this class holds no lock.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from dataclasses import dataclass
@@ -31,6 +36,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
+from rllm.experimental.fully_async.engines.embedded.lora import LoRAAdapter, LoRALayers
 from rllm.experimental.fully_async.engines.embedded.sampling import SEEDED_RULES, SampleOutput, SamplingParams, sample
 
 logger = logging.getLogger(__name__)
@@ -113,9 +119,20 @@ class ModelRunner:
     row order, `retain` keeps a subset in the given order.
     """
 
-    def __init__(self, model: PreTrainedModel, info: ModelInfo, *, seed: int = 0, seeded_rule: str = "exact") -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        info: ModelInfo,
+        *,
+        seed: int = 0,
+        seeded_rule: str = "exact",
+        lora_layers: LoRALayers | None = None,
+    ) -> None:
         self.model = model
         self.info = info
+        self.lora_layers = lora_layers
+        if lora_layers is not None:
+            lora_layers.attach(model)
         self.generator = torch.Generator().manual_seed(seed)
         if seeded_rule not in SEEDED_RULES:
             raise ValueError(f"seeded_rule must be one of {SEEDED_RULES}, got {seeded_rule!r}")
@@ -138,6 +155,8 @@ class ModelRunner:
         if self.num_rows:
             raise RuntimeError(f"cannot swap weights with {self.num_rows} rows in the KV cache")
         self.model, self.info = model, info
+        if self.lora_layers is not None:
+            self.lora_layers.attach(model)
         self._cache = None
 
     def clear(self) -> None:
@@ -145,9 +164,23 @@ class ModelRunner:
         self._cache = None
         self._lengths = []
 
+    def _adapters(self, adapters: list[LoRAAdapter | None] | None) -> contextlib.AbstractContextManager[None]:
+        """The context a pass runs in: the rows' adapters added, or nothing when no row uses one."""
+        if adapters is None or not any(adapters):
+            return contextlib.nullcontext()
+        if self.lora_layers is None:
+            raise RuntimeError("rows name LoRA adapters, but the runner was built without lora_layers")
+        return self.lora_layers.rows(adapters)
+
     @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]], params: list[SamplingParams]) -> SampleOutput:
-        """Run the prompts as one left-padded batch, sample each one's first token, append them as new rows."""
+    def prefill(
+        self,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        adapters: list[LoRAAdapter | None] | None = None,
+    ) -> SampleOutput:
+        """Run the prompts as one left-padded batch, sample each one's first token, append them as new rows.
+        `adapters`: each prompt's LoRA adapter (None: the base model)."""
         width = max(len(p) for p in prompts)
         input_ids = torch.zeros((len(prompts), width), dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -156,14 +189,15 @@ class ModelRunner:
             mask[row, width - len(prompt) :] = 1
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         cache = DynamicCache()
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        with self._adapters(adapters):
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
         self.forward_passes += 1
         self.prefill_passes += 1
         self._merge(cache, [len(p) for p in prompts])
@@ -172,8 +206,11 @@ class ModelRunner:
         return sample(out.logits[:, -1, :], params, self.generator, positions, self.seeded_rule)
 
     @torch.inference_mode()
-    def decode(self, last_tokens: list[int], params: list[SamplingParams]) -> SampleOutput:
-        """One decode step for every row: feed each row's last sampled token, sample the next one."""
+    def decode(
+        self, last_tokens: list[int], params: list[SamplingParams], adapters: list[LoRAAdapter | None] | None = None
+    ) -> SampleOutput:
+        """One decode step for every row: feed each row's last sampled token, sample the next one. `adapters`: each
+        row's LoRA adapter (None: the base model), the one it was prefilled with."""
         if len(last_tokens) != self.num_rows:
             raise RuntimeError(f"decode got {len(last_tokens)} tokens for {self.num_rows} rows")
         columns = self.cache_columns
@@ -181,13 +218,14 @@ class ModelRunner:
         # Column j of row b is real iff it is among the row's last `length` columns; the new column is real.
         mask = torch.ones((self.num_rows, columns + 1), dtype=torch.long)
         mask[:, :columns] = (torch.arange(columns).unsqueeze(0) >= (columns - lengths).unsqueeze(1)).long()
-        out = self.model(
-            input_ids=torch.tensor(last_tokens, dtype=torch.long).unsqueeze(1),
-            attention_mask=mask,
-            position_ids=lengths.unsqueeze(1),
-            past_key_values=self._cache,
-            use_cache=True,
-        )
+        with self._adapters(adapters):
+            out = self.model(
+                input_ids=torch.tensor(last_tokens, dtype=torch.long).unsqueeze(1),
+                attention_mask=mask,
+                position_ids=lengths.unsqueeze(1),
+                past_key_values=self._cache,
+                use_cache=True,
+            )
         self.forward_passes += 1
         fed_at = list(self._lengths)  # the position of each row's fed token (its position_ids above)
         self._lengths = [n + 1 for n in self._lengths]

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from rllm.experimental.fully_async.engines.embedded.lora import LoRAAdapter
 from rllm.experimental.fully_async.engines.embedded.sampling import SamplingParams
 
 
@@ -45,3 +46,8 @@ class _Request:
     weight_version: str | None = None
     held: bool = False  # waiting for /continue_generation, not yet queued
     done: bool = False
+    adapter: LoRAAdapter | None = None  # the LoRA adapter it holds from admission to its end (None: base model)
+
+    @property
+    def lora_id(self) -> str | None:
+        return None if self.adapter is None else self.adapter.lora_id

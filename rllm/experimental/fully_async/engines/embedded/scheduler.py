@@ -26,6 +26,12 @@ Guarantees the HTTP layer and the client rely on (they mirror SGLang 0.5.6):
   42, when it sends none) and runs alone, one at a time, so its tokens and log-probs are bit-identical whatever
   else was sent; SGLang gets there with batch-invariant kernels, which a CPU matmul does not offer. Throughput is
   one request's.
+- LoRA (`lora`, an engine started with `--enable-lora`; the protocol is SGLang's, `lora_serving.py`): a request
+  naming an adapter (`lora_path`) takes it after the pause gate and holds it until it ends, so every token it
+  generates comes from that adapter, and an unload of it waits for the request. Loads and unloads never pause the
+  loop. Admission is FIFO under SGLang's `--max-loras-per-batch` rule (the base model counting as one adapter):
+  the first waiting request whose adapter does not fit the running batch waits, and so do those behind it. Rows of
+  different adapters share every forward pass (`lora.LoRALayers`).
 - `slow_down(seconds)` (SGLang's `/slow_down`, `Scheduler.run_batch`'s `forward_sleep_time`) sleeps that long before
   every step, so a test can catch a request mid-decode: the tiny test models decode 240 tokens in 0.2 s, a window a
   loaded machine misses. The sleep is on the loop, as SGLang's is in its scheduler process: HTTP keeps answering.
@@ -42,6 +48,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from rllm.experimental.fully_async.engines.embedded.lora import LoRAAdapter
+from rllm.experimental.fully_async.engines.embedded.lora_serving import LoRAServing
 from rllm.experimental.fully_async.engines.embedded.model_runner import ModelRunner
 from rllm.experimental.fully_async.engines.embedded.requests import GenerateOutput, WeightUpdateError, _Request
 from rllm.experimental.fully_async.engines.embedded.sampling import (
@@ -72,6 +80,7 @@ class Scheduler:
         weight_version: str = "0",
         weight_loader: WeightLoader,
         deterministic: bool = False,
+        lora: LoRAServing | None = None,
     ) -> None:
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
@@ -80,6 +89,7 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.deterministic = deterministic
         self.weight_version = weight_version
+        self.lora = lora  # None: the engine serves the base model only (no --enable-lora)
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []  # row order of runner's KV cache
         self._by_rid: dict[str, _Request] = {}
@@ -97,6 +107,8 @@ class Scheduler:
             "generated_tokens": 0,
             "weight_updates": 0,
             "max_running_seen": 0,
+            "max_adapters_in_pass": 0,  # distinct LoRA adapters (base model excluded) in one forward pass, at most
+            "lora_admission_waits": 0,  # steps where a waiting request's adapter did not fit --max-loras-per-batch
         }
 
     # ---------------------------------------------------------------- lifecycle
@@ -147,12 +159,18 @@ class Scheduler:
             "weight_version": self.weight_version,
             "kv_cache_columns": self.runner.cache_columns,
             "deterministic": self.deterministic,
+            **(self.lora.stats if self.lora is not None else {}),
         }
 
     # ---------------------------------------------------------------- requests
-    async def generate(self, input_ids: list[int], params: SamplingParams, rid: str) -> GenerateOutput:
-        """Queue one request and wait for it; holds while paused. Raises ValueError for invalid input."""
+    async def generate(
+        self, input_ids: list[int], params: SamplingParams, rid: str, lora_path: str | None = None
+    ) -> GenerateOutput:
+        """Queue one request and wait for it; holds while paused. Raises ValueError for invalid input.
+        `lora_path`: the name of the LoRA adapter to generate with (SGLang's field), None for the base model."""
         self._validate(input_ids, rid)
+        if lora_path is not None and self.lora is None:
+            raise ValueError(f"lora_path {lora_path!r} names an adapter, but this engine runs without --enable-lora")
         if self.deterministic and params.sampling_seed is None:
             params = dataclasses.replace(params, sampling_seed=DEFAULT_SAMPLING_SEED)  # as SGLang's default
         loop = asyncio.get_running_loop()
@@ -170,6 +188,9 @@ class Scheduler:
                 finally:
                     unpaused.cancel()
             req.held = False
+            if lora_path is not None and not req.done:
+                assert self.lora is not None  # checked above
+                req.adapter = await self.lora.acquire(lora_path)  # after the pause gate, as SGLang
             if req.done:
                 return await req.future
             if max_new <= 0:
@@ -183,6 +204,8 @@ class Scheduler:
             raise
         finally:
             self._by_rid.pop(rid, None)
+            if req.adapter is not None and self.lora is not None:
+                self.lora.release(req.adapter)  # its rows are done: the loop drops them before any unload acts
 
     def _validate(self, input_ids: list[int], rid: str) -> None:
         vocab = self.runner.info.vocab_size
@@ -331,15 +354,29 @@ class Scheduler:
             # Rows join before the pass so a failure below fails them too and the row order matches the cache.
             self._running.extend(admitted)
             out = await self._in_thread(
-                self.runner.prefill, [r.input_ids for r in admitted], [r.params for r in admitted]
+                self.runner.prefill,
+                [r.input_ids for r in admitted],
+                [r.params for r in admitted],
+                self._adapters(admitted),
             )
             self._consume(admitted, out)
             self._drop_done_rows()
         if self._running and self._paused_mode is None:
             rows = list(self._running)
-            out = await self._in_thread(self.runner.decode, [r.output_ids[-1] for r in rows], [r.params for r in rows])
+            out = await self._in_thread(
+                self.runner.decode, [r.output_ids[-1] for r in rows], [r.params for r in rows], self._adapters(rows)
+            )
             self._consume(rows, out)
         self.stats["max_running_seen"] = max(self.stats["max_running_seen"], len(self._running))
+
+    def _adapters(self, rows: list[_Request]) -> list[LoRAAdapter | None] | None:
+        """Each row's adapter for a forward pass (None when LoRA is off)."""
+        if self.lora is None:
+            return None
+        adapters = [r.adapter for r in rows]
+        distinct = len({a.lora_id for a in adapters if a is not None})
+        self.stats["max_adapters_in_pass"] = max(self.stats["max_adapters_in_pass"], distinct)
+        return adapters
 
     async def _in_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
         self._pass_in_progress = True
@@ -354,13 +391,18 @@ class Scheduler:
         admitted: list[_Request] = []
         budget = self.max_prefill_tokens
         limit = 1 if self.deterministic else self.max_running_requests  # alone: nothing else in its batch
+        batch_loras = {r.lora_id for r in self._running}
         while self._waiting and len(self._running) + len(admitted) < limit:
             req = self._waiting[0]
             if req.done:
                 self._waiting.popleft()
                 continue
+            if self.lora is not None and not self.lora.can_run(batch_loras | {req.lora_id}):
+                self.stats["lora_admission_waits"] += 1  # SGLang: batch_is_full, admission stops here (FIFO)
+                break
             if admitted and len(req.input_ids) > budget:
                 break
+            batch_loras.add(req.lora_id)
             budget -= len(req.input_ids)
             admitted.append(self._waiting.popleft())
         return admitted

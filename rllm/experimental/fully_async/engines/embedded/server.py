@@ -11,6 +11,12 @@ translates JSON. `/get_server_info` adds `engine_stats` (forward-pass and token 
 requests really share forward passes.
 
 The distributed weight-update routes (`/init_weights_update_group` & co) are in `weight_group_routes.py`.
+LoRA (SGLang's flags `--enable-lora`, `--lora-paths`, `--max-lora-rank`, `--lora-target-modules`,
+`--max-loras-per-batch`, `--max-loaded-loras`; `/generate`'s `lora_path`): the flags and the routes
+`/load_lora_adapter`, `/unload_lora_adapter`, `/v1/models` and the extension `/load_lora_adapter_from_distributed`
+are in `lora_api.py`, the serving protocol in `lora_serving.py`. SGLang's `--lora-backend` and
+`--lora-eviction-policy` choose GPU kernels and which GPU buffer slot an adapter overwrites; the embedded engine has
+neither and does not take them.
 """
 
 from __future__ import annotations
@@ -28,6 +34,16 @@ import torch
 from aiohttp import web
 from transformers.utils import logging as hf_logging
 
+from rllm.experimental.fully_async.engines.embedded.lora import LoRALimits
+from rllm.experimental.fully_async.engines.embedded.lora_api import (
+    add_lora_flags,
+    add_lora_routes,
+    check_lora_flags,
+    load_initial_adapters,
+    lora_limits,
+    request_lora_paths,
+)
+from rllm.experimental.fully_async.engines.embedded.lora_serving import LoRAServing
 from rllm.experimental.fully_async.engines.embedded.model_runner import DTYPES, ModelRunner, load_model
 from rllm.experimental.fully_async.engines.embedded.sampling import SamplingParams
 from rllm.experimental.fully_async.engines.embedded.scheduler import GenerateOutput, Scheduler, WeightUpdateError
@@ -106,12 +122,13 @@ async def generate(request: web.Request) -> web.Response:
         rids = _per_item(body.get("rid"), n, "rid", lambda v: v is None or isinstance(v, str))
         rids = [r if r is not None else uuid.uuid4().hex for r in rids]
         logprob_flags = _per_item(body.get("return_logprob", False), n, "return_logprob", lambda v: isinstance(v, bool))
+        lora_paths = request_lora_paths(body, n, scheduler.lora)
     except (ValueError, TypeError) as exc:
         return _error(str(exc))
 
     tasks = [
-        asyncio.ensure_future(scheduler.generate(list(p), sp, rid))
-        for p, sp, rid in zip(prompts, params, rids, strict=True)
+        asyncio.ensure_future(scheduler.generate(list(p), sp, rid, lora_path=lora))
+        for p, sp, rid, lora in zip(prompts, params, rids, lora_paths, strict=True)
     ]
     try:
         results = await asyncio.gather(*tasks, return_exceptions=True)
@@ -289,7 +306,8 @@ async def _require_api_key(request: web.Request, handler: Any) -> web.StreamResp
 
 
 def build_app(scheduler: Scheduler, args: argparse.Namespace) -> web.Application:
-    """The aiohttp application for one engine (routes as SGLang names them)."""
+    """The aiohttp application for one engine (routes as SGLang names them). Without --enable-lora (no
+    `scheduler.lora`) the LoRA routes answer as SGLang's do then: "LoRA is not enabled"."""
     app = web.Application(client_max_size=1 << 30, middlewares=[_require_api_key])
     app[API_KEY] = getattr(args, "api_key", None) or ""
     app[SCHEDULER_KEY] = scheduler
@@ -315,6 +333,8 @@ def build_app(scheduler: Scheduler, args: argparse.Namespace) -> web.Application
     ]:
         app.router.add_get(path, handler)
     add_weight_group_routes(app, scheduler, args.weight_update_timeout_s)  # /init_weights_update_group & co
+    lora = scheduler.lora or LoRAServing(LoRALimits(0, frozenset()), lambda: scheduler.runner.model, enabled=False)
+    add_lora_routes(app, lora, args.model_path, scheduler.runner.info.context_length)  # /load_lora_adapter & co
     return app
 
 
@@ -342,13 +362,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--parent-check-s", type=float, default=2.0, help="exit when the parent dies; checked this often (0: never)"
     )
-    return parser.parse_args(argv)
+    add_lora_flags(parser)
+    args = parser.parse_args(argv)
+    try:
+        check_lora_flags(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return args
 
 
 async def serve(args: argparse.Namespace) -> None:
     """Load the model, serve until SIGTERM/SIGINT, then shut down cleanly."""
     model, info = await asyncio.to_thread(load_model, args.model_path, args.dtype)
-    runner = ModelRunner(model, info, seed=args.seed)
+    lora = None
+    if args.enable_lora:
+        limits = await asyncio.to_thread(lora_limits, args)
+        lora = LoRAServing(limits, lambda: runner.model)
+    runner = ModelRunner(model, info, seed=args.seed, lora_layers=lora.layers if lora else None)
     scheduler = Scheduler(
         runner,
         max_running_requests=args.max_running_requests,
@@ -356,7 +386,10 @@ async def serve(args: argparse.Namespace) -> None:
         weight_version=str(args.weight_version),
         weight_loader=WeightLoader(args.dtype),
         deterministic=args.enable_deterministic_inference,
+        lora=lora,
     )
+    if lora is not None:
+        await load_initial_adapters(lora, args.lora_refs)
     scheduler.start()
     # handler_cancellation: a client that disconnects (timeout, crash) cancels its handler, which frees its rows.
     app_runner = web.AppRunner(build_app(scheduler, args), handler_cancellation=True, access_log=None)
