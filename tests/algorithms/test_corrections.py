@@ -563,6 +563,10 @@ def test_batch_function_needs_the_recomputed_and_rollout_log_probs():
         ({"m2_threshold": 0.0}, "m2_threshold"),
         ({"m2_threshold": float("inf")}, "m2_threshold"),
         ({"m2_threshold": True}, "m2_threshold"),
+        ({"prox_log_probs": "previous", "control_prox": "one_back"}, "control_prox"),
+        ({"prox_log_probs": "loglinear", "prox_lag": 1, "control_prox": "previous_step"}, "control_prox"),
+        ({"mode": "tis", "control_prox": "previous_step"}, "control_prox"),
+        ({"mode": "bypass", "control_prox": "previous_step"}, "control_prox"),
     ],
 )
 def test_config_errors_name_the_key(kwargs, key):

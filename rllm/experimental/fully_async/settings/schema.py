@@ -253,7 +253,9 @@ FULLY_ASYNC_VERL_DEFAULTS: dict[str, Any] = {
         "adv_estimator": "grpo",
         # This project's algorithm sections (algorithms/): null = off. Their fields are the dataclasses'
         # (CorrectionConfig, FilterConfig, GiGPOConfig) and are checked by building them in validate().
-        "off_policy_correction": None,  # {mode: decoupled|tis|bypass|none, prox_log_probs, level, cap_mode, cap}
+        # {mode: decoupled|m2po|tis|bypass|none, prox_log_probs, level, cap_mode, cap, prox_lag, tau, m2_threshold,
+        # control_prox}
+        "off_policy_correction": None,
         "group_filter": None,  # {drop_zero_variance, max_response_length, drop_truncated, length_scope, ...}
         "gigpo": None,  # {omega, step_gamma, step_norm_by_std, epsilon}
         "singleton_group_advantage": "zero",  # zero | verl (verl gives a group of one its raw reward)
