@@ -132,6 +132,11 @@ class EnginesConfig:
     # sampling_seed (else every sample of a prompt draws with SGLang's default seed 42: n identical samples).
     deterministic_inference: bool = False
     lora: EnginesLoRAConfig = field(default_factory=EnginesLoRAConfig)
+    # Seconds the embedded engine sleeps before every forward pass (SGLang's /slow_down `forward_sleep_time`, set
+    # from the start): generation then takes wall time without taking the trainer's CPU, as on a GPU cluster where
+    # generation dominates a step. For experiments (a rollout-bound regime on CPU, tests/bench/); 0 = off. The
+    # embedded engine's only: on SGLang, POST /slow_down yourself.
+    forward_sleep_s: float = 0.0
 
 
 @dataclass

@@ -57,6 +57,7 @@ _LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "engines.request_timeout_s": (0, True),
     "engines.torch_threads": (1, False),
     "engines.max_restarts": (0, False),
+    "engines.forward_sleep_s": (0, False),
     "param_sync.timeout_s": (0, True),
     "workflow.reward_timeout_s": (0, True),
     "env.max_turns": (1, False),
@@ -146,6 +147,11 @@ def refuse_unsupported(cfg: DictConfig, *, check_host: bool = True) -> None:
     for key, (value, only, why) in fixed.items():
         if value != only:
             raise ConfigError(f"'{key}={value}' cannot be honoured ({why}); set it to {only} or remove it")
+    if cfg.engines.backend != "embedded" and cfg.engines.forward_sleep_s:
+        raise ConfigError(
+            "'engines.forward_sleep_s' slows the embedded engine (an experiment's stand-in for slow generation); with "
+            f"engines.backend={cfg.engines.backend} remove it (SGLang's own route is POST /slow_down)"
+        )
     if cfg.engines.backend == "embedded" and len(cfg.engines.extra_args):
         raise ConfigError(
             "'engines.extra_args' is passed to sglang.launch_server; with engines.backend=embedded remove it"
