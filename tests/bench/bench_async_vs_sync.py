@@ -32,7 +32,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import _runs
-from _runs import RunResult, fmt, mean_std, ratio
+from _metrics import mean_std
+from _runs import RunResult, fmt, ratio
 
 logger = logging.getLogger("bench_async_vs_sync")
 

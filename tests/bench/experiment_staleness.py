@@ -31,7 +31,7 @@ arm's own, and one that names a key an arm sets (the staleness bound, the sync i
 staleness, the old log-prob source; `ARM_KEYS`) is refused before anything runs (exit 2), since it would turn
 `sync` into an async run or one η into another. Change the grid with the options instead.
 
-Measured per run (metrics.jsonl; `_runs.MetricsSummary`): the final held-out accuracy (greedy, `task.val_size`
+Measured per run (metrics.jsonl; `_metrics.MetricsSummary`): the final held-out accuracy (greedy, `task.val_size`
 prompts, after the last step's weights reached the engines), the training seconds until the first validation at or
 above `--threshold` (time-to-accuracy; validations every `--test-freq` steps, measured on that step's weights), and
 generated tokens per trained token (`rollout/tokens_generated` at the end over the trained `batch/tokens`: what
@@ -54,7 +54,8 @@ from pathlib import Path
 from typing import Any
 
 import _runs
-from _runs import RunResult, fmt, mean_std
+from _metrics import mean_std
+from _runs import RunResult, fmt
 
 logger = logging.getLogger("experiment_staleness")
 

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import _runs
+import _metrics
 import experiment_staleness as exp
 
 
@@ -85,7 +85,7 @@ def _records() -> list[dict]:
 
 
 def test_time_to_accuracy_and_generated_per_trained_token_from_the_records():
-    m = _runs.summarize_metrics(_records())
+    m = _metrics.summarize_metrics(_records())
     # training starts when step 1 began waiting (its log time minus its step time): t0 + 1
     assert m.val_curve == ((0, 0.0, 0.44), (2, 3.0, 0.50), (4, 7.0, 0.58))
     assert m.time_to_accuracy(0.5) == 3.0 and m.time_to_accuracy(0.55) == 7.0 and m.time_to_accuracy(0.6) is None
