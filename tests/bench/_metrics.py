@@ -41,6 +41,22 @@ class MetricsSummary:
     tokens_trained: float = 0.0  # sum of batch/tokens over the steps
     eta_final: float | None = None  # adaptive staleness: staleness/eta at the last step
     eta_changes: int = 0  # adaptive staleness: steps with staleness/eta_change
+    # adaptive staleness: (step, η in force after it) at the first step and at every change
+    eta_trajectory: tuple[tuple[int, float], ...] = ()
+    eta_mean: float | None = None  # mean over steps of staleness/eta
+    first_step_started_at: float | None = None  # wall clock (time.time()) when the first step began waiting
+    # trainer time waiting for rollouts without the take_batch call's own overhead, Σ(wait - overhead) / Σ step_s:
+    # what adaptive staleness's raise_when_waiting gate reads
+    wait_share: float | None = None
+    # the trust region's bite: mean over steps of actor/pg_clipfrac (all steps; steps 1-50), of the masked token
+    # fractions (m2po, cap_mode=mask: off_policy/masked_token_fraction; decoupled's m2_threshold: its own)
+    pg_clipfrac_mean: float | None = None
+    pg_clipfrac_early: float | None = None
+    masked_token_fraction_mean: float | None = None
+    m2_masked_token_fraction_mean: float | None = None
+    # per-step off-policy statistics the adaptive rule reads (core/adaptive_staleness.py), as quantiles over steps:
+    # {name: {"p10", "p50", "p90", "early_p50" (steps 1-50), "late_p50" (after)}}: ess, kl, cut, wait
+    signals: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def time_to_accuracy(self, threshold: float) -> float | None:
         """Training seconds until the first held-out validation after step 0 at or above `threshold`; None if none
@@ -71,6 +87,66 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 def _mean(values: Sequence[float]) -> float | None:
     return statistics.fmean(values) if values else None
+
+
+EARLY_STEPS = 50  # "early" in the summaries: the task's first dip (tests/bench/README.md) sits in steps 1-50
+
+
+def _step_mean(steps: Sequence[dict[str, Any]], key: str, last_step: int | None = None) -> float | None:
+    values = [float(r[key]) for r in steps if key in r and (last_step is None or int(r["trainer/step"]) <= last_step)]
+    return _mean(values)
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def step_signals(record: dict[str, Any]) -> dict[str, float]:
+    """One step's statistics as the adaptive rule reads them (runtime/trainer/fully_async_trainer.offpolicy_signals):
+    ess = 1 / (1 + chi2_token), kl = k3 KL(pi_behav || pi_theta), cut = the larger of the clipped and masked token
+    fractions, wait = (wait_batch_s - take_overhead_s) / step_s. A statistic the step lacks is left out."""
+    out: dict[str, float] = {}
+    if "rollout_corr/chi2_token" in record:
+        out["ess"] = 1.0 / (1.0 + max(0.0, float(record["rollout_corr/chi2_token"])))
+    if "rollout_corr/k3_kl" in record:
+        out["kl"] = float(record["rollout_corr/k3_kl"])
+    cuts = [
+        float(record[k])
+        for k in ("actor/pg_clipfrac", "off_policy/masked_token_fraction", "off_policy/m2_masked_token_fraction")
+        if k in record
+    ]
+    if cuts:
+        out["cut"] = max(cuts)
+    if "timing/wait_batch_s" in record and record.get("timing/step_s"):
+        waited = float(record["timing/wait_batch_s"]) - float(record.get("timing/take_overhead_s", 0.0))
+        out["wait"] = max(0.0, waited) / float(record["timing/step_s"])
+    return out
+
+
+def _signals(steps: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    per_step = [(int(r["trainer/step"]), step_signals(r)) for r in steps]
+    out: dict[str, dict[str, float]] = {}
+    for name in ("ess", "kl", "cut", "wait"):
+        values = [s[name] for _, s in per_step if name in s]
+        if not values:
+            continue
+        early = [s[name] for step, s in per_step if name in s and step <= EARLY_STEPS]
+        late = [s[name] for step, s in per_step if name in s and step > EARLY_STEPS]
+        out[name] = {"p10": _quantile(values, 0.1), "p50": _quantile(values, 0.5), "p90": _quantile(values, 0.9)}
+        if early:
+            out[name]["early_p50"] = _quantile(early, 0.5)
+        if late:
+            out[name]["late_p50"] = _quantile(late, 0.5)
+    return out
+
+
+def _eta_trajectory(steps: Sequence[dict[str, Any]]) -> tuple[tuple[int, float], ...]:
+    trajectory: list[tuple[int, float]] = []
+    for r in steps:
+        if "staleness/eta" in r and (not trajectory or float(r["staleness/eta"]) != trajectory[-1][1]):
+            trajectory.append((int(r["trainer/step"]), float(r["staleness/eta"])))
+    return tuple(trajectory)
 
 
 def summarize_metrics(records: Sequence[dict[str, Any]]) -> MetricsSummary:
@@ -124,7 +200,24 @@ def summarize_metrics(records: Sequence[dict[str, Any]]) -> MetricsSummary:
         tokens_trained=sum(float(r.get("batch/tokens", 0.0)) for r in steps),
         eta_final=float(steps[-1]["staleness/eta"]) if steps and "staleness/eta" in steps[-1] else None,
         eta_changes=sum(1 for r in steps if "staleness/eta_change" in r),
+        eta_trajectory=_eta_trajectory(steps),
+        eta_mean=_mean([float(r["staleness/eta"]) for r in steps if "staleness/eta" in r]),
+        first_step_started_at=first_start,
+        wait_share=_wait_share(steps),
+        pg_clipfrac_mean=_step_mean(steps, "actor/pg_clipfrac"),
+        pg_clipfrac_early=_step_mean(steps, "actor/pg_clipfrac", EARLY_STEPS),
+        masked_token_fraction_mean=_step_mean(steps, "off_policy/masked_token_fraction"),
+        m2_masked_token_fraction_mean=_step_mean(steps, "off_policy/m2_masked_token_fraction"),
+        signals=_signals(steps),
     )
+
+
+def _wait_share(steps: Sequence[dict[str, Any]]) -> float | None:
+    total = sum(float(r.get("timing/step_s", 0.0)) for r in steps)
+    if not total or not all("timing/wait_batch_s" in r for r in steps):
+        return None
+    waited = sum(max(0.0, float(r["timing/wait_batch_s"]) - float(r.get("timing/take_overhead_s", 0.0))) for r in steps)
+    return waited / total
 
 
 def _val_curve(

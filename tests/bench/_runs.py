@@ -166,6 +166,16 @@ class RunResult:
     metrics: MetricsSummary
     output_tail: str  # the last lines the run printed (for failure messages)
     swept: tuple[str, ...] = ()  # "pid (command)" of leftover processes this module had to stop after the run
+    started_at: float | None = None  # wall clock (time.time()) when the subprocess started
+    load_average: tuple[float, float] = (0.0, 0.0)  # the 1-minute load average when the run started and ended
+
+    @property
+    def startup_s(self) -> float | None:
+        """Seconds from the command's start to the first step's start: imports, Ray, the task's data and warm-up
+        (or its cache), engines, actors and the step-0 validation."""
+        if self.started_at is None or self.metrics.first_step_started_at is None:
+            return None
+        return self.metrics.first_step_started_at - self.started_at
 
     @property
     def ok(self) -> bool:
@@ -231,6 +241,7 @@ def launch(
     logger.info("[%s] %s", label, " ".join(command))
 
     started = time.monotonic()
+    started_at, load_start = time.time(), os.getloadavg()[0]
     with log_path.open("w", encoding="utf-8") as log:
         # A new session: Ctrl-C in this terminal reaches only this script, which then stops the run in order.
         proc = subprocess.Popen(
@@ -270,6 +281,8 @@ def launch(
         metrics=summarize_metrics(read_metrics(run_dir / "metrics.jsonl")),
         output_tail="\n".join(tail),
         swept=tuple(swept),
+        started_at=started_at,
+        load_average=(load_start, os.getloadavg()[0]),
     )
 
 

@@ -1,0 +1,112 @@
+"""The results tables of README.md and tests/bench/README.md are what tests/bench/results_tables.py writes from the
+committed result files (tests/bench/results/), and the tables it writes say what the files say: each arm's Δ is paired
+per seed against its own control and the best synchronous arm, the run order is the recorded one."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _results
+import results_tables
+
+
+def test_the_committed_tables_equal_the_regenerated_ones():
+    for path in results_tables.DOCUMENTS:
+        text = path.read_text(encoding="utf-8")
+        assert results_tables.regenerate(text) == text, (
+            f"{path.name}: a results table differs from the result files; run tests/bench/results_tables.py"
+        )
+
+
+def _record(arm: str, seed: int, final: float, order: int, control: str | None = None, **summary) -> dict:
+    return {
+        "experiment": "demo",
+        "arm": arm,
+        "seed": seed,
+        "order": order,
+        "commit": "0123456789abcdef",
+        "load_average": [1.0, 1.5],
+        "params": {
+            "task": "default",
+            "regime": "rollout-bound",
+            "steps": 100,
+            "test_freq": 25,
+            "threshold": 0.55,
+            "control": control,
+        },
+        "ok": True,
+        "summary": {
+            "final_val_accuracy": final,
+            "time_to_threshold_s": summary.pop("t", None),
+            "train_wall_s": 100.0,
+            "staleness_mean": 0.0,
+            "staleness_max": 0.0,
+            "pg_clipfrac_mean": summary.pop("clip", 0.0),
+            "pg_clipfrac_early": 0.0,
+            "idle_frac_total": 0.5,
+            **summary,
+        },
+    }
+
+
+def _demo(tmp_path: Path) -> Path:
+    folder = tmp_path / "demo"
+    arms = [
+        # arm, control, finals per seed, time to threshold per seed
+        ("sync", None, (0.50, 0.52), (None, 90.0)),
+        ("sync-prev", None, (0.60, 0.64), (50.0, 40.0)),
+        ("eta1-prev", "sync-prev", (0.63, 0.66), (30.0, 30.0)),
+        ("eta8-prev", "sync-prev", (0.58, 0.60), (70.0, None)),
+        ("eta1-adaptive-prev", "sync-prev", (0.61, 0.65), (45.0, 35.0)),
+    ]
+    for seed in (0, 1):
+        for order, (arm, control, finals, times) in enumerate(arms[::-1] if seed else arms):
+            record = _record(arm, seed, finals[seed], order, control, t=times[seed], clip=0.02 if control else 0.0)
+            _results.write_record(_results.record_path(folder, arm, seed), record)
+    return folder
+
+
+def test_a_staleness_table_pairs_each_arm_with_its_control_and_the_best_sync(tmp_path):
+    _demo(tmp_path)
+    table = results_tables.render("staleness", "demo", tmp_path)
+    rows = {
+        line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in table.splitlines() if line.startswith("| ")
+    }
+    header = rows["arm"]
+    assert "Δ vs best sync (sync-prev, pts)" in header
+    delta_control, delta_best = header.index("Δ vs its control (pts)"), header.index("Δ vs best sync (sync-prev, pts)")
+    assert rows["eta1-prev"][delta_control] == "+2.5 ± 0.7 (sync-prev)"  # +3.0 and +2.0 points
+    assert rows["eta8-prev"][delta_best] == "-3.0 ± 1.4"  # -2.0 and -4.0 points
+    assert rows["sync"][delta_best] == "-11.0 ± 1.4" and rows["sync-prev"][delta_best] == "-"
+    time = header.index("time to 55% (s)")
+    assert rows["eta8-prev"][time] == "70 (1/2)" and rows["sync"][time] == "90 (1/2)"
+    assert "seed 0: sync, sync-prev, eta1-prev, eta8-prev, eta1-adaptive-prev" in table
+    assert "seed 1: eta1-adaptive-prev, eta8-prev, eta1-prev, sync-prev, sync" in table
+    # the fastest fixed η (both seeds at 30 s) and adaptive's distance: 10 s over 25 s intervals (100 s / 4)
+    assert "fastest fixed η to 55%: eta1-prev (30 s, 2/2)" in table
+    assert "eta1-adaptive-prev: 40 s (2/2), +0.4 validation intervals (25 s each)" in table
+
+
+def test_regions_are_rewritten_between_their_markers_and_a_missing_folder_says_so(tmp_path):
+    _demo(tmp_path)
+    text = (
+        "before\n<!-- results:staleness:demo -->\nSTALE TABLE\n<!-- /results:staleness:demo -->\nmiddle\n"
+        "<!-- results:staleness:none -->\n<!-- /results:staleness:none -->\nafter\n"
+    )
+    new = results_tables.regenerate(text, tmp_path)
+    assert new.startswith("before\n<!-- results:staleness:demo -->\n| arm |") and "STALE TABLE" not in new
+    assert "middle\n<!-- results:staleness:none -->\n_No result files in `tests/bench/results/none/` yet" in new
+    assert new.endswith("<!-- /results:staleness:none -->\nafter\n")
+    assert results_tables.regenerate(new, tmp_path) == new
+
+
+def test_an_unknown_kind_or_an_unclosed_region_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="unknown results table kind 'plots'"):
+        results_tables.regenerate("<!-- results:plots:demo -->\n<!-- /results:plots:demo -->\n", tmp_path)
+    with pytest.raises(ValueError, match="no matching"):
+        results_tables.regenerate("<!-- results:staleness:demo -->\n", tmp_path)
