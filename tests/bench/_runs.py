@@ -49,6 +49,7 @@ SCAN_INTERVAL_S = 2.0
 # Seconds given to stragglers between SIGTERM and SIGKILL during the final sweep.
 SWEEP_GRACE_S = 10.0
 OUTPUT_TAIL_LINES = 40
+OUTPUT_HEAD_LINES = 10  # the first lines, with when they came: where the start-up went
 
 
 def default_timeout_s(steps: int) -> float:
@@ -166,6 +167,7 @@ class RunResult:
     metrics: MetricsSummary
     output_tail: str  # the last lines the run printed (for failure messages)
     swept: tuple[str, ...] = ()  # "pid (command)" of leftover processes this module had to stop after the run
+    output_head: tuple[tuple[float, str], ...] = ()  # the first lines, each with the seconds since the start
     started_at: float | None = None  # wall clock (time.time()) when the subprocess started
     load_average: tuple[float, float] = (0.0, 0.0)  # the 1-minute load average when the run started and ended
 
@@ -237,6 +239,7 @@ def launch(
     command += [f"run.dir={run_dir}", *overrides]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     tail: collections.deque[str] = collections.deque(maxlen=OUTPUT_TAIL_LINES)
+    head: list[tuple[float, str]] = []
     log_path = run_dir / "output.log"
     logger.info("[%s] %s", label, " ".join(command))
 
@@ -255,7 +258,7 @@ def launch(
             errors="replace",
             start_new_session=True,
         )
-        reader = threading.Thread(target=_copy_output, args=(proc, log, tail, label, echo), daemon=True)
+        reader = threading.Thread(target=_copy_output, args=(proc, log, tail, head, started, label, echo), daemon=True)
         reader.start()
         seen: set[ProcessKey] = set()
         returncode: int | None = None
@@ -280,6 +283,7 @@ def launch(
         wall_s=wall_s,
         metrics=summarize_metrics(read_metrics(run_dir / "metrics.jsonl")),
         output_tail="\n".join(tail),
+        output_head=tuple(head),
         swept=tuple(swept),
         started_at=started_at,
         load_average=(load_start, os.getloadavg()[0]),
@@ -318,13 +322,24 @@ def _stop(proc: subprocess.Popen[str], seen: set[ProcessKey], label: str) -> Non
         proc.wait(timeout=SWEEP_GRACE_S)
 
 
-def _copy_output(proc: subprocess.Popen[str], log: Any, tail: collections.deque[str], label: str, echo: bool) -> None:
-    """Copy the run's output to its log file (and this terminal), keeping the last lines for error messages."""
+def _copy_output(
+    proc: subprocess.Popen[str],
+    log: Any,
+    tail: collections.deque[str],
+    head: list[tuple[float, str]],
+    started: float,
+    label: str,
+    echo: bool,
+) -> None:
+    """Copy the run's output to its log file (and this terminal), keeping the last lines for error messages and the
+    first ones with the seconds since `started` (time.monotonic()) at which they came."""
     assert proc.stdout is not None  # Popen was given stdout=PIPE
     for line in proc.stdout:
         log.write(line)
         log.flush()
         tail.append(line.rstrip("\n"))
+        if len(head) < OUTPUT_HEAD_LINES:
+            head.append((round(time.monotonic() - started, 2), line.rstrip("\n")))
         if echo:
             # The script's own output is the progress display of a long experiment: print, not log.
             print(f"[{label}] {line}", end="", flush=True)

@@ -47,6 +47,7 @@ SHAPES = {
     "tiny": (64, 2, 4, 2, 256, 15),  # the embedded default's model (tasks/addition.py)
     "30m": (512, 6, 8, 4, 1536, 8000),
     "135m": (576, 30, 9, 3, 1536, 49152),  # SmolLM2-135M's
+    "1.5b": (1536, 28, 12, 2, 8960, 151936),  # Qwen2-1.5B's (torch backend: full attention, untied head)
 }
 RESULTS = Path(__file__).resolve().parent / "results" / "previous-cost"
 
@@ -165,6 +166,10 @@ def torch_case(shape: str, args: argparse.Namespace) -> dict[str, float | int]:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
+    def device_copy() -> None:  # what a copy kept on the device instead would cost per sync
+        with torch.no_grad():
+            [p.detach().clone() for p in model.parameters()]
+
     kept.publish()
     return {
         "parameters": params,
@@ -173,6 +178,7 @@ def torch_case(shape: str, args: argparse.Namespace) -> dict[str, float | int]:
         "publish_ms": median_ms(kept.publish, args.repeats, sync),
         "update_ms": median_ms(update, args.repeats, sync),
         "held_mb": 2 * params * 4 / 2**20,
+        "device_copy_ms": median_ms(device_copy, args.repeats, sync),
     }
 
 
@@ -203,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{device} {shape} ({figures['parameters'] / 1e6:.2f}M, {args.backend}): forward recompute "
             f"{figures['recompute_forward_ms']:.1f} ms, previous {figures['previous_forward_ms']:.1f} ms; copy at sync "
             f"{figures['publish_ms']:.1f} ms; update {figures['update_ms']:.1f} ms; per step previous / recompute "
-            f"{summary['previous_over_recompute_step']:.2f}x",
+            f"{summary['previous_over_recompute_step']:.2f}x"
+            + (f"; a copy on the device {figures['device_copy_ms']:.1f} ms" if "device_copy_ms" in figures else ""),
             flush=True,
         )
         if args.no_record:
