@@ -80,9 +80,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     invocation = shlex.join(["bench_default_run.py", *(sys.argv[1:] if argv is None else argv)])
     commit = _results.git_commit()
     missed = 0
+    # extra overrides name the arm too (`prev+lr=1e-3`), so a variant of a candidate does not overwrite its record
+    variant = "".join(f"+{o.rsplit('.', 1)[-1]}" for o in args.overrides)
     for seed in args.seeds:
         for name in args.candidates:
-            label = f"{name}-seed{seed}"
+            label = f"{name}{variant}-seed{seed}"
             with tempfile.TemporaryDirectory(prefix="rllm_fresh_cache_") as cache:
                 seeded = [] if seed == 0 else [f"run.seed={seed}", f"data.seed={seed}"]
                 fresh = [f"task.cache_dir={cache}"] if args.fresh_cache else []
@@ -108,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             record = _results.run_record(
                 result,
                 experiment=args.experiment,
-                arm=name,
+                arm=f"{name}{variant}",
                 seed=seed,
                 order=args.candidates.index(name),
                 overrides=overrides,
@@ -116,6 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 invocation=invocation,
                 params={
                     "candidate_overrides": list(CANDIDATES[name]),
+                    "extra_overrides": list(args.overrides),
                     "cache": "empty" if args.fresh_cache else "warm",
                     "target_accuracy": TARGET_ACCURACY,
                     "target_wall_s": TARGET_WALL_S,
@@ -123,7 +126,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 commit=commit,
             )
             record["output_head"] = [list(item) for item in result.output_head]
-            _results.write_record(_results.record_path(args.results / args.experiment, name, seed), record)
+            _results.write_record(
+                _results.record_path(args.results / args.experiment, f"{name}{variant}", seed), record
+            )
     return 1 if missed else 0
 
 

@@ -20,7 +20,8 @@ and its content is the table of KIND (`RENDERERS`) over the result files in `tes
 - `default-run`: bench_default_run.py's runs (the shipped default as a newcomer runs it: whole command, start-up,
   training, final accuracy, against the issue's target);
 - `previous-cost`: bench_previous_weights.py's runs (the per-step cost of prox_log_probs=previous against
-  recompute).
+  recompute);
+- `async-vs-sync`: bench_async_vs_sync.py's runs (wall time and trainer idle, fully-async against synchronous).
 Every figure is computed from the files; no column needs a hand analysis. `tests/bench/test_results_tables.py`
 checks that the committed READMEs equal what this script writes.
 """
@@ -246,7 +247,10 @@ def default_run_table(records: Sequence[dict[str, Any]]) -> str:
             + " | ".join(
                 [
                     r["arm"],
-                    " ".join(f"`{o}`" for o in r["params"].get("candidate_overrides", [])) or "(as shipped)",
+                    " ".join(
+                        f"`{o}`" for o in [*r["params"]["candidate_overrides"], *r["params"].get("extra_overrides", [])]
+                    )
+                    or "(as shipped)",
                     f"{fmt(before, '.1%')} → {fmt(after, '.1%')}",
                     fmt(points, "+.1f"),
                     f"{r['wall_s']:.0f}",
@@ -310,7 +314,46 @@ def previous_cost_table(records: Sequence[dict[str, Any]]) -> str:
     )
 
 
+def async_vs_sync_table(records: Sequence[dict[str, Any]]) -> str:
+    """The `async-vs-sync` kind: bench_async_vs_sync.py's runs (one per arm and repeat) and the sync / async ratio of
+    the arms' mean training wall times."""
+    headers = [
+        "run",
+        "order",
+        "train wall s",
+        "whole command s",
+        "trainer idle",
+        "staleness max",
+        "held-out before → after",
+    ]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    for r in sorted(records, key=lambda r: (r["seed"], r["order"])):
+        s = r["summary"]
+        lines.append(
+            f"| {r['arm']} (repeat {r['seed']}) | {r['order'] + 1} | {fmt(s['train_wall_s'], '.1f')} | "
+            f"{r['wall_s']:.1f} | {fmt(s['idle_frac_total'], '.1%')} | {fmt(s['staleness_max'], '.0f')} | "
+            f"{fmt(s['initial_val_accuracy'], '.1%')} → {fmt(s['final_val_accuracy'], '.1%')} |"
+        )
+
+    def arm_mean(arm: str) -> float | None:
+        return mean_std(r["summary"]["train_wall_s"] for r in records if r["arm"] == arm and r["ok"])[0]
+
+    sync, fast = arm_mean("sync"), arm_mean("async")
+    ratio = fmt(sync / fast if sync and fast else None, ".2f")
+    loads = [x for r in records for x in r["load_average"]]
+    commits = sorted({r["commit"][:12] for r in records})
+    return "\n".join(
+        [
+            *lines,
+            "",
+            f"sync / async training wall time (means over repeats): {ratio}x; {records[0]['params']['steps']} steps "
+            f"per run; 1-minute load average {_range(loads)}; commits {', '.join(commits)}.",
+        ]
+    )
+
+
 RENDERERS: dict[str, Callable[[Sequence[dict[str, Any]]], str]] = {
+    "async-vs-sync": async_vs_sync_table,
     "staleness": staleness_table,
     "default-run": default_run_table,
     "previous-cost": previous_cost_table,

@@ -11,7 +11,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _metrics
 import _results
+import _runs
 import results_tables
 
 
@@ -110,3 +112,94 @@ def test_an_unknown_kind_or_an_unclosed_region_is_refused(tmp_path):
         results_tables.regenerate("<!-- results:plots:demo -->\n<!-- /results:plots:demo -->\n", tmp_path)
     with pytest.raises(ValueError, match="no matching"):
         results_tables.regenerate("<!-- results:staleness:demo -->\n", tmp_path)
+
+
+def _run_result(tmp_path: Path, final: float) -> _runs.RunResult:
+    """A RunResult as `_runs.launch` returns it, over metrics.jsonl records of a 4-step run."""
+    t0 = 1000.0
+    rows: list[dict] = [{"step": 0, "time": t0 - 5, "val/accuracy": 0.434}]
+    for step in range(1, 5):
+        rows.append(
+            {
+                "time": t0 + 2.0 * step,
+                "trainer/step": step,
+                "timing/step_s": 1.0,
+                "timing/wait_batch_s": 0.2,
+                "batch/tokens": 100.0,
+                "staleness/mean": 1.0,
+                "staleness/max": 1.0,
+                "actor/pg_clipfrac": 0.01,
+            }
+        )
+    rows.append({"step": 4, "time": t0 + 12, "val/accuracy": final})
+    return _runs.RunResult(
+        label="x",
+        run_dir=tmp_path,
+        command=("python", "-m", "rllm.experimental.fully_async", "train"),
+        returncode=0,
+        timeout_s=100.0,
+        wall_s=95.0,
+        metrics=_metrics.summarize_metrics(rows),
+        output_tail="",
+        started_at=t0 - 40,
+        load_average=(1.2, 1.4),
+    )
+
+
+@pytest.mark.parametrize("kind", ["staleness", "default-run", "async-vs-sync"])
+def test_what_the_scripts_write_renders_in_each_table(kind, tmp_path):
+    """The record writer the scripts use (`_results.run_record`) and each table's reader agree on the format."""
+    folder = tmp_path / "made"
+    params = {
+        "staleness": {"task": "default", "regime": "trainer-bound", "steps": 4, "test_freq": 2, "threshold": 0.55},
+        "default-run": {"candidate_overrides": [], "cache": "empty", "target_accuracy": 0.784, "target_wall_s": 120.0},
+        "async-vs-sync": {"steps": 4, "repeats": 1},
+    }[kind]
+    for position, (arm, final) in enumerate([("sync", 0.5), ("async", 0.6)]):
+        record = _results.run_record(
+            _run_result(tmp_path, final),
+            experiment="made",
+            arm=arm,
+            seed=0,
+            order=position,
+            overrides=["trainer.total_training_steps=4"],
+            config=None,
+            invocation="script.py",
+            params=params | {"control": "sync" if arm == "async" else None},
+            commit="0123456789abcdef+dirty",
+            threshold=0.55,
+        )
+        _results.write_record(_results.record_path(folder, arm, 0), record)
+    table = results_tables.render(kind, "made", tmp_path)
+    assert "60.0%" in table and "| sync" in table
+    if kind == "staleness":
+        assert "+10.0 ± n/a (sync)" in table and "0123456789ab+dirty" in table and "0.010 / 0.010" in table
+    if kind == "default-run":
+        assert "43.4% → 60.0%" in table and "| 95 | 41 | 7 |" in table and "not met" in table
+    if kind == "async-vs-sync":
+        assert "sync / async training wall time (means over repeats): 1.00x" in table
+
+
+def test_the_previous_cost_table_reads_the_benchmarks_files(tmp_path):
+    record = {
+        "experiment": "previous-cost",
+        "arm": "cpu-tiny",
+        "seed": 0,
+        "order": 0,
+        "commit": "0123456789abcdef",
+        "date": "2026-11-28T00:00:00Z",
+        "load_average": [1.0, 1.1],
+        "params": {"device": "cpu", "model": "tiny (fsdp)", "parameters": 124416, "batch": [64, 64], "repeats": 5},
+        "ok": True,
+        "summary": {
+            "recompute_forward_ms": 10.0,
+            "previous_forward_ms": 12.0,
+            "publish_ms": 1.0,
+            "update_ms": 30.0,
+            "held_mb": 1.0,
+            "previous_over_recompute_step": 43.0 / 40.0,
+        },
+    }
+    _results.write_record(tmp_path / "previous-cost" / "cpu-tiny-fsdp.json", record)
+    table = results_tables.render("previous-cost", "previous-cost", tmp_path)
+    assert "| cpu | tiny (fsdp) | 0.1M | 10.0 | 12.0 | 1.0 | 1.07x |" in table
