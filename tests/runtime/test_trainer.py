@@ -366,7 +366,7 @@ def _synchronous_steps(tiny_model_dir, section: dict | None, steps: int = 3, lr:
     from types import SimpleNamespace
 
     from rllm.experimental.fully_async.algorithms.corrections import build_correction
-    from rllm.experimental.fully_async.runtime.trainer.actor import build_policy_backend
+    from rllm.experimental.fully_async.runtime.trainer.build import build_policy_backend
 
     correction = build_correction(OmegaConf.create({"algorithm": {"off_policy_correction": section}}))
     spec = SimpleNamespace(
@@ -424,7 +424,7 @@ def test_with_several_steps_per_sync_the_previous_weights_move_only_at_a_sync(ti
     from types import SimpleNamespace
 
     from rllm.experimental.fully_async.algorithms.corrections import build_correction
-    from rllm.experimental.fully_async.runtime.trainer.actor import build_policy_backend
+    from rllm.experimental.fully_async.runtime.trainer.build import build_policy_backend
 
     correction = build_correction(
         OmegaConf.create({"algorithm": {"off_policy_correction": {"mode": "decoupled", "prox_log_probs": "previous"}}})
