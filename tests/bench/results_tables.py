@@ -21,6 +21,8 @@ and its content is the table of KIND (`RENDERERS`) over the result files in `tes
   training, final accuracy, against the issue's target);
 - `previous-cost`: bench_previous_weights.py's runs (the per-step cost of prox_log_probs=previous against
   recompute);
+- `signals`: experiment_staleness.py's runs again, the statistics the adaptive rule reads per arm beside its
+  default gates (which gate a task crosses, early and late);
 - `async-vs-sync`: bench_async_vs_sync.py's runs (wall time and trainer idle, fully-async against synchronous).
 Every figure is computed from the files; no column needs a hand analysis. `tests/bench/test_results_tables.py`
 checks that the committed READMEs equal what this script writes.
@@ -81,6 +83,19 @@ def _paired_delta(
     return mean_std(deltas)
 
 
+CLOSE_POINTS = 3.0  # a Δ smaller than this needs 5 seeds: sync alone moved ~5 points between invocations
+MIN_SEEDS_CLOSE = 5
+
+
+def _delta_cell(delta: tuple[float | None, float | None, int]) -> str:
+    """Δ in points, mean ± std; marked when it is under `CLOSE_POINTS` with fewer than `MIN_SEEDS_CLOSE` seeds."""
+    mean, std, n = delta
+    cell = _pm(mean, std, "+.1f", 100)
+    if mean is not None and abs(100 * mean) < CLOSE_POINTS and n < MIN_SEEDS_CLOSE:
+        cell += f" (n={n} < {MIN_SEEDS_CLOSE}: noise)"
+    return cell
+
+
 def _time_to(runs: Sequence[dict[str, Any]]) -> tuple[float | None, int, int]:
     ok = [r for r in runs if r["ok"]]
     reached = [r["summary"]["time_to_threshold_s"] for r in ok if r["summary"].get("time_to_threshold_s") is not None]
@@ -127,12 +142,8 @@ def staleness_table(records: Sequence[dict[str, Any]]) -> str:
         control = next((r["params"].get("control") for r in runs.values()), None)
         vs_control = "-" if _is_sync(arm) else "n/a"
         if control in by_arm:
-            vs_control = _pm(*_paired_delta(runs, by_arm[control])[:2], "+.1f", 100) + f" ({control})"
-        vs_best = (
-            "-"
-            if arm == best_sync or best_sync is None
-            else _pm(*_paired_delta(runs, by_arm[best_sync])[:2], "+.1f", 100)
-        )
+            vs_control = _delta_cell(_paired_delta(runs, by_arm[control])) + f" ({control})"
+        vs_best = "-" if arm == best_sync or best_sync is None else _delta_cell(_paired_delta(runs, by_arm[best_sync]))
         time_mean, reached, ran = _time_to(runs.values())
         masked = [
             v
@@ -352,7 +363,51 @@ def async_vs_sync_table(records: Sequence[dict[str, Any]]) -> str:
     )
 
 
+# The adaptive rule's default gates (core/adaptive_staleness.AdaptiveStalenessRule, calibrated on the default task):
+# η is lowered when ess < min_ess, kl > max_kl or cut > max_cut, raised (after clear windows) only while wait >= w.
+GATES = {"ess": ("min_ess", 0.8, "<"), "kl": ("max_kl", 0.02, ">"), "cut": ("max_cut", 0.02, ">")}
+WAIT_GATE = 0.1  # raise_when_waiting
+
+
+def signals_table(records: Sequence[dict[str, Any]]) -> str:
+    """The `signals` kind: per arm, the statistics the adaptive rule reads (medians over steps 1-50 and after,
+    mean over seeds) beside its default gates, so a table says which gate a task crosses and when: a statistic
+    beyond its gate lowers η; η rises only while the trainer's wait share is at or above `WAIT_GATE`."""
+    headers = ["arm", *(f"{n} 1-50 / after ({g[0]} {g[1]:g})" for n, g in GATES.items()), f"wait ({WAIT_GATE:g})"]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    by_arm: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        if r["ok"]:
+            by_arm.setdefault(r["arm"], []).append(r)
+
+    def stat(runs: list[dict[str, Any]], name: str, key: str) -> float | None:
+        return mean_std(r["summary"].get("signals", {}).get(name, {}).get(key) for r in runs)[0]
+
+    for arm in sorted(by_arm, key=_arm_key):
+        runs = by_arm[arm]
+        cells = [arm]
+        for name, (_, gate, beyond) in GATES.items():
+            parts = []
+            for key in ("early_p50", "late_p50"):
+                value = stat(runs, name, key)
+                crossed = value is not None and (value < gate if beyond == "<" else value > gate)
+                parts.append(fmt(value, ".3f") + ("*" if crossed else ""))
+            cells.append(" / ".join(parts))
+        wait = stat(runs, "wait", "p50")
+        cells.append(fmt(wait, ".2f") + ("" if wait is None or wait >= WAIT_GATE else " (no raise)"))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(
+        [
+            *lines,
+            "",
+            "Medians over each run's steps, mean over seeds; * beyond the default gate (η would be lowered); wait: the "
+            'trainer\'s wait share per step (median), "no raise" under the raise_when_waiting gate.',
+        ]
+    )
+
+
 RENDERERS: dict[str, Callable[[Sequence[dict[str, Any]]], str]] = {
+    "signals": signals_table,
     "async-vs-sync": async_vs_sync_table,
     "staleness": staleness_table,
     "default-run": default_run_table,
