@@ -57,6 +57,11 @@ def _range(values: Sequence[float]) -> str:
     return f"{min(values):.1f}-{max(values):.1f}" if values else "n/a"
 
 
+def _commits(records: Sequence[dict[str, Any]]) -> str:
+    """The commits the records were measured at (12 characters, "+dirty" kept), sorted."""
+    return ", ".join(sorted({r["commit"][:12] + ("+dirty" if r["commit"].endswith("+dirty") else "") for r in records}))
+
+
 def _final(record: dict[str, Any]) -> float | None:
     return record["summary"]["final_val_accuracy"] if record["ok"] else None
 
@@ -184,7 +189,6 @@ def _staleness_notes(
 ) -> list[str]:
     params = records[0]["params"]
     loads = [x for r in records for x in r["load_average"]]
-    commits = sorted({r["commit"][:12] + ("+dirty" if r["commit"].endswith("+dirty") else "") for r in records})
     orders = [
         f"seed {s}: "
         + ", ".join(r["arm"] for r in sorted((r for r in records if r["seed"] == s), key=lambda r: r["order"]))
@@ -193,7 +197,7 @@ def _staleness_notes(
     notes = [
         f"Task {params['task']}, regime {params['regime']}, {params['steps']} steps, validation every "
         f"{params['test_freq']} steps; {len(records)} runs ({sum(r['ok'] for r in records)} ok); commits "
-        f"{', '.join(commits)}; 1-minute load average {_range(loads)} at the runs' starts and ends. Δ: paired per "
+        f"{_commits(records)}; 1-minute load average {_range(loads)} at the runs' starts and ends. Δ: paired per "
         "seed, mean ± sample std; best sync: the synchronous arm with the highest mean. Time to the threshold: mean "
         "over the seeds that reached it (reached/ran). pg_clipfrac: mean over steps; masked: the mean masked token "
         "fraction (m2po's, or m2_threshold's); trainer idle: Σ wait / Σ step time.",
@@ -275,8 +279,7 @@ def default_run_table(records: Sequence[dict[str, Any]]) -> str:
             )
             + " |"
         )
-    commits = sorted({r["commit"][:12] for r in records})
-    return "\n".join([*lines, "", f"Commits {', '.join(commits)}; {r['host']['cpus']} cores."])
+    return "\n".join([*lines, "", f"Commits {_commits(records)}; {r['host']['cpus']} cores."])
 
 
 def previous_cost_table(records: Sequence[dict[str, Any]]) -> str:
@@ -314,13 +317,12 @@ def previous_cost_table(records: Sequence[dict[str, Any]]) -> str:
             )
             + " |"
         )
-    commits = sorted({r["commit"][:12] for r in records})
     return "\n".join(
         [
             *lines,
             "",
             f"Medians over {records[0]['params']['repeats']} repeats; per step = forward + update (+ the copy at "
-            f"the sync for previous, K = 1); commits {', '.join(commits)}.",
+            f"the sync for previous, K = 1); commits {_commits(records)}.",
         ]
     )
 
@@ -352,13 +354,12 @@ def async_vs_sync_table(records: Sequence[dict[str, Any]]) -> str:
     sync, fast = arm_mean("sync"), arm_mean("async")
     ratio = fmt(sync / fast if sync and fast else None, ".2f")
     loads = [x for r in records for x in r["load_average"]]
-    commits = sorted({r["commit"][:12] for r in records})
     return "\n".join(
         [
             *lines,
             "",
             f"sync / async training wall time (means over repeats): {ratio}x; {records[0]['params']['steps']} steps "
-            f"per run; 1-minute load average {_range(loads)}; commits {', '.join(commits)}.",
+            f"per run; 1-minute load average {_range(loads)}; commits {_commits(records)}.",
         ]
     )
 
