@@ -279,7 +279,7 @@ def default_run_table(records: Sequence[dict[str, Any]]) -> str:
             )
             + " |"
         )
-    return "\n".join([*lines, "", f"Commits {_commits(records)}; {r['host']['cpus']} cores."])
+    return "\n".join([*lines, "", f"Commits {_commits(records)}; {records[0]['host']['cpus']} cores."])
 
 
 def previous_cost_table(records: Sequence[dict[str, Any]]) -> str:
