@@ -192,3 +192,22 @@ def test_the_trust_regions_bite_the_trainers_wait_and_the_eta_path_from_the_reco
     assert m.eta_trajectory == ((1, 4.0), (3, 2.0)) and m.eta_mean == pytest.approx(3.0)
     assert m.signals["ess"]["p50"] == pytest.approx(0.8) and m.signals["wait"]["p90"] == pytest.approx(0.4)
     assert m.first_step_started_at == 1001.0
+
+
+@pytest.mark.slow  # ~33 configurations loaded and checked (~1 min on a busy 2-core machine)
+def test_every_presets_runs_load_as_the_training_cli_would_check_them():
+    """No preset meets an exit-2 refusal mid-experiment: each (task, regime, method) of every preset, at its largest
+    η, passes the training CLI's loading and checks with the regime's and the arm's overrides."""
+    import re
+
+    from rllm.experimental.fully_async.settings.loader import load_config
+
+    seen: dict[tuple[str, str, str], exp.Arm] = {}
+    for name, preset in exp.PRESETS.items():
+        for arm in sorted(exp.preset_arms(name), key=lambda a: -a.eta):
+            seen.setdefault((preset.task, preset.regime, re.sub(r"^eta\d+-", "", arm.name)), arm)
+    for (task, regime, _), arm in sorted(seen.items()):
+        config = exp.TASKS[task].config
+        overrides = exp.run_overrides(arm, 0, 10, 5, [], exp.REGIMES[regime].overrides)
+        cfg = load_config(str(exp._runs.REPO_ROOT / config) if config else None, overrides, check_host=False)
+        assert cfg.async_training.max_staleness == arm.eta, (task, regime, arm.name)
