@@ -527,6 +527,55 @@ def test_the_previous_weights_proximal_policy_is_taken_as_given_except_for_token
     assert not OffPolicyCorrector(CorrectionConfig(prox_log_probs="loglinear", prox_lag=1)).uses_previous_weights
 
 
+def test_the_decoupled_control_takes_the_previous_policy_for_every_token_even_of_the_trainers_version():
+    """control_prox=previous_step (η = 0): tokens of the trainer's version V get pi_{V-1} as their proximal policy
+    too, where prox_log_probs=previous alone keeps pi_behav for them (so nothing would clip at η = 0)."""
+    versions = torch.full((3, 5), 5)
+    versions[2, 3:] = -1
+    data, behav, previous = _lagged_batch(versions, seed=97)
+    control = OffPolicyCorrector(CorrectionConfig(prox_log_probs="previous", cap=10.0, control_prox="previous_step"))
+    assert control.uses_previous_weights and control.needs_recompute
+    control.apply(data, proximal_log_probs=previous, trainer_version=5)
+    _assert_proximal_and_weights(data, versions, behav, lambda i, t, v: float(previous[i, t]), cap=10.0)
+
+
+def test_the_m2po_control_keeps_the_on_policy_gradient_and_masks_on_the_step_back():
+    """mode=m2po with control_prox: old_log_probs = log pi_{V-1}, weights pi_{V-1} / pi_behav, so M2PO's loss has
+    the gradient of -A * M * pi_theta / pi_behav, M masking on (log pi_theta - log pi_{V-1})^2, against a
+    hand-written reference."""
+    from rllm.experimental.fully_async.algorithms.second_moment import m2po_policy_loss, second_moment_mask
+
+    versions = torch.full((4, 6), 3)
+    versions[3, 4:] = -1
+    data, behav, previous = _lagged_batch(versions, seed=98)
+    mask = data.batch["response_mask"]
+    corrector = OffPolicyCorrector(CorrectionConfig(mode="m2po", tau=0.5, control_prox="previous_step"))
+    metrics = corrector.apply(data, proximal_log_probs=previous, trainer_version=3)
+    torch.testing.assert_close(data.batch["old_log_probs"], previous)
+    torch.testing.assert_close(data.batch["rollout_is_weights"], torch.exp(previous - behav) * mask)
+    assert metrics["off_policy/weight_max"] > 1.0
+
+    theta = (previous + 0.6 * random_log_probs(versions.shape, seed=99)).requires_grad_(True)
+    advantages = random_log_probs(versions.shape, seed=100)
+    loss, _ = m2po_policy_loss(
+        data.batch["old_log_probs"],
+        theta,
+        advantages,
+        mask,
+        "token-mean",
+        None,
+        data.batch["rollout_is_weights"],
+        tau=0.5,
+    )
+    loss.backward()
+    keep = second_moment_mask(theta.detach() - previous, mask, 0.5)
+    assert 0 < int(keep.sum()) < int(mask.sum()), "the mask binds: not vacuous"
+    reference_theta = theta.detach().clone().requires_grad_(True)
+    reference = (-advantages * keep * torch.exp(reference_theta - behav) * mask).sum() / mask.sum()
+    reference.backward()
+    torch.testing.assert_close(theta.grad, reference_theta.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_batch_function_needs_the_recomputed_and_rollout_log_probs():
     data = DataProto.from_dict(tensors={"rollout_log_probs": torch.zeros(1, 2), "response_mask": torch.ones(1, 2)})
     with pytest.raises(ValueError, match="recomputed log-probs"):
@@ -563,6 +612,10 @@ def test_batch_function_needs_the_recomputed_and_rollout_log_probs():
         ({"m2_threshold": 0.0}, "m2_threshold"),
         ({"m2_threshold": float("inf")}, "m2_threshold"),
         ({"m2_threshold": True}, "m2_threshold"),
+        ({"prox_log_probs": "previous", "control_prox": "one_back"}, "control_prox"),
+        ({"prox_log_probs": "loglinear", "prox_lag": 1, "control_prox": "previous_step"}, "control_prox"),
+        ({"mode": "tis", "control_prox": "previous_step"}, "control_prox"),
+        ({"mode": "bypass", "control_prox": "previous_step"}, "control_prox"),
     ],
 )
 def test_config_errors_name_the_key(kwargs, key):

@@ -155,8 +155,9 @@ def test_state_dict_restores_model_optimizer_and_schedule(model_dir):
 
 
 def test_previous_weights_answer_as_the_model_before_the_last_step_and_travel_in_checkpoints(model_dir, tmp_path):
-    """prox_log_probs=previous: log-probs under the weights before the last optimizer step, equal to a plain forward
-    of a copy of the model taken before it; the current weights are untouched by asking; a checkpoint carries them."""
+    """prox_log_probs=previous with a sync after every step (K = 1): log-probs under the previous version's weights,
+    those before the last optimizer step, equal to a plain forward of a copy of the model taken before it; the
+    current weights are untouched by asking; a checkpoint carries them."""
     import copy
 
     with pytest.raises(ValueError, match="keep_previous_weights"):
@@ -167,6 +168,7 @@ def test_previous_weights_answer_as_the_model_before_the_last_step_and_travel_in
     for step in range(2):
         before = copy.deepcopy(backend.model)
         backend.update_policy(trainer_batch(step, backend))
+        backend.weights_synced()
         current = params(backend)
         with torch.no_grad():
             expected = response_log_probs(before, probe)
@@ -183,6 +185,45 @@ def test_previous_weights_answer_as_the_model_before_the_last_step_and_travel_in
     in_memory = FSDPPolicyBackend(model_dir, actor_cfg(), keep_previous_weights=True)
     in_memory.load_state_dict(backend.state_dict())
     torch.testing.assert_close(in_memory.compute_log_prob(probe, weights="previous"), got, rtol=0, atol=0)
+
+
+def test_with_several_steps_per_sync_the_previous_weights_are_the_version_before_the_last_sync(model_dir, tmp_path):
+    """K = 2: the proximal policy is the weights the engines held before the last sync (version V - 1), not the
+    weights one optimizer step back; between syncs it stays put, and a checkpoint taken between two syncs gives back
+    both the previous version and the version the next sync will retire."""
+    import copy
+
+    backend = FSDPPolicyBackend(model_dir, actor_cfg(), keep_previous_weights=True)
+    probe = make_batch(seed=7)
+
+    def log_probs_of(model: torch.nn.Module) -> torch.Tensor:
+        with torch.no_grad():
+            return response_log_probs(model, probe)
+
+    version = [copy.deepcopy(backend.model)]  # version 0: the initial weights
+    step = 0
+    for _ in range(2):  # two syncs, K = 2 steps each
+        for _ in range(2):
+            backend.update_policy(trainer_batch(step, backend))
+            step += 1
+        backend.weights_synced()
+        version.append(copy.deepcopy(backend.model))
+    # version 2 is in force: pi_prox is version 1's, the weights 2 steps back, not the weights 1 step back
+    torch.testing.assert_close(backend.compute_log_prob(probe, weights="previous"), log_probs_of(version[1]))
+    one_step_back = copy.deepcopy(backend.model)
+    backend.update_policy(trainer_batch(step, backend))  # a step between syncs moves nothing of it
+    expected = log_probs_of(version[1])
+    torch.testing.assert_close(backend.compute_log_prob(probe, weights="previous"), expected)
+    assert (expected - log_probs_of(one_step_back)).abs().max() > 1e-4, "the versions differ: not vacuous"
+
+    backend.save_checkpoint(tmp_path / "ckpt")  # between syncs: the published version 2 is not the current weights
+    restored = FSDPPolicyBackend(model_dir, actor_cfg(), keep_previous_weights=True)
+    restored.load_checkpoint(tmp_path / "ckpt")
+    got = backend.compute_log_prob(probe, weights="previous")
+    torch.testing.assert_close(restored.compute_log_prob(probe, weights="previous"), got, rtol=0, atol=0)
+    for resumed in (backend, restored):  # the next sync retires version 2 into the previous version
+        resumed.weights_synced()
+        torch.testing.assert_close(resumed.compute_log_prob(probe, weights="previous"), log_probs_of(version[2]))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -209,7 +250,8 @@ data.batch["old_log_probs"] = torch.load(out + ".old.pt")
 shard = data[spec["rows"][rank]]  # each rank holds a different part of the batch
 log_probs = backend.compute_log_prob(shard)
 metrics = backend.update_policy(shard)
-if keep:  # the weights before the step, from this rank's shard copy, and again from a checkpoint of it
+if keep:  # the weights before the step (a sync after it), from this rank's shard copy, and from a checkpoint of it
+    backend.weights_synced()
     torch.save(backend.compute_log_prob(shard, weights="previous"), f"{out}.prev{rank}.pt")
     backend.save_checkpoint(out + ".ckpt")
     restored = FSDPPolicyBackend(model_dir, actor_cfg(**spec["cfg"]), keep_previous_weights=True)

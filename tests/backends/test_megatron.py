@@ -85,6 +85,13 @@ def test_strategy_megatron_alone_selects_the_megatron_base(tmp_path):
             ("algorithm.off_policy_correction={mode: decoupled, prox_log_probs: previous}",),
             "prox_log_probs=previous",
         ),
+        (
+            (
+                "async_training.max_staleness=0",
+                "algorithm.off_policy_correction={mode: m2po, control_prox: previous_step}",
+            ),
+            "control_prox",
+        ),
     ],
 )
 def test_megatron_config_refusals_are_one_line(overrides, named):

@@ -11,8 +11,7 @@ driver (pid and kernel start time, which guards against pid reuse), and when the
 recorded process still alive is sent SIGTERM, then SIGKILL. On timeout the driver itself first gets SIGTERM,
 which it turns into an orderly unwind (engines stopped, Ray shut down), and `KILL_GRACE_S` to finish it.
 
-The summary is computed by a pure function (`summarize_metrics`) over the parsed records, so it can be checked on
-a hand-written list of dicts.
+The summary is `_metrics.summarize_metrics`, a pure function over the parsed records.
 """
 
 from __future__ import annotations
@@ -21,19 +20,19 @@ import collections
 import contextlib
 import json
 import logging
-import math
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from _metrics import MetricsSummary, read_metrics, summarize_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +49,7 @@ SCAN_INTERVAL_S = 2.0
 # Seconds given to stragglers between SIGTERM and SIGKILL during the final sweep.
 SWEEP_GRACE_S = 10.0
 OUTPUT_TAIL_LINES = 40
+OUTPUT_HEAD_LINES = 10  # the first lines, with when they came: where the start-up went
 
 
 def default_timeout_s(steps: int) -> float:
@@ -59,151 +59,6 @@ def default_timeout_s(steps: int) -> float:
     start-up and validation). 300 s + 10 s per step leaves a 5x margin for a run that is slower, not stuck.
     """
     return 300.0 + 10.0 * steps
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Metrics: pure functions over metrics.jsonl records
-# --------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class MetricsSummary:
-    """What the experiment scripts compare, from one run's metrics.jsonl. None: the run did not report it."""
-
-    steps: int  # optimizer steps logged
-    train_wall_s: float | None  # first step's start to the last step's log line (excludes start-up, final val)
-    step_s_mean: float | None  # mean of timing/step_s (batch wait + update + weight sync)
-    wait_batch_s_mean: float | None  # mean of timing/wait_batch_s (trainer blocked on the queue)
-    idle_frac_mean: float | None  # mean over steps of trainer/idle_frac (= wait_batch_s / step_s per step)
-    idle_frac_total: float | None  # sum(wait_batch_s) / sum(step_s): the fraction of trainer time spent idle
-    staleness_mean: float | None  # mean over steps of staleness/mean (versions behind, trained groups)
-    staleness_max: float | None  # max over steps of staleness/max
-    dropped_stale_groups: float  # groups dropped by the trainer as too stale, summed over steps
-    reward_mean_last: float | None  # reward/mean of the last step
-    initial_val_accuracy: float | None  # the step-0 validation (trainer.val_before_train)
-    final_val_accuracy: float | None  # the validation after the last step's weights reached the engines
-    ledger: dict[str, float] = field(default_factory=dict)  # the last ledger/* counts, prefix removed
-    # (step, training seconds to that step, held-out accuracy): the step-0 validation, every `trainer.test_freq`
-    # one (its weights are the step's: the time is that step's log line, since training began) and the final one
-    val_curve: tuple[tuple[int, float, float], ...] = ()
-    tokens_generated: float | None = None  # rollout/tokens_generated at the last step (cumulative)
-    tokens_trained: float = 0.0  # sum of batch/tokens over the steps
-    eta_final: float | None = None  # adaptive staleness: staleness/eta at the last step
-    eta_changes: int = 0  # adaptive staleness: steps with staleness/eta_change
-
-    def time_to_accuracy(self, threshold: float) -> float | None:
-        """Training seconds until the first held-out validation after step 0 at or above `threshold`; None if none
-        was (a threshold at or below the starting accuracy says nothing: the experiment refuses one)."""
-        return next((seconds for step, seconds, acc in self.val_curve if step > 0 and acc >= threshold), None)
-
-    @property
-    def generated_per_trained_token(self) -> float | None:
-        if self.tokens_generated is None or not self.tokens_trained:
-            return None
-        return self.tokens_generated / self.tokens_trained
-
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """Parse metrics.jsonl; a truncated last line (a run killed mid-write) is skipped, not fatal."""
-    records: list[dict[str, Any]] = []
-    if not path.is_file():
-        return records
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            logger.warning("%s:%d is not JSON (run killed mid-write?); skipped", path, number)
-    return records
-
-
-def _mean(values: Sequence[float]) -> float | None:
-    return statistics.fmean(values) if values else None
-
-
-def summarize_metrics(records: Sequence[dict[str, Any]]) -> MetricsSummary:
-    """Summarise the records the driver writes.
-
-    The driver writes three kinds of line, told apart by their keys:
-    - step lines: have `trainer/step` (and may carry `val/*` at test_freq steps);
-    - the initial validation: `step` 0, `val/accuracy`, no `trainer/step`;
-    - the final validation: after the last step, `val/accuracy` and `ledger/*`, no `trainer/step`.
-    """
-    steps = [r for r in records if "trainer/step" in r]
-    extra_vals = [r for r in records if "trainer/step" not in r and "val/accuracy" in r]
-    initial = next((r["val/accuracy"] for r in extra_vals if r.get("step") == 0), None)
-    finals = [r for r in extra_vals if r.get("step", 0) > 0]
-    final = finals[-1]["val/accuracy"] if finals else None
-
-    step_s = [float(r["timing/step_s"]) for r in steps if "timing/step_s" in r]
-    first_start = None
-    if steps and "time" in steps[0]:
-        first_start = float(steps[0]["time"]) - float(steps[0].get("timing/step_s", 0.0))
-    waits = [float(r["timing/wait_batch_s"]) for r in steps if "timing/wait_batch_s" in r]
-    train_wall_s = None
-    if first_start is not None and "time" in steps[-1]:
-        # The first step's clock starts when the trainer begins waiting for its first batch, i.e. when the
-        # executor starts rolling out; its log line comes step_s later. So the span is measured from there.
-        train_wall_s = float(steps[-1]["time"]) - first_start
-    ledger_lines = [r for r in records if any(k.startswith("ledger/") for k in r)]
-    ledger = (
-        {k.removeprefix("ledger/"): float(v) for k, v in ledger_lines[-1].items() if k.startswith("ledger/")}
-        if ledger_lines
-        else {}
-    )
-    return MetricsSummary(
-        steps=len(steps),
-        train_wall_s=train_wall_s,
-        step_s_mean=_mean(step_s),
-        wait_batch_s_mean=_mean(waits),
-        idle_frac_mean=_mean([float(r["trainer/idle_frac"]) for r in steps if "trainer/idle_frac" in r]),
-        idle_frac_total=(sum(waits) / sum(step_s)) if step_s and len(waits) == len(step_s) and sum(step_s) else None,
-        staleness_mean=_mean([float(r["staleness/mean"]) for r in steps if "staleness/mean" in r]),
-        staleness_max=max((float(r["staleness/max"]) for r in steps if "staleness/max" in r), default=None),
-        dropped_stale_groups=sum(float(r.get("staleness/dropped_groups", 0.0)) for r in steps),
-        reward_mean_last=float(steps[-1]["reward/mean"]) if steps and "reward/mean" in steps[-1] else None,
-        initial_val_accuracy=float(initial) if initial is not None else None,
-        final_val_accuracy=float(final) if final is not None else None,
-        ledger=ledger,
-        val_curve=_val_curve(records, steps, first_start, final, train_wall_s),
-        tokens_generated=next(
-            (float(r["rollout/tokens_generated"]) for r in reversed(steps) if "rollout/tokens_generated" in r), None
-        ),
-        tokens_trained=sum(float(r.get("batch/tokens", 0.0)) for r in steps),
-        eta_final=float(steps[-1]["staleness/eta"]) if steps and "staleness/eta" in steps[-1] else None,
-        eta_changes=sum(1 for r in steps if "staleness/eta_change" in r),
-    )
-
-
-def _val_curve(
-    records: Sequence[dict[str, Any]],
-    steps: Sequence[dict[str, Any]],
-    first_start: float | None,
-    final: float | None,
-    train_wall_s: float | None,
-) -> tuple[tuple[int, float, float], ...]:
-    """(step, training seconds, accuracy) of every validation: step 0 at 0 s, the in-training ones (logged with
-    `val/step`, measured on that step's weights) at that step's log time, the final one at the end of training."""
-    if first_start is None:
-        return ()
-    step_time = {int(r["trainer/step"]): float(r["time"]) - first_start for r in steps if "time" in r}
-    curve = [(0, 0.0, float(r["val/accuracy"])) for r in records if r.get("step") == 0 and "val/accuracy" in r][:1]
-    for r in records:
-        if "val/step" in r and "val/accuracy" in r and int(r["val/step"]) in step_time:
-            curve.append((int(r["val/step"]), step_time[int(r["val/step"])], float(r["val/accuracy"])))
-    if final is not None and train_wall_s is not None:
-        curve.append((len(steps), train_wall_s, float(final)))
-    return tuple(sorted(set(curve)))
-
-
-def mean_std(values: Iterable[float | None]) -> tuple[float | None, float | None, int]:
-    """Mean and sample standard deviation (n-1) of the values that exist; std is None below two values."""
-    present = [float(v) for v in values if v is not None and math.isfinite(v)]
-    if not present:
-        return None, None, 0
-    std = statistics.stdev(present) if len(present) >= 2 else None
-    return statistics.fmean(present), std, len(present)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -312,6 +167,17 @@ class RunResult:
     metrics: MetricsSummary
     output_tail: str  # the last lines the run printed (for failure messages)
     swept: tuple[str, ...] = ()  # "pid (command)" of leftover processes this module had to stop after the run
+    output_head: tuple[tuple[float, str], ...] = ()  # the first lines, each with the seconds since the start
+    started_at: float | None = None  # wall clock (time.time()) when the subprocess started
+    load_average: tuple[float, float] = (0.0, 0.0)  # the 1-minute load average when the run started and ended
+
+    @property
+    def startup_s(self) -> float | None:
+        """Seconds from the command's start to the first step's start: imports, Ray, the task's data and warm-up
+        (or its cache), engines, actors and the step-0 validation."""
+        if self.started_at is None or self.metrics.first_step_started_at is None:
+            return None
+        return self.metrics.first_step_started_at - self.started_at
 
     @property
     def ok(self) -> bool:
@@ -373,10 +239,12 @@ def launch(
     command += [f"run.dir={run_dir}", *overrides]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     tail: collections.deque[str] = collections.deque(maxlen=OUTPUT_TAIL_LINES)
+    head: list[tuple[float, str]] = []
     log_path = run_dir / "output.log"
     logger.info("[%s] %s", label, " ".join(command))
 
     started = time.monotonic()
+    started_at, load_start = time.time(), os.getloadavg()[0]
     with log_path.open("w", encoding="utf-8") as log:
         # A new session: Ctrl-C in this terminal reaches only this script, which then stops the run in order.
         proc = subprocess.Popen(
@@ -390,7 +258,7 @@ def launch(
             errors="replace",
             start_new_session=True,
         )
-        reader = threading.Thread(target=_copy_output, args=(proc, log, tail, label, echo), daemon=True)
+        reader = threading.Thread(target=_copy_output, args=(proc, log, tail, head, started, label, echo), daemon=True)
         reader.start()
         seen: set[ProcessKey] = set()
         returncode: int | None = None
@@ -415,7 +283,10 @@ def launch(
         wall_s=wall_s,
         metrics=summarize_metrics(read_metrics(run_dir / "metrics.jsonl")),
         output_tail="\n".join(tail),
+        output_head=tuple(head),
         swept=tuple(swept),
+        started_at=started_at,
+        load_average=(load_start, os.getloadavg()[0]),
     )
 
 
@@ -451,13 +322,24 @@ def _stop(proc: subprocess.Popen[str], seen: set[ProcessKey], label: str) -> Non
         proc.wait(timeout=SWEEP_GRACE_S)
 
 
-def _copy_output(proc: subprocess.Popen[str], log: Any, tail: collections.deque[str], label: str, echo: bool) -> None:
-    """Copy the run's output to its log file (and this terminal), keeping the last lines for error messages."""
+def _copy_output(
+    proc: subprocess.Popen[str],
+    log: Any,
+    tail: collections.deque[str],
+    head: list[tuple[float, str]],
+    started: float,
+    label: str,
+    echo: bool,
+) -> None:
+    """Copy the run's output to its log file (and this terminal), keeping the last lines for error messages and the
+    first ones with the seconds since `started` (time.monotonic()) at which they came."""
     assert proc.stdout is not None  # Popen was given stdout=PIPE
     for line in proc.stdout:
         log.write(line)
         log.flush()
         tail.append(line.rstrip("\n"))
+        if len(head) < OUTPUT_HEAD_LINES:
+            head.append((round(time.monotonic() - started, 2), line.rstrip("\n")))
         if echo:
             # The script's own output is the progress display of a long experiment: print, not log.
             print(f"[{label}] {line}", end="", flush=True)

@@ -17,7 +17,9 @@ sync/async. Intermediate validation is off (`trainer.test_freq=0`): the engines 
 continue, which would blur the comparison. Extra `key=value` overrides go to both runs, after the script's own.
 
 This is a measurement script, not a test: figures depend on the machine's load; compare the two arms of one
-invocation, not invocations with each other. Results also go to OUT/results.json. The arms' held-out accuracies
+invocation, not invocations with each other. Results also go to OUT/results.json, and each run to
+tests/bench/results/<experiment>/<arm>-seed<repeat>.json (`--experiment`, default async-vs-sync; results_tables.py
+renders them). The arms' held-out accuracies
 differ for a reason other than speed (the async arm's PPO clip binds against its stale behaviour policy, the
 synchronous arm's never does; tests/bench/README.md, "Why the async arm led at step 150"): compare learning with
 experiment_staleness.py.
@@ -31,8 +33,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import _results
 import _runs
-from _runs import RunResult, fmt, mean_std, ratio
+from _metrics import mean_std
+from _runs import RunResult, fmt, ratio
 
 logger = logging.getLogger("bench_async_vs_sync")
 
@@ -52,6 +56,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=None, help="folder for the run dirs and results.json")
     parser.add_argument("--timeout-s", type=float, default=None, help="per run (default: 300 + 10 x steps)")
     parser.add_argument("--quiet", action="store_true", help="do not echo the runs' output")
+    parser.add_argument("--experiment", default="async-vs-sync", help="results folder under tests/bench/results/")
+    parser.add_argument("--results", type=Path, default=_results.RESULTS_ROOT, help="root of the result folders")
+    parser.add_argument("--no-record", action="store_true", help="write no result files")
     parser.add_argument("overrides", nargs="*", help="key=value overrides for both runs")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.repeats < 1:
@@ -142,16 +149,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
     results: list[RunResult] = []
-    for label, run_dir, arm_overrides in plan:
-        result = _runs.launch(
-            label,
-            [*common, *arm_overrides, *args.overrides],
-            run_dir,
-            timeout_s=timeout_s,
-            config=args.config,
-            echo=not args.quiet,
-        )
+    commit = _results.git_commit()
+    invocation = " ".join(["bench_async_vs_sync.py", *(sys.argv[1:] if argv is None else argv)])
+    for position, (label, run_dir, arm_overrides) in enumerate(plan):
+        overrides = [*common, *arm_overrides, *args.overrides]
+        result = _runs.launch(label, overrides, run_dir, timeout_s=timeout_s, config=args.config, echo=not args.quiet)
         results.append(result)
+        if not args.no_record:  # one result file per run: results_tables.py's `async-vs-sync` table
+            arm, repeat = label.rsplit("-", 1)
+            record = _results.run_record(
+                result,
+                experiment=args.experiment,
+                arm=arm,
+                seed=int(repeat),
+                order=position % 2,
+                overrides=overrides,
+                config=args.config,
+                invocation=invocation,
+                params={"steps": args.steps, "repeats": args.repeats},
+                commit=commit,
+            )
+            _results.write_record(_results.record_path(args.results / args.experiment, arm, int(repeat)), record)
         if not result.ok:
             # A ratio with one side missing means nothing: stop here and say why.
             logger.error("%s", result.failure())

@@ -11,7 +11,7 @@ Two arms, run one after the other in one invocation, both the default CLI with
   temporary folder and run from it (cwd and PYTHONPATH: `python -m` imports from the cwd first);
 - after: this tree.
 Printed per arm: median machinery share, median machinery seconds, median step time, training wall time
-(`_runs.summarize_metrics`: first step's start to the last step's log line), and process wall time.
+(`_metrics.summarize_metrics`: first step's start to the last step's log line), and process wall time.
 Targets (issue 11): median share <= 10%; 500 default steps in <= 210 s of training on a quiet 2-core machine.
 
 Run from the repository root: `PYTHONPATH=. .venv/bin/python tests/bench/bench_step_machinery.py --steps 500`.

@@ -58,6 +58,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import _metrics
 import _runs
 import psutil
 from _runs import fmt
@@ -597,7 +598,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not soak.samples:
         print("error: no sample taken", file=sys.stderr)
         return 1
-    records = _runs.read_metrics(run_dir / "metrics.jsonl")
+    records = _metrics.read_metrics(run_dir / "metrics.jsonl")
     series = role_series(soak.samples)
     warm_s, warm_note = warmup_end_s(
         max(s.t_s for s in soak.samples), args.warmup_frac, args.warmup_min, first_step_s(records, soak.started_unix)

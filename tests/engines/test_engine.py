@@ -272,6 +272,26 @@ def test_slow_down_sleeps_before_every_step_until_it_is_lifted(engine):
     assert "forward_sleep_time" in post(engine, "/slow_down", {"forward_sleep_time": "1s"}).json()["error"]["message"]
 
 
+def test_an_engine_started_with_a_forward_sleep_is_slowed_from_its_first_request(models, tmp_path):
+    """engines.forward_sleep_s (`--forward-sleep-time`): the engine sleeps before every forward pass from the start,
+    as after POST /slow_down, which lifts it as usual."""
+    cmd = EmbeddedEngineCommand(str(models["a"][0]), max_running_requests=8, num_threads=1, forward_sleep_s=0.05)
+    with EngineLauncher(cmd, 1, log_dir=tmp_path) as launcher:
+        url = launcher.urls[0]
+
+        def timed_generation() -> float:
+            started = time.monotonic()
+            body = post(
+                url, "/generate", {"input_ids": [3], "sampling_params": {"max_new_tokens": 20, "ignore_eos": True}}
+            )
+            assert len(body.json()["output_ids"]) == 20
+            return time.monotonic() - started
+
+        assert timed_generation() >= 20 * 0.05  # a prefill and 19 decode passes, each after its sleep
+        post(url, "/slow_down", {"forward_sleep_time": None}).raise_for_status()
+        assert timed_generation() < 20 * 0.05, "the start-up sleep is the /slow_down one: null lifts it"
+
+
 def test_a_client_that_disconnects_frees_its_row(engine):
     """The handler is cancelled on disconnect, so an abandoned request stops occupying the batch."""
     params = {"temperature": 1.0, "max_new_tokens": 240, "ignore_eos": True}

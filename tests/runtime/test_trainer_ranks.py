@@ -136,6 +136,27 @@ def test_two_ranks_match_one_rank_then_resume_from_their_checkpoint(two_ranks, t
     assert BATCH_SIZE == 6  # odd_batch's 7 rows assume it
 
 
+@pytest.mark.slow  # two more gloo rank actors (~25 s on a busy 2-core machine)
+def test_two_ranks_keep_the_previous_version_at_each_sync_as_one_rank_does(ray_session, tiny_model_dir):
+    """prox_log_probs=previous over a rank group: `weights_synced` reaches every rank, each keeps its shard of the
+    version it retires, and the log-probs under it equal one rank's after the same steps and syncs (K = 2 here)."""
+    single = FSDPPolicyBackend(tiny_model_dir, CFG, keep_previous_weights=True)
+    group = DistributedPolicyBackend(tiny_model_dir, CFG, world=2, device="cpu", keep_previous_weights=True, **TIMEOUTS)
+    try:
+        probe = odd_batch(20, single)
+        for seed in (21, 22, 23):
+            batch = odd_batch(seed, single)  # old log-probs from the weights both hold before this step
+            for backend in (single, group):
+                backend.update_policy(batch)
+                if seed != 22:  # syncs after the first and the third step
+                    backend.weights_synced()
+        previous = single.compute_log_prob(probe, weights="previous")
+        torch.testing.assert_close(group.compute_log_prob(probe, weights="previous"), previous, rtol=1e-5, atol=1e-5)
+        assert (previous - single.compute_log_prob(probe)).abs().max() > 1e-4  # two steps back: not the current
+    finally:
+        group.shutdown()
+
+
 def _trainer(backend, step: int = 0, version: int = 0) -> FullyAsyncTrainer:
     return FullyAsyncTrainer(_settings(), backend, LocalRollouts([]), None, _advantages(), step=step, version=version)
 

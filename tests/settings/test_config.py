@@ -99,6 +99,28 @@ def test_the_distributed_transport_is_honoured_for_one_and_several_ranks_and_a_b
     assert resolve_master_address("10.9.9.9", "10.0.0.1", urls, "10.0.0.1") == "10.9.9.9"
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("async_training.max_staleness=1",),
+        ("async_training.max_staleness=0", "async_training.trigger_parameter_sync_step=2"),
+        (
+            "async_training.max_staleness=0",
+            "async_training.adaptive_staleness.enable=true",
+            "async_training.adaptive_staleness.min=0",
+        ),
+    ],
+)
+def test_the_synchronous_control_is_refused_outside_synchronous_runs_in_one_line(overrides):
+    """control_prox is a control for η = 0, K = 1 only; there it loads (and its backend keeps the previous weights)."""
+    control = "algorithm.off_policy_correction={mode: decoupled, prox_log_probs: previous, control_prox: previous_step}"
+    sync = ["async_training.max_staleness=0", "async_training.trigger_parameter_sync_step=1"]
+    assert load_config(None, [*sync, control]).algorithm.off_policy_correction.control_prox == "previous_step"
+    with pytest.raises(ConfigError, match=r"control_prox' is a control for synchronous runs only") as info:
+        load_config(None, [*overrides, control])
+    assert "\n" not in str(info.value)
+
+
 def test_loglinear_proximal_runs_as_its_own_loss_and_refuses_another_loss_mode():
     loglinear = "algorithm.off_policy_correction={mode: decoupled, prox_log_probs: loglinear}"
     assert load_config(None, [loglinear]).algorithm.off_policy_correction.prox_log_probs == "loglinear"

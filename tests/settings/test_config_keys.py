@@ -363,6 +363,7 @@ ENGINE_CASES: dict[str, Case] = {
     "engines.startup_timeout_s": case("engines.startup_timeout_s=9.5"),
     "engines.dtype": case("engines.dtype=bfloat16"),
     "engines.torch_threads": case("engines.torch_threads=2"),
+    "engines.forward_sleep_s": case("engines.forward_sleep_s=0.05"),
     "engines.extra_args": case("engines.extra_args={enable_metrics: true}", context=SGLANG),
     # alone it is refused (n identical samples): with per-request seeds (test_sampling_seed)
     "engines.deterministic_inference": case("engines.deterministic_inference=true", context=SEEDED),
@@ -381,6 +382,12 @@ ENGINE_CASES: dict[str, Case] = {
 def test_extra_engine_args_are_refused_for_the_embedded_engine(user_model):
     with pytest.raises(ConfigError, match=r"with engines\.backend=embedded remove it"):
         load_config(None, [*user_model, "engines.extra_args={enable_metrics: true}"])
+
+
+def test_a_forward_sleep_is_refused_for_sglang_engines(user_model):
+    with pytest.raises(ConfigError, match=r"'engines\.forward_sleep_s' slows the embedded engine") as info:
+        load_config(None, [*user_model, *SGLANG, "engines.forward_sleep_s=0.05"], check_host=False)
+    assert "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize("key", sorted(ENGINE_CASES))

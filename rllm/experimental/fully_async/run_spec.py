@@ -169,6 +169,7 @@ class EnginesSpec:
     sampling_seed: int | None = None  # engines.sampling_seed: per-request seeds (engines/client.py)
     deterministic_inference: bool = False  # engines.deterministic_inference
     lora: EngineLoRASpec | None = None  # LoRA adapters served (actor_rollout_ref.model.lora_rank > 0)
+    forward_sleep_s: float = 0.0  # engines.forward_sleep_s: the embedded engine's sleep before every forward pass
 
 
 @dataclass(frozen=True)
@@ -344,6 +345,7 @@ def engines_spec(cfg: DictConfig) -> EnginesSpec:
         log_level=str(cfg.run.log_level),
         sampling_seed=None if e.sampling_seed is None else int(e.sampling_seed),
         deterministic_inference=bool(e.deterministic_inference),
+        forward_sleep_s=float(e.forward_sleep_s),
         lora=engine_lora_spec(cfg),
     )
 

@@ -21,11 +21,23 @@ When to use which (``algorithm.off_policy_correction.mode``):
   clip never binds and nothing bounds a step on old data. With a lagged pi_prox (interpolated in log space, A-3PO)
   tokens older than V - L are clipped against it and weighted by pi_prox / pi_behav, while newer tokens have
   w = 1 and are clipped against pi_behav as under bypass; L >= max_staleness is exactly bypass.
-  prox "previous" recomputes pi_prox with the trainer's weights before its last optimizer step (the trainer keeps a
-  copy of them): the policy one version back that loglinear at prox_lag 1 interpolates, exactly. The clip then binds
-  on what the last step moved, whatever the staleness, as it does on one-version-old data. At a fixed η of 8 and 16,
-  where almost every token is η versions old, it ended ahead of sync where prox_lag 1 ended 3-7 points behind
-  (tests/bench/README.md). Cost: one forward pass per step and one more copy of the weights (FSDP only).
+  prox "previous" recomputes pi_prox with the trainer's weights of the previous version, before its last weight sync
+  (the trainer keeps a copy of them; with K = 1 the weights before its last optimizer step): the policy one version
+  back that loglinear at prox_lag 1 interpolates, exactly. The clip then binds on what the last step moved,
+  whatever the staleness, as it does on one-version-old data. At a fixed η of 8 and 16, where almost every token
+  is η versions old, it ended ahead of sync where prox_lag 1 ended 3-7 points behind (tests/bench/README.md), an
+  experiment whose synchronous arm trained another objective (no binding clip; control_prox below is its control).
+  Cost: one forward pass per step and one more copy of the weights (FSDP only; tests/bench/bench_previous_weights.py).
+  With K > 1 (several optimizer steps per weight sync) "previous" is the weights of the previous *version*: those
+  the engines served before the last sync, pi_{V-1}, whatever steps the trainer took since (lag1's v_prox = V - 1).
+- control_prox "previous_step" (a control for experiments, synchronous runs only: max_staleness 0, K = 1): every
+  token's proximal policy is the trainer's policy one step back, pi_{V-1}, recomputed, so the trust region of the
+  async arms binds at η = 0 too (without it a synchronous run's ratio is 1 at its only step and nothing clips).
+  decoupled (with prox_log_probs previous; cap, level, cap_mode, m2_threshold as the async arm's): u = pi_theta /
+  pi_{V-1}, w = pi_{V-1} / pi_behav, so w * u = pi_theta / pi_behav: only the clip (and the cap on w) differ
+  from plain PG.
+  m2po: the second moment is taken of log pi_theta - log pi_{V-1} and every token is weighted by
+  pi_{V-1} / pi_behav, so the unmasked gradient is still pi_theta / pi_behav's. The async arms never use it.
 - m2po: the second-moment trust region (`second_moment`; M2PO, arXiv 2510.01161): no clip; the policy gradient
   weighted by r = pi_theta / pi_behav, with the tokens of largest (log r)^2 masked until the batch's mean (log r)^2
   is under ``tau`` (0.04: AReaL's example). Runs inside the update (no forward pass before the step); watch
@@ -56,6 +68,7 @@ CorrectionMode = Literal["none", "bypass", "tis", "decoupled", "m2po"]
 ProxMethod = Literal["recompute", "loglinear", "previous"]
 WeightLevel = Literal["token", "sequence"]
 CapMode = Literal["truncate", "mask"]
+ControlProx = Literal["previous_step"]
 
 
 @dataclass(frozen=True)
@@ -67,7 +80,8 @@ class CorrectionConfig:
     prox_log_probs: "recompute" | "loglinear" | "previous", decoupled only. "loglinear" needs log pi_theta, which
         only exists inside the actor's update: it runs as a verl policy loss (`decoupled_loss`), so the actor's
         ``policy_loss.loss_mode`` must be left at "vanilla" (the trainer replaces it). "previous": recomputed with
-        the weights before the trainer's last optimizer step (with K = 1, the version before the trainer's);
+        the weights of the version before the trainer's, V - 1 (those the engines served before the last weight
+        sync: with K = 1 the weights before the last optimizer step, with K > 1 those of K or more steps back);
         tokens of the trainer's own version keep pi_behav as pi_prox (w = 1). Needs prox_lag 0 and the FSDP
         backend.
     level: "token" | "sequence", the granularity of w.
@@ -84,6 +98,10 @@ class CorrectionConfig:
         (log pi_prox - log pi_behav)^2 until the kept tokens' mean is under it, before the decoupled loss (AReaL's
         ``actor.m2_threshold``; > 0). Masked tokens leave the token mean's denominator, except with
         prox_log_probs=loglinear at prox_lag 0, where the mask is taken inside the update (as cap_mode=mask).
+    control_prox: null (default) | "previous_step". A control for experiments, valid only in synchronous runs
+        (max_staleness 0, trigger_parameter_sync_step 1; settings/validate.py refuses it elsewhere): every token's
+        proximal policy is the policy one step back, recomputed (decoupled: needs prox_log_probs=previous; m2po:
+        the second moment is taken against it). See the module docstring.
     """
 
     mode: CorrectionMode = "decoupled"
@@ -94,6 +112,7 @@ class CorrectionConfig:
     prox_lag: int = 0
     tau: float = 0.04
     m2_threshold: float | None = None
+    control_prox: ControlProx | None = None
 
     def __post_init__(self) -> None:
         key = "algorithm.off_policy_correction"
@@ -148,6 +167,22 @@ class CorrectionConfig:
             raise ValueError(f"{key}.tau applies only to mode=m2po, got mode={self.mode!r}; remove it")
         if self.mode == "tis" and self.cap_mode != "truncate":
             raise ValueError(f"{key}.cap_mode must be 'truncate' with mode=tis (use mode=decoupled to mask)")
+        if self.control_prox is not None:
+            if self.control_prox != "previous_step":
+                raise ValueError(f"{key}.control_prox must be 'previous_step' or null, got {self.control_prox!r}")
+            if self.mode not in ("decoupled", "m2po"):
+                raise ValueError(f"{key}.control_prox applies to mode=decoupled or m2po, got mode={self.mode!r}")
+            if self.mode == "decoupled" and self.prox_log_probs != "previous":
+                raise ValueError(
+                    f"{key}.control_prox=previous_step recomputes the policy one step back: set prox_log_probs: "
+                    f"previous (got {self.prox_log_probs!r}; at η=0 there is nothing to interpolate)"
+                )
+
+    @property
+    def uses_previous_weights(self) -> bool:
+        """Whether the proximal log-probs are the trainer's under its weights of the previous version (decoupled
+        with prox_log_probs=previous, or the control)."""
+        return self.control_prox is not None or (self.mode == "decoupled" and self.prox_log_probs == "previous")
 
 
 def correction_config_from(cfg: Any) -> CorrectionConfig | None:

@@ -42,10 +42,12 @@ https://fengyao.notion.site/off-policy-rl) is the same formula with pi_prox = pi
 correcting the numerical mismatch between inference engine and trainer, not staleness.
 
 Proximal log-probs. "recompute" takes the trainer's log-probs under its weights before the step (the trainer
-supplies them as ``old_log_probs``). "previous" takes them under the weights before the trainer's last optimizer
-step (the trainer supplies those instead), so pi_prox is the policy one version back with K = 1, recomputed rather
-than interpolated; a token of the trainer's version V is newer than that, and keeps pi_behav as its pi_prox (w = 1,
-clipped against pi_behav, as prox_lag does for tokens newer than v_prox). "loglinear" avoids that forward pass
+supplies them as ``old_log_probs``). "previous" takes them under the weights of the previous version V - 1 (the
+trainer supplies those instead: with K = 1 its weights before its last optimizer step), so pi_prox is the policy one
+version back, recomputed rather than interpolated; a token of the trainer's version V is newer than that, and keeps
+pi_behav as its pi_prox (w = 1, clipped against pi_behav, as prox_lag does for tokens newer than v_prox). The
+synchronous control (control_prox, `correction_config`) gives every token pi_{V-1} instead, so its clip (or its
+second moment, m2po) binds at η = 0. "loglinear" avoids that forward pass
 (A-3PO, Li, Wu & Shen 2025, arXiv 2512.06547; AReaL's docs/algorithms/prox_approx.md and
 `compute_prox_logp_approximations` in areal/trainer/ppo/actor.py):
 
@@ -199,10 +201,11 @@ def apply_off_policy_correction(
             rollout_log_probs, theta_log_probs, rollout_versions, theta_version=theta_version, prox_version=prox_version
         )
     old_log_probs = _old_log_probs(config, rollout_log_probs, recomputed_log_probs, approx)
-    if config.mode == "decoupled" and config.prox_log_probs == "previous":
+    if config.mode == "decoupled" and config.prox_log_probs == "previous" and config.control_prox is None:
         if rollout_versions is None or trainer_version is None:
             raise ValueError("prox_log_probs=previous needs the tokens' versions and the trainer version")
-        # tokens of version V are newer than pi_prox (V - 1): their own policy is their proximal one
+        # tokens of version V are newer than pi_prox (V - 1): their own policy is their proximal one. The control
+        # (control_prox) keeps pi_{V-1} for them too: at η = 0 every token is of version V.
         old_log_probs = torch.where(rollout_versions >= trainer_version, rollout_log_probs, old_log_probs)
 
     valid = response_mask.bool()
@@ -283,15 +286,21 @@ def apply_off_policy_correction_to_batch(
         raise KeyError("off-policy correction needs batch key 'rollout_log_probs' (the engines' log-probs)")
     versions = batch.get("response_versions", None)
     if config.mode == "m2po":
-        # The second-moment loss (`second_moment`) weights and masks inside the update against log pi_behav.
-        batch["old_log_probs"] = batch["rollout_log_probs"].clone()
-        if "rollout_is_weights" in batch:
-            del batch["rollout_is_weights"]
+        # The second-moment loss (`second_moment`) weights and masks inside the update against log pi_behav, or,
+        # in the synchronous control, against log pi_{V-1} with every token weighted by pi_{V-1} / pi_behav.
+        weight_fields: dict[str, float | None] = {}
+        if config.control_prox is not None:
+            weight_fields = _m2po_control_weights(batch)
+        else:
+            batch["old_log_probs"] = batch["rollout_log_probs"].clone()
+            if "rollout_is_weights" in batch:
+                del batch["rollout_is_weights"]
         valid = batch["response_mask"].bool()
         return CorrectionStats(
             mode=config.mode,
             num_tokens=int(valid.sum()),
             num_sequences=int(valid.any(dim=-1).sum()),
+            **weight_fields,
             **staleness_stats(versions, trainer_version, batch["response_mask"]),
         )
     if config.mode == "decoupled" and config.prox_log_probs == "loglinear" and config.prox_lag == 0:
@@ -352,6 +361,31 @@ def apply_off_policy_correction_to_batch(
     return result.stats
 
 
+# exp(20) ~ 5e8: keeps the control's weight finite for a token the last step moved that far (its (log r)^2 is far
+# above tau, so the mask drops it anyway); the same bound as the M2PO loss's (`second_moment`)
+_CONTROL_LOG_WEIGHT_BOUND = 20.0
+
+
+def _m2po_control_weights(batch: Any) -> dict[str, float | None]:
+    """The M2PO control's batch keys (control_prox=previous_step; formula in `correction_config`):
+    ``old_log_probs`` = log pi_{V-1} (the trainer supplied it there), ``rollout_is_weights`` = pi_{V-1} / pi_behav
+    on the response tokens, uncapped: r * w = pi_theta / pi_behav, the on-policy gradient, and the second moment of
+    log r = log pi_theta - log pi_{V-1} is what the mask bounds. Returns the weights' statistics."""
+    if "old_log_probs" not in batch:
+        raise ValueError("the m2po control needs the trainer's log-probs under its previous weights (old_log_probs)")
+    mask = batch["response_mask"]
+    log_w = (batch["old_log_probs"] - batch["rollout_log_probs"]).clamp(
+        -_CONTROL_LOG_WEIGHT_BOUND, _CONTROL_LOG_WEIGHT_BOUND
+    )
+    weights = torch.exp(log_w) * mask.to(log_w.dtype)
+    batch["rollout_is_weights"] = weights
+    valid = mask.bool()
+    if not bool(valid.any()):
+        return {}
+    kept = weights[valid]
+    return {"weight_mean": float(kept.mean()), "weight_max": float(kept.max()), "weight_min": float(kept.min())}
+
+
 @dataclass(frozen=True)
 class OffPolicyCorrector:
     """The trainer's handle on the configured correction (what `build_correction` returns)."""
@@ -370,14 +404,15 @@ class OffPolicyCorrector:
         return (
             c.mode in ("none", "tis")
             or (c.mode == "decoupled" and (c.prox_log_probs in ("recompute", "previous") or c.prox_lag > 0))
+            or c.uses_previous_weights
             or self.measure_approximation
         )
 
     @property
     def uses_previous_weights(self) -> bool:
-        """Whether the log-probs `apply` needs are the trainer's under its weights before its last step
-        (prox_log_probs=previous), not its current ones."""
-        return self.config.mode == "decoupled" and self.config.prox_log_probs == "previous"
+        """Whether the log-probs `apply` needs are the trainer's under its weights of the previous version
+        (prox_log_probs=previous, or the synchronous control control_prox), not its current ones."""
+        return self.config.uses_previous_weights
 
     def apply(
         self, data: DataProto, *, proximal_log_probs: torch.Tensor | None, trainer_version: float | None = None

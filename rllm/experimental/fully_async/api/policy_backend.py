@@ -27,8 +27,9 @@ class PolicyBackend(Protocol):
 
     def compute_log_prob(self, data: Any, weights: str = "current") -> Any:
         """Log-probs of `responses` under the current policy, (batch, response_length), float32, on CPU.
-        Reads input_ids, attention_mask, position_ids, responses. `weights="previous"`: under the weights before the
-        last optimizer step (prox_log_probs=previous; FSDP backends built with keep_previous_weights)."""
+        Reads input_ids, attention_mask, position_ids, responses. `weights="previous"`: under the weights of the
+        previous version (prox_log_probs=previous; FSDP backends built with keep_previous_weights, which also offer
+        `weights_synced()`: the trainer calls it when its weights become a new version)."""
         ...
 
     def update_policy(self, data: Any) -> dict[str, float]:

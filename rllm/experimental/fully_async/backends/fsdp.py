@@ -30,9 +30,11 @@ state between steps (verl's offload/load helpers around each call); `offload_pol
 `CPUOffloadPolicy` (also at world size 1), so parameters, gradients and the optimizer step live on the CPU.
 `model.enable_gradient_checkpointing` is applied to the module at every world size.
 
-Previous weights (`keep_previous_weights`, for the correction's prox_log_probs=previous; `previous_weights.py`):
-before each optimizer step the backend copies each rank's own parameters to the CPU, and `compute_log_prob(data,
-weights="previous")` runs with that copy in place. Checkpoints hold it (`previous_model` beside `model`), so a resumed
+Previous weights (`keep_previous_weights`, for the correction's prox_log_probs=previous and its synchronous control;
+`previous_weights.py`): at every weight sync (`weights_synced`, called by the trainer when its weights become a new
+version) the backend copies each rank's own parameters to the CPU; the copy of the sync before is the previous
+version's, and `compute_log_prob(data, weights="previous")` runs with it in place. Checkpoints hold it
+(`previous_model` beside `model`, and `published_model` when steps were taken since the last sync), so a resumed
 run's next step uses the same proximal policy as the run that was not stopped.
 """
 
@@ -172,6 +174,15 @@ def _shard_fsdp2(model: nn.Module, config: FSDPActorConfig, device_type: str) ->
     return model
 
 
+def _on_every_rank(flag: bool, device: torch.device) -> bool:
+    """Whether `flag` holds on every rank of the process group (an all-reduce; collective above world size 1)."""
+    if dist.get_world_size() == 1:
+        return flag
+    value = torch.tensor([1 if flag else 0], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item())
+
+
 def _with_resident(optimizer: bool) -> Any:
     """Decorate a backend method to run with its tensors on the device (`FSDPPolicyBackend._resident`)."""
 
@@ -250,7 +261,8 @@ class FSDPPolicyBackend:
             self.actor.param_dtype = torch.float32
         self.optimizer_steps = 0  # steps actually taken; an all-masked batch takes none
         self.keep_previous_weights = keep_previous_weights
-        self.previous_weights = PreviousWeights(self.model)
+        # the weights of the last two versions, on the CPU (the initial ones are version 0's)
+        self.previous_weights = PreviousWeights(self.model) if keep_previous_weights else None
         if self.offload_params:
             offload_fsdp_model_to_cpu(self.model)  # loaded back for each call (`_resident`)
         logger.info(
@@ -295,12 +307,12 @@ class FSDPPolicyBackend:
 
         Needs batch keys input_ids, attention_mask, position_ids ([B, P+R]; prompts left-padded, responses
         right-padded) and responses ([B, R]). Micro-batching follows the actor config (ppo_infer_* keys, falling
-        back to the training ones). `weights`: "current", or "previous" (the weights before the last optimizer
-        step, the current ones before the first; needs `keep_previous_weights`).
+        back to the training ones). `weights`: "current", or "previous" (the weights of the previous version, before
+        the last `weights_synced`; the current ones before the first; needs `keep_previous_weights`).
         """
         if weights not in ("current", "previous"):
             raise ValueError(f"weights must be 'current' or 'previous', got {weights!r}")
-        if weights == "previous" and not self.keep_previous_weights:
+        if weights == "previous" and self.previous_weights is None:
             raise ValueError("log-probs under the previous weights need a backend built with keep_previous_weights")
         require_batch_keys(data, LOG_PROB_KEYS, "compute_log_prob")
         cfg = self.config
@@ -312,7 +324,11 @@ class FSDPPolicyBackend:
             **data.meta_info,
         }
         view = DataProto(batch=data.batch.select(*LOG_PROB_KEYS), meta_info=meta)
-        swapped = self.previous_weights.in_place() if weights == "previous" else contextlib.nullcontext()
+        swapped = (
+            self.previous_weights.in_place()
+            if weights == "previous" and self.previous_weights is not None
+            else contextlib.nullcontext()
+        )
         with self._resident(optimizer=False), self._quiet_cpu_autocast(), swapped:
             out = self.actor.compute_log_prob(view, calculate_entropy=False)
         return out["log_probs"].float().cpu()
@@ -332,7 +348,6 @@ class FSDPPolicyBackend:
         view = DataProto(batch=data.batch.select(*keys), meta_info=dict(data.meta_info))
         lr = float(self.lr_scheduler.get_last_lr()[0])
         with self._resident(optimizer=True), self._quiet_cpu_autocast():
-            before = self.previous_weights.snapshot() if self.keep_previous_weights else None
             raw = self.actor.update_policy(view)
         metrics = {key: float(value) for key, value in reduce_metrics(raw).items()}
         # The patched actor leaves out grad_norm when it took no step; verl's _optimizer_step also skips the step
@@ -341,11 +356,17 @@ class FSDPPolicyBackend:
         if stepped:
             self.lr_scheduler.step()
             self.optimizer_steps += 1
-            if before is not None:
-                self.previous_weights.keep(before)
         metrics["actor/lr"] = lr
         metrics["actor/optimizer_step"] = float(stepped)
         return metrics
+
+    @_with_resident(optimizer=False)
+    def weights_synced(self) -> None:
+        """The current weights became the engines' new version: with `keep_previous_weights` they are copied to the
+        CPU, and the copy made at the sync before becomes the previous version's (`compute_log_prob(weights=
+        "previous")`). Nothing otherwise."""
+        if self.previous_weights is not None:
+            self.previous_weights.publish()
 
     # ------------------------------------------------------------------------------------------------------------
     # Weights out: HF folder for the engines, state dicts for checkpoints
@@ -390,13 +411,15 @@ class FSDPPolicyBackend:
         else:
             options = StateDictOptions(full_state_dict=True, cpu_offload=True)
             model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
-        previous = self.previous_weights.tensors if self.world_size == 1 else None
+        kept = self.previous_weights if self.world_size == 1 else None
+        previous = kept.tensors if kept is not None else None
         return {
             "model": model_state,
             "optimizer": optim_state,
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "optimizer_steps": self.optimizer_steps,
             "previous_weights": None if previous is None else [t.clone() for t in previous],
+            "published_weights": None if kept is None else [t.clone() for t in kept.published],
         }
 
     @_with_resident(optimizer=True)
@@ -418,8 +441,12 @@ class FSDPPolicyBackend:
             )
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.optimizer_steps = int(state["optimizer_steps"])
-        previous = state.get("previous_weights")
-        self.previous_weights.keep(None if previous is None else [t.clone() for t in previous])
+        if self.previous_weights is not None:
+            previous, published = state.get("previous_weights"), state.get("published_weights")
+            self.previous_weights.tensors = None if previous is None else [t.clone() for t in previous]
+            # a state dict from before K > 1 was supported holds none: it was taken right after a sync (K = 1)
+            kept = self.previous_weights
+            kept.published = kept.snapshot() if published is None else [t.clone() for t in published]
 
     @_with_resident(optimizer=True)
     def save_checkpoint(self, directory: str | os.PathLike[str]) -> None:
@@ -435,14 +462,21 @@ class FSDPPolicyBackend:
 
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         state = {"model": model_state, "optimizer": optim_state}
-        if self.previous_weights.tensors is not None:
-            state["previous_model"] = self.previous_weights.model_state()
+        kept = self.previous_weights
+        has_previous = kept is not None and kept.tensors is not None
+        # the published version differs from the current weights only between syncs (K > 1); every rank agrees
+        has_published = kept is not None and not _on_every_rank(kept.published_is_current(), self.device)
+        if has_previous:
+            state["previous_model"] = kept.model_state("previous")
+        if has_published:
+            state["published_model"] = kept.model_state("published")
         dcp.save(state, checkpoint_id=str(directory))
         if self.rank == 0:
             extra = {
                 "lr_scheduler": self.lr_scheduler.state_dict(),
                 "optimizer_steps": self.optimizer_steps,
-                "previous_weights": self.previous_weights.tensors is not None,
+                "previous_weights": has_previous,
+                "published_weights": has_published,
             }
             with open(Path(directory) / CHECKPOINT_EXTRA, "wb") as file:
                 torch.save(extra, file)
@@ -467,13 +501,20 @@ class FSDPPolicyBackend:
         state = {"model": model_state, "optimizer": optim_state}
         # weights_only: the schedule's state is plain numbers and lists, and loading it must not run code
         extra = torch.load(Path(directory) / CHECKPOINT_EXTRA, map_location="cpu", weights_only=True)
-        if extra.get("previous_weights", False):
-            state["previous_model"] = self.previous_weights.model_state()  # a template of the shards to load into
+        kept = self.previous_weights
+        for which in ("previous", "published"):
+            if extra.get(f"{which}_weights", False) and kept is not None:
+                state[f"{which}_model"] = kept.model_state(which)  # a template of the shards to load into
         dcp.load(state, checkpoint_id=str(directory))
-        self.previous_weights.keep(None)
-        if "previous_model" in state:
-            self.previous_weights.keep_model_state(state["previous_model"])
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        if kept is not None:
+            kept.tensors = None
+            if "previous_model" in state:
+                kept.keep_model_state(state["previous_model"], "previous")
+            # without `published_model` the checkpoint was taken right after a sync: the weights are the published
+            kept.published = kept.snapshot()
+            if "published_model" in state:
+                kept.keep_model_state(state["published_model"], "published")
         self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
         self.optimizer_steps = int(extra["optimizer_steps"])
 

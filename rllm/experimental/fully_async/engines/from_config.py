@@ -8,6 +8,7 @@ Keys honoured here, for `engines.backend=sglang`:
 - with LoRA (actor_rollout_ref.model.lora_rank > 0), `engines.lora.*` -> `--enable-lora`, `--max-lora-rank`,
   `--lora-target-modules`, `--max-loras-per-batch`, `--max-loaded-loras` (both backends), `--lora-eviction-policy`,
   `--lora-backend` (sglang only; refused with the embedded engine by settings/validate.py);
+- `engines.forward_sleep_s` -> the embedded engine's `--forward-sleep-time` (SGLang's /slow_down from the start);
 - `engines.extra_args` -> extra `sglang.launch_server` flags: `{enable_foo: true}` becomes the bare `--enable-foo`
   (SGLang's argparse rejects `--enable-foo=True`), false or null omits the flag, a list becomes
   `--flag v1 v2`, anything else `--flag=value`. A flag this module already sets is refused.
@@ -91,6 +92,7 @@ def engine_command(engines: EnginesSpec, api_key: str | None = None) -> Any:
             log_level=engines.log_level,
             deterministic_inference=engines.deterministic_inference,
             lora=engines.lora,
+            forward_sleep_s=engines.forward_sleep_s,
             extra_args=("--api-key", api_key) if api_key else (),
         )
     from rllm.experimental.fully_async.engines.sglang import SGLangEngineCommand

@@ -76,11 +76,14 @@ class EmbeddedEngineCommand:
     # --enable-deterministic-inference: seeded draws, one request at a time (engines/embedded/scheduler.py)
     deterministic_inference: bool = False
     lora: EngineLoRASpec | None = None  # LoRA adapters served: SGLang's LoRA flags (engines/lora.py)
+    # --forward-sleep-time: seconds slept before every forward pass (SGLang's /slow_down, from the start); 0 = off
+    forward_sleep_s: float = 0.0
     extra_args: tuple[str, ...] = ()
     python: str = sys.executable
 
     def build(self, host: str, port: int, index: int) -> list[str]:
         deterministic = ["--enable-deterministic-inference"] if self.deterministic_inference else []
+        slowed = ["--forward-sleep-time", repr(float(self.forward_sleep_s))] if self.forward_sleep_s > 0 else []
         return [
             self.python,
             "-m",
@@ -107,6 +110,7 @@ class EmbeddedEngineCommand:
             self.log_level,
             *deterministic,
             *lora_flags(self.lora, sglang=False),
+            *slowed,
             *self.extra_args,
         ]
 

@@ -132,6 +132,11 @@ class EnginesConfig:
     # sampling_seed (else every sample of a prompt draws with SGLang's default seed 42: n identical samples).
     deterministic_inference: bool = False
     lora: EnginesLoRAConfig = field(default_factory=EnginesLoRAConfig)
+    # Seconds the embedded engine sleeps before every forward pass (SGLang's /slow_down `forward_sleep_time`, set
+    # from the start): generation then takes wall time without taking the trainer's CPU, as on a GPU cluster where
+    # generation dominates a step. For experiments (a rollout-bound regime on CPU, tests/bench/); 0 = off. The
+    # embedded engine's only: on SGLang, POST /slow_down yourself.
+    forward_sleep_s: float = 0.0
 
 
 @dataclass
@@ -253,7 +258,9 @@ FULLY_ASYNC_VERL_DEFAULTS: dict[str, Any] = {
         "adv_estimator": "grpo",
         # This project's algorithm sections (algorithms/): null = off. Their fields are the dataclasses'
         # (CorrectionConfig, FilterConfig, GiGPOConfig) and are checked by building them in validate().
-        "off_policy_correction": None,  # {mode: decoupled|tis|bypass|none, prox_log_probs, level, cap_mode, cap}
+        # {mode: decoupled|m2po|tis|bypass|none, prox_log_probs, level, cap_mode, cap, prox_lag, tau, m2_threshold,
+        # control_prox}
+        "off_policy_correction": None,
         "group_filter": None,  # {drop_zero_variance, max_response_length, drop_truncated, length_scope, ...}
         "gigpo": None,  # {omega, step_gamma, step_norm_by_std, epsilon}
         "singleton_group_advantage": "zero",  # zero | verl (verl gives a group of one its raw reward)

@@ -57,6 +57,7 @@ _LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "engines.request_timeout_s": (0, True),
     "engines.torch_threads": (1, False),
     "engines.max_restarts": (0, False),
+    "engines.forward_sleep_s": (0, False),
     "param_sync.timeout_s": (0, True),
     "workflow.reward_timeout_s": (0, True),
     "env.max_turns": (1, False),
@@ -146,6 +147,11 @@ def refuse_unsupported(cfg: DictConfig, *, check_host: bool = True) -> None:
     for key, (value, only, why) in fixed.items():
         if value != only:
             raise ConfigError(f"'{key}={value}' cannot be honoured ({why}); set it to {only} or remove it")
+    if cfg.engines.backend != "embedded" and cfg.engines.forward_sleep_s:
+        raise ConfigError(
+            "'engines.forward_sleep_s' slows the embedded engine (an experiment's stand-in for slow generation); with "
+            f"engines.backend={cfg.engines.backend} remove it (SGLang's own route is POST /slow_down)"
+        )
     if cfg.engines.backend == "embedded" and len(cfg.engines.extra_args):
         raise ConfigError(
             "'engines.extra_args' is passed to sglang.launch_server; with engines.backend=embedded remove it"
@@ -190,6 +196,11 @@ def _refuse_unsupported_megatron(cfg: DictConfig, *, check_host: bool) -> None:
         raise ConfigError(
             "'algorithm.off_policy_correction.prox_log_probs=previous' needs the FSDP trainer (the Megatron backend "
             "keeps no copy of its previous weights): use prox_log_probs: loglinear with prox_lag: 1, or strategy: fsdp2"
+        )
+    if correction is not None and correction.get("control_prox") is not None:
+        raise ConfigError(
+            "'algorithm.off_policy_correction.control_prox' needs the FSDP trainer (the Megatron backend keeps no "
+            "copy of its previous weights): remove it, or use strategy: fsdp2"
         )
     megatron = cfg.actor_rollout_ref.actor.megatron
     for key in MEGATRON_PARALLEL_KEYS:
@@ -312,6 +323,7 @@ def _validate_cross_fields(cfg: DictConfig) -> None:
             f"({cfg.actor_rollout_ref.rollout.n}) so one prompt group can run"
         )
     _validate_adaptive_staleness(at)
+    _validate_control_prox(cfg)
     if at.queue_max_groups < at.required_samples:
         raise ConfigError(
             f"'async_training.queue_max_groups' ({at.queue_max_groups}) must be >= "
@@ -329,6 +341,22 @@ def _validate_cross_fields(cfg: DictConfig) -> None:
     total = cfg.trainer.total_training_steps
     if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 1):
         raise ConfigError(f"'trainer.total_training_steps' must be a positive integer or null, got {total!r}")
+
+
+def _validate_control_prox(cfg: DictConfig) -> None:
+    """algorithm.off_policy_correction.control_prox is the synchronous control of an experiment (η = 0, K = 1):
+    elsewhere tokens of older versions exist and the async arms' own proximal policy is the one to use."""
+    correction = cfg.algorithm.get("off_policy_correction")
+    if correction is None or correction.get("control_prox") is None:
+        return
+    at = cfg.async_training
+    if at.max_staleness != 0 or at.trigger_parameter_sync_step != 1 or at.adaptive_staleness.enable:
+        raise ConfigError(
+            "'algorithm.off_policy_correction.control_prox' is a control for synchronous runs only: set "
+            "async_training.max_staleness=0, trigger_parameter_sync_step=1 and adaptive_staleness.enable=false "
+            f"(got max_staleness={at.max_staleness}, trigger_parameter_sync_step={at.trigger_parameter_sync_step}, "
+            f"adaptive {bool(at.adaptive_staleness.enable)}), or remove it"
+        )
 
 
 def _validate_sampling_seed(engines: DictConfig) -> None:

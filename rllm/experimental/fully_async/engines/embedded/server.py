@@ -354,6 +354,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "and log-probs do not depend on what else is sent (one request at a time)",
     )
     parser.add_argument("--weight-version", default="0", help="weight_version reported before any update")
+    parser.add_argument(
+        "--forward-sleep-time",
+        type=float,
+        default=0.0,
+        help="seconds slept before every forward pass from the start, as after POST /slow_down (0: none)",
+    )
     # How long an update waits for running requests (and a weight-update group for its peers) before failing.
     parser.add_argument("--weight-update-timeout-s", type=float, default=600.0)
     parser.add_argument("--num-threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
@@ -390,6 +396,8 @@ async def serve(args: argparse.Namespace) -> None:
     )
     if lora is not None:
         await load_initial_adapters(lora, args.lora_refs)
+    if args.forward_sleep_time > 0:  # engines.forward_sleep_s: a slow engine from the first request on
+        scheduler.slow_down(args.forward_sleep_time)
     scheduler.start()
     # handler_cancellation: a client that disconnects (timeout, crash) cancels its handler, which frees its rows.
     app_runner = web.AppRunner(build_app(scheduler, args), handler_cancellation=True, access_log=None)

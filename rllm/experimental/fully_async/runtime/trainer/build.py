@@ -43,7 +43,7 @@ def build_policy_backend(t: Any, correction: Any = None, ranks: dict | None = No
     """
 
     actor_cfg = OmegaConf.create(thaw(t.actor))  # verl builds its own dataclasses from a mutable copy
-    # prox_log_probs=previous: the backend keeps its weights from before each step
+    # prox_log_probs=previous (or its synchronous control): the backend keeps the weights of the previous version
     keep_previous = correction is not None and correction.uses_previous_weights
     if correction is not None and correction.policy_loss_mode is not None:
         # decoupled PPO with the proximal policy from the update itself: its loss replaces verl's vanilla one

@@ -258,6 +258,8 @@ class FullyAsyncTrainer:
         The rollout side learns the new version with the next request."""
         new_version = self.version + 1 if bump else self.version
         self._synced_step = self.step
+        if bump and self.correction is not None and self.correction.uses_previous_weights:
+            self.backend.weights_synced()  # the proximal policy from now on is the version these weights replace
         if self.param_sync is None:
             self.version = new_version
             return {}

@@ -174,6 +174,10 @@ class DistributedPolicyBackend:
         keys = set().union(*results)
         return {k: sum(r[k] for r in results if k in r) / sum(1 for r in results if k in r) for k in sorted(keys)}
 
+    def weights_synced(self) -> None:
+        """Every rank's weights became the new version (FSDPPolicyBackend.weights_synced: each copies its shard)."""
+        self._fan_out("weights_synced", [()] * self.world)
+
     def save_hf(self, path: str | os.PathLike[str], dtype: str | None = None) -> None:
         """Full HF weights written by rank 0 (every rank takes part in gathering them), floating-point tensors cast
         to `dtype` when given (param_sync.dtype), as FSDPPolicyBackend.save_hf."""
