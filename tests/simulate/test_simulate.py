@@ -250,13 +250,14 @@ def test_cli_runs_a_scenario_file_and_refuses_project_keys_for_it(
 
 
 def test_from_run_shows_its_progress_on_stderr(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The fit runs one simulation per bisection step; a line says so before the first and the rest are throttled
-    off a terminal (observe/progress.py StatusPrinter), so a long fit is not silent and a log is not flooded."""
+    """The fit runs one simulation per step of its peak search; a line says so before the first and the rest are
+    throttled off a terminal (observe/progress.py StatusPrinter), so a long fit is not silent and a log not
+    flooded."""
     run = _fixture_run(tmp_path)
     assert main(["simulate", "--from", str(run), "simulate.lengths.sigma=0.8"]) == 0
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("[0:00] fitting the timing models to") and "(15 steps)" in err[0]
-    assert len(err) < 16  # one bisection alone is 16 simulations
+    assert len(err) < 16  # throttled: fewer lines than simulations
 
 
 def test_status_printer_rewrites_one_line_on_a_terminal_and_throttles_elsewhere() -> None:

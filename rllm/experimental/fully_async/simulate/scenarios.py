@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from omegaconf import OmegaConf
@@ -122,13 +122,14 @@ def synchronous(cfg: SimConfig) -> SimConfig:
     return out
 
 
-def modes(cfg: SimConfig) -> dict[str, SimResult]:
-    """Synchronous, and the configured mode; a synchronous config against fully async at η = async_staleness."""
+def modes(cfg: SimConfig, run: Callable[[SimConfig], SimResult] = simulate) -> dict[str, SimResult]:
+    """Synchronous, and the configured mode; a synchronous config against fully async at η = async_staleness.
+    `run` simulates (a caller with a memo, calibrate.Simulations, passes it)."""
     if cfg.pipeline.max_staleness > 0:
-        return {"synchronous": simulate(synchronous(cfg)), "configured": simulate(cfg)}
+        return {"synchronous": run(synchronous(cfg)), "configured": run(cfg)}
     other = copy.deepcopy(cfg)
     other.pipeline.max_staleness = cfg.async_staleness
-    return {"synchronous": simulate(synchronous(cfg)), f"async eta={cfg.async_staleness}": simulate(other)}
+    return {"synchronous": run(synchronous(cfg)), f"async eta={cfg.async_staleness}": run(other)}
 
 
 def with_gpus(cfg: SimConfig, rollout_gpus: int, trainer_gpus: int, *, separated: bool) -> SimConfig:
