@@ -11,6 +11,7 @@ from rllm.experimental.fully_async.__main__ import main
 from rllm.experimental.fully_async.core.staleness import StalenessManager, is_too_stale
 from rllm.experimental.fully_async.simulate.calibrate import calibrate
 from rllm.experimental.fully_async.simulate.engine import simulate
+from rllm.experimental.fully_async.simulate.layout import synchronous
 from rllm.experimental.fully_async.simulate.model import (
     EngineModel,
     LengthModel,
@@ -20,12 +21,7 @@ from rllm.experimental.fully_async.simulate.model import (
     TrainerModel,
 )
 from rllm.experimental.fully_async.simulate.published import predict_published
-from rllm.experimental.fully_async.simulate.scenarios import (
-    ScenarioError,
-    build_config,
-    read_scenario,
-    synchronous,
-)
+from rllm.experimental.fully_async.simulate.scenarios import ScenarioError, build_config, read_scenario
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -34,20 +34,18 @@ from omegaconf import OmegaConf
 from rllm.experimental.fully_async.observe.progress import status_printer
 from rllm.experimental.fully_async.simulate.calibrate import CalibrationError
 from rllm.experimental.fully_async.simulate.from_run import predict_from_run
+from rllm.experimental.fully_async.simulate.layout import best_split, modes, sweep_splits
 from rllm.experimental.fully_async.simulate.model import SimConfig
 from rllm.experimental.fully_async.simulate.published import predict_published
 from rllm.experimental.fully_async.simulate.result import SimResult
 from rllm.experimental.fully_async.simulate.scenarios import (
     SCENARIO_KEYS,
     ScenarioError,
-    best_split,
     build_config,
     host_from_project,
-    modes,
     parse_overrides,
     pipeline_from_project,
     read_scenario,
-    sweep_splits,
     timing_models,
 )
 

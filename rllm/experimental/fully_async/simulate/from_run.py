@@ -14,14 +14,10 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from rllm.experimental.fully_async.simulate.calibrate import Fit, Simulations, calibrate
+from rllm.experimental.fully_async.simulate.layout import modes
 from rllm.experimental.fully_async.simulate.model import SimConfig
 from rllm.experimental.fully_async.simulate.result import SimResult
-from rllm.experimental.fully_async.simulate.scenarios import (
-    build_config,
-    host_from_project,
-    modes,
-    pipeline_from_project,
-)
+from rllm.experimental.fully_async.simulate.scenarios import build_config, host_from_project, pipeline_from_project
 
 Progress = Callable[[str], None]
 

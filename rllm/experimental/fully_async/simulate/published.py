@@ -41,14 +41,10 @@ from typing import Any
 
 from rllm.experimental.fully_async.simulate.calibrate import fit_generation
 from rllm.experimental.fully_async.simulate.engine import simulate
+from rllm.experimental.fully_async.simulate.layout import synchronous, with_gpus
 from rllm.experimental.fully_async.simulate.model import SimConfig
 from rllm.experimental.fully_async.simulate.result import SimResult
-from rllm.experimental.fully_async.simulate.scenarios import (
-    ScenarioError,
-    build_config,
-    synchronous,
-    with_gpus,
-)
+from rllm.experimental.fully_async.simulate.scenarios import ScenarioError, build_config
 
 ROW_KEYS = frozenset(
     {"gpus", "generation_s", "old_log_prob_s", "update_s", "step_s", "rollout_gpus", "trainer_gpus", "speedup"}
