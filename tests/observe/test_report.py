@@ -386,7 +386,10 @@ def test_the_synchronous_prediction_is_read_from_its_cache_while_the_metrics_are
     report = load_report(run)
     assert report.prediction == rd.SyncPrediction(**saved)
     rows = dict(rh.summary_rows(report))
-    assert rows["synchronous run"].startswith("a synchronous run of the same config would take 2:20 (140 s)")
+    assert rows["synchronous run"].startswith(
+        "a synchronous run of the same config (η=0, K=1, the same engines and trainer on the same cores) would take "
+        "2:20 (140 s)"
+    )
     assert "async saved 30%" in rows["synchronous run"] and f"simulate --from {run}" in rows["synchronous run"]
 
 

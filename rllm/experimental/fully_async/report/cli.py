@@ -123,6 +123,7 @@ def predict(run_dir: Path, config: dict[str, Any], records: Sequence[dict[str, A
         synchronous_s=None if result.own == "synchronous" else result.wall_s("synchronous"),
         other_mode=result.other,
         other_s=result.wall_s(result.other),
+        baseline=result.baseline,
     )
     cache.write_text(json.dumps({"key": key, "prediction": prediction.__dict__}, indent=1))
     return prediction, note

@@ -76,8 +76,9 @@ def summary_rows(report: RunReport) -> list[tuple[str, str]]:
         rows.append(
             (
                 "synchronous run",
-                f"a synchronous run of the same config would take {format_duration(p.synchronous_s)}"
-                f" ({p.synchronous_s:.0f} s): async saved {saving:.0%} ({p.synchronous_s / wall:.2f}x); "
+                f"a synchronous run of the same config (η=0, K=1, {p.baseline}) would take "
+                f"{format_duration(p.synchronous_s)} ({p.synchronous_s:.0f} s): async saved {saving:.0%} "
+                f"({p.synchronous_s / wall:.2f}x); "
                 f"{report.prediction_note}, which predicts this run at {p.predicted_self_s:.0f} s",
             )
         )

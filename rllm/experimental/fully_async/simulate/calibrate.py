@@ -136,7 +136,7 @@ def fit_trainer_sync_lengths(base: SimConfig, rows: Sequence[Mapping[str, Any]])
     tokens = [float(r["batch/tokens"]) for r in rows]
     work = trainer_work(rows)
     cfg.trainer.fixed_s, cfg.trainer.per_token_s = _linear_fit(tokens[1:], work[1:])
-    cfg.trainer.reference_gpus, cfg.trainer_gpus = 1, None
+    cfg.trainer.reference_gpus = cfg.trainer_gpus or 1  # measured at the run's own trainer GPUs (or CPU ranks)
     lengths = [float(r["response_length/mean"]) for r in rows if "response_length/mean" in r]
     if lengths:
         cfg.lengths.mean_tokens = max(1.0, statistics.fmean(lengths))

@@ -71,6 +71,11 @@ class LengthModel:
     def sample(self, rng: random.Random) -> int:
         return self.sampler()(rng)
 
+    def mean_after_clip(self, seed: int = 0, draws: int = 20000) -> float:
+        """The mean length the simulator draws, after the rounding and the clip (sampled with `seed`)."""
+        rng, sample = random.Random(seed), self.sampler()
+        return sum(sample(rng) for _ in range(draws)) / draws
+
     def sampler(self) -> Callable[[random.Random], int]:
         """`sample` with the constants worked out once (a simulation draws one length per sample)."""
         sigma, cap = self.sigma, self.max_tokens

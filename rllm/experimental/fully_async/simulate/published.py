@@ -34,7 +34,6 @@ the scenario's simulate block, so "the colocated components alone" and "with the
 from __future__ import annotations
 
 import copy
-import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -71,9 +70,8 @@ class RowPrediction:
         return self.predicted / self.published - 1.0
 
 
-def mean_clipped_length(cfg: SimConfig, samples: int = 20000) -> float:
-    rng = random.Random(cfg.seed + 1)
-    return sum(cfg.lengths.sample(rng) for _ in range(samples)) / samples
+def mean_clipped_length(cfg: SimConfig) -> float:
+    return cfg.lengths.mean_after_clip(seed=cfg.seed + 1)
 
 
 def steady_s_per_step(result: SimResult, skip_steps: int) -> float:
