@@ -25,7 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from rllm.rewards.reward_types import RewardConfig
+from rllm.experimental.fully_async.client import choose_parser
+from rllm.experimental.fully_async.message_utils import parse_response
+from rllm.rewards.reward_types import RewardConfig, RewardInput
 from rllm.rewards.search_reward import RewardSearchFn
 
 REPO = Path(__file__).resolve().parents[2]
@@ -162,13 +164,19 @@ def test_a_deepresearch_shaped_tool_agent_calls_its_tool_and_trains(tmp_path, to
         result = str(args["a"] * args["b"]) if valid else "Error:"
         assert f"<tool_response>{result}" in shown_next
         assert next_trained  # the answer turn is trained
+    scored = 0
     for record in records:
         question = record["sequences"][0]["prompt_text"].split("user\n")[1].split("<|im_end|>")[0]
         a, b = (int(x) for x in question.split("*"))
-        answer = record["metadata"]["rllm"]["final_answer"]
-        # deepresearch's reward is the token F1 of the answer (RewardSearchFn's f1_score): "6, b: 2" against 6 is 0.5.
-        f1, _, _ = RewardSearchFn(RewardConfig()).f1_score(answer or "", str(a * b))
-        assert record["reward"] == pytest.approx(f1), (answer, a * b, record["reward"])
+        reply = _final_reply(tok, record)
+        if reply is None:
+            continue
+        # deepresearch's reward is the token F1 of the answer RewardSearchFn extracts from the last assistant message
+        # (its first \boxed{}, else its first number, ...): "6, b: 2" against 6 is 0.5; an unboxed "9" against 9 is 1.
+        output = RewardSearchFn(RewardConfig())(RewardInput(task_info={"ground_truth": str(a * b)}, action=reply))
+        assert record["reward"] == pytest.approx(output.metadata.get("f1_score", 0.0) if reply else 0.0), reply
+        scored += 1
+    assert scored, "no episode's last reply was in its rows to score again"
     assert any(r["reward"] == 1.0 for r in called), "no episode copied the tool's result into its answer"
     assert canonical_replies, (
         "no tool-calling reply was spelled as the tokenizer spells it: nothing compared token for token"
@@ -176,6 +184,20 @@ def test_a_deepresearch_shaped_tool_agent_calls_its_tool_and_trains(tmp_path, to
     rows = [r["metadata"]["rllm_rows"] for r in records]
     assert all(len(r["sequences"]) == c["rows"] <= c["sequences"] for r, c in zip(records, rows, strict=True))
     assert any(c["rows"] < c["sequences"] for c in rows), "no trajectory's turns were merged into one row"
+
+
+def _final_reply(tok, record: dict) -> str | None:
+    """The last assistant message's content as the agent scored it: the last run of trained tokens of the last row,
+    parsed as the client parses a reply. None when it is not all there (the row cut at data.max_response_length,
+    or the episode cut short, its tokens untrained)."""
+    if record["metadata"]["rllm_rows"]["response_tokens_cut"] or record["metadata"]["rllm"]["overlong"]:
+        return None
+    last = record["sequences"][-1]
+    mask, ids = last["loss_mask"], last["response_ids"]
+    start = len(mask)  # the trailing run of trained tokens; none when the last reply was empty
+    while start > 0 and mask[start - 1] == 1:
+        start -= 1
+    return parse_response(tok, choose_parser(tok), ids[start:])["content"]
 
 
 def _first_turn(tok, record: dict) -> tuple[list[int], str, bool, bool]:
