@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from rllm.experimental.fully_async.__main__ import main
 from rllm.experimental.fully_async.simulate import engine
@@ -125,3 +126,37 @@ def test_layouts_read_from_configs():
     assert layout_from_project(cpu, 4.0) == Layout("cpu", 3, 1, 1, 0, 4.0)
     with pytest.raises(ScenarioError, match=r"n_gpus_per_node x trainer\.nnodes = 0 x 1"):
         layout_from_project({**gpu, "trainer": {"device": "cuda", "n_gpus_per_node": 0, "nnodes": 1}}, None)
+
+
+def test_a_gpu_runs_fit_keeps_its_trainer_gpus_and_predicts_against_the_colocated_baseline(tmp_path):
+    """`--from` a GPU run (2 engines, 2 trainer GPUs): its trainer times are at its own 2 GPUs, and its synchronous
+    prediction is the layout's baseline, colocated on all 4 GPUs, the same simulation `--gpus 4` makes."""
+    from test_simulate import small
+    from test_simulate_host import records, write_run
+
+    from rllm.experimental.fully_async.simulate.engine import simulate as run_one
+    from rllm.experimental.fully_async.simulate.from_run import predict_from_run
+    from rllm.experimental.fully_async.simulate.layout import baseline, sweep_splits, with_gpus
+
+    truth = with_gpus(small(eta=1, steps=16), 2, 2, separated=True)
+    truth.trainer.reference_gpus = 2  # its step times as measured on its 2 trainer GPUs
+    run = write_run(tmp_path, "gpu", truth, run_one(truth))
+    (run / "config.yaml").write_text(
+        "async_training: {required_samples: 8, max_staleness: 1, trigger_parameter_sync_step: 1,"
+        " partial_rollout: true, max_concurrent_rollouts: 96, queue_max_groups: 24}\n"
+        "actor_rollout_ref: {rollout: {n: 4, tensor_model_parallel_size: 1}}\n"
+        "engines: {backend: sglang, num_engines: 2, max_running_requests: 16}\n"
+        "data: {max_response_length: 400}\n"
+        "trainer: {device: cuda, n_gpus_per_node: 2, nnodes: 1, total_training_steps: 16}\n"
+    )
+    # the curve's shape and the length spread are not fitted: the truth's; its seed, so the draws are the same
+    shape = {"engine": {"peak_tokens_per_s": 2000.0, "single_tokens_per_s": 100.0}, "lengths": {"sigma": 0.8}}
+    shape["seed"] = 3
+    result = predict_from_run(OmegaConf.load(run / "config.yaml"), records(run), cores=None, sim_layer=shape)
+    assert result.layout == Layout("gpu", 2, 1, 2) and result.baseline.startswith("colocated on all 4 GPUs")
+    assert (result.fit.cfg.trainer.reference_gpus, result.fit.cfg.trainer_gpus) == (2, 2)
+    assert result.fit.cfg.trainer.step_s(1000, 2, True) == pytest.approx(truth.trainer.step_s(1000, 2, True), rel=0.1)
+    assert result.predicted_self_s == pytest.approx(result.fit.measured.wall_s, rel=0.03)
+    colocated, _ = sweep_splits(result.cfg, 4)
+    assert result.results["synchronous"].wall_s == colocated.wall_s
+    assert colocated.wall_s == run_one(baseline(result.cfg, result.layout)).wall_s

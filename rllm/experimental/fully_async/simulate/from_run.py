@@ -71,7 +71,7 @@ def run_layers(
     """SimConfig layers for a run: its pipeline and its layout, a CPU run's cores from its logged `host/cpus`
     (else `cores`); the layout; whether the cores were recorded."""
     cfg = OmegaConf.create(project) if isinstance(project, Mapping) else project
-    recorded = [r["host/cpus"] for r in records if "host/cpus" in r]
+    recorded = [r["host/cpus"] for r in records if r.get("host/cpus") is not None]
     layout = layout_from_project(cfg, float(recorded[-1]) if recorded else cores)
     return [pipeline_from_project(cfg), layout_layer(layout)], layout, bool(recorded)
 
