@@ -13,6 +13,8 @@ if [[ ! -x "$venv/bin/python" ]]; then
   "$python_bin" -m venv "$venv"
 fi
 pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+# rLLM itself in this environment: refuse before installing anything (this package would overwrite its files).
+"$venv/bin/python" install/check_beside_rllm.py
 
 # torch first, alone: asked for by another package, pip would pick the newest CUDA build (several GB).
 if ! "$venv/bin/python" -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then

@@ -32,6 +32,8 @@ step "check that an NVIDIA GPU and driver are visible" -- nvidia-smi -L
 if [[ ! -x "$vpy" ]]; then
   step "create the virtual environment $venv" -- "$python_bin" -m venv "$venv"
 fi
+# This package and rLLM both install the top-level package `rllm`: refuse before installing anything beside rLLM.
+step "check that rLLM itself is not installed in $venv" -- "$vpy" "$repo_root/install/check_beside_rllm.py"
 # torch first and alone: the PyPI linux wheel of torch 2.9.1 is the CUDA 12.8 build; pulled in by another package
 # it could be resolved differently.
 step "install CUDA torch" -- "${pip[@]}" "$torch_pin" "$(pin torchvision)" "$(pin torchaudio)"

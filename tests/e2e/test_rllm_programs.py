@@ -6,7 +6,8 @@ examples/agents/rllm_number_line.yaml plugs one in:
   batched-datum form, on the addition task;
 - a multi-turn tool agent shaped like rLLM's deepresearch search agent (tests/fixtures/rllm_programs/tool_agent.py)
   on the tool world (tests/helpers/rllm_tool_world.py): chat_completion with `tools=`, tool calls parsed and executed,
-  tool messages rendered back, several sequences per trajectory.
+  tool messages rendered back, several sequences per trajectory, merged into one training row where a turn extends
+  the previous one token for token (as rLLM's trainer merges them).
 
 Checked from the runs' own records (metrics, trajectory dumps, the tool's call log): every step trained, rewards
 1 exactly where the answer is right, the tool really called with the arguments the model wrote and its result in
@@ -24,7 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from rllm.rewards.reward_types import RewardConfig
+from rllm.experimental.fully_async.client import choose_parser
+from rllm.experimental.fully_async.message_utils import parse_response
+from rllm.rewards.reward_types import RewardConfig, RewardInput
 from rllm.rewards.search_reward import RewardSearchFn
 
 REPO = Path(__file__).resolve().parents[2]
@@ -143,35 +146,68 @@ def test_a_deepresearch_shaped_tool_agent_calls_its_tool_and_trains(tmp_path, to
             # the client's max_tokens, so chat_completion raised) trains none of its tokens.
             assert not any(m for seq in record["sequences"] for m in seq["loss_mask"])
             continue
-        first, second = record["sequences"][:2]
-        # The model's call, parsed and executed: the next turn's prompt is this turn's conversation, then the tool's
+        reply, shown_next, next_trained, merged = _first_turn(tok, record)
+        # The model's call, parsed and executed: the next turn's input is this turn's conversation, then the tool's
         # result. chat_completion re-renders the messages each turn (as rLLM's client does): a reply that is one
-        # well-formed call, spelled as the tokenizer spells it, comes back token for token; anything else (a sampled
-        # model now and then writes a stray "</tool_call>" after its call, or spells a piece byte by byte) comes
-        # back as the template renders the parsed message.
-        assert second["prompt_ids"][: len(first["prompt_ids"])] == first["prompt_ids"]
-        reply = tok.decode(first["response_ids"], skip_special_tokens=False)
-        one_call = re.fullmatch(r"<tool_call>[^<]*</tool_call>" + re.escape(EOS), reply) is not None
-        if one_call and tok.encode(reply, add_special_tokens=False) == first["response_ids"]:
+        # well-formed call, spelled as the tokenizer spells it, comes back token for token, so the next turn extends
+        # this one and rLLM's Trajectory.merge() makes them one training row (the tool's result in it with mask 0);
+        # anything else (a sampled model now and then writes a stray "</tool_call>" after its call, or spells a
+        # piece byte by byte) comes back as the template renders the parsed message: a row of its own.
+        text = tok.decode(reply, skip_special_tokens=False)
+        one_call = re.fullmatch(r"<tool_call>[^<]*</tool_call>" + re.escape(EOS), text) is not None
+        if one_call and tok.encode(text, add_special_tokens=False) == reply:
             canonical_replies += 1
-            assert second["prompt_ids"][: len(first["prompt_ids"]) + len(first["response_ids"])] == (
-                first["prompt_ids"] + first["response_ids"]
-            )
-        call_text = tok.decode(first["response_ids"], skip_special_tokens=True)
+            assert merged, "a turn its successor extends token for token is merged into one row"
+        call_text = tok.decode(reply, skip_special_tokens=True)
         args = json.loads(call_text.split("<tool_call>")[1].split("</tool_call>")[0])["arguments"]
         valid = set(args) == {"a", "b"} and all(type(v) is int for v in args.values())  # the tool's own rule
         result = str(args["a"] * args["b"]) if valid else "Error:"
-        assert f"<tool_response>{result}" in second["prompt_text"]
-        assert any(second["loss_mask"])  # the answer turn is trained
+        assert f"<tool_response>{result}" in shown_next
+        assert next_trained  # the answer turn is trained
+    scored = 0
     for record in records:
         question = record["sequences"][0]["prompt_text"].split("user\n")[1].split("<|im_end|>")[0]
         a, b = (int(x) for x in question.split("*"))
-        answer = record["metadata"]["rllm"]["final_answer"]
-        # deepresearch's reward is the token F1 of the answer (RewardSearchFn's f1_score): "6, b: 2" against 6 is 0.5.
-        f1, _, _ = RewardSearchFn(RewardConfig()).f1_score(answer or "", str(a * b))
-        assert record["reward"] == pytest.approx(f1), (answer, a * b, record["reward"])
+        reply = _final_reply(tok, record)
+        if reply is None:
+            continue
+        # deepresearch's reward is the token F1 of the answer RewardSearchFn extracts from the last assistant message
+        # (its first \boxed{}, else its first number, ...): "6, b: 2" against 6 is 0.5; an unboxed "9" against 9 is 1.
+        output = RewardSearchFn(RewardConfig())(RewardInput(task_info={"ground_truth": str(a * b)}, action=reply))
+        assert record["reward"] == pytest.approx(output.metadata.get("f1_score", 0.0) if reply else 0.0), reply
+        scored += 1
+    assert scored, "no episode's last reply was in its rows to score again"
     assert any(r["reward"] == 1.0 for r in called), "no episode copied the tool's result into its answer"
     assert canonical_replies, (
         "no tool-calling reply was spelled as the tokenizer spells it: nothing compared token for token"
     )
-    assert any(len(r["sequences"]) >= 2 for r in records)  # several sequences (training rows) per trajectory
+    rows = [r["metadata"]["rllm_rows"] for r in records]
+    assert all(len(r["sequences"]) == c["rows"] <= c["sequences"] for r, c in zip(records, rows, strict=True))
+    assert any(c["rows"] < c["sequences"] for c in rows), "no trajectory's turns were merged into one row"
+
+
+def _final_reply(tok, record: dict) -> str | None:
+    """The last assistant message's content as the agent scored it: the last run of trained tokens of the last row,
+    parsed as the client parses a reply. None when it is not all there (the row cut at data.max_response_length,
+    or the episode cut short, its tokens untrained)."""
+    if record["metadata"]["rllm_rows"]["response_tokens_cut"] or record["metadata"]["rllm"]["overlong"]:
+        return None
+    last = record["sequences"][-1]
+    mask, ids = last["loss_mask"], last["response_ids"]
+    start = len(mask)  # the trailing run of trained tokens; none when the last reply was empty
+    while start > 0 and mask[start - 1] == 1:
+        start -= 1
+    return parse_response(tok, choose_parser(tok), ids[start:])["content"]
+
+
+def _first_turn(tok, record: dict) -> tuple[list[int], str, bool, bool]:
+    """(the first reply's ids, the text the model was shown next, whether the next reply is trained, merged?): from
+    one merged row (reply, then the tool message with mask 0, then the next reply) or from two rows."""
+    first = record["sequences"][0]
+    mask, ids = first["loss_mask"], first["response_ids"]
+    end = mask.index(0) if 0 in mask else len(mask)
+    if end < len(mask):
+        resume = end + (mask[end:].index(1) if 1 in mask[end:] else len(mask) - end)
+        return ids[:end], tok.decode(ids[end:resume], skip_special_tokens=False), any(mask[resume:]), True
+    second = record["sequences"][1]
+    return ids, second["prompt_text"], any(second["loss_mask"]), False

@@ -26,6 +26,7 @@ from rllm.experimental.fully_async.observe.summary import fold
 from rllm.experimental.fully_async.report import data as rd
 from rllm.experimental.fully_async.report import figures as rf
 from rllm.experimental.fully_async.report import html as rh
+from rllm.experimental.fully_async.report import plot as rp
 from rllm.experimental.fully_async.report.cli import PREDICTION_FILE, load_report, load_run, main, write_report
 from rllm.experimental.fully_async.report.plot import NOT_RECORDED
 
@@ -277,12 +278,75 @@ def test_limits_and_moments_are_drawn(real):
     idle = figures["Who waited"]
     validations = [s.x0 for s in idle.layout.shapes if s.x0 == s.x1]
     assert validations == [0, 20, 40, 60]
-    syncs = next(t for t in idle.data if t.name == "weight sync")
-    assert list(syncs.x) == list(range(1, 61))  # K=1: a sync after every step
+    # K=1: a sync after every step; 60 ticks would merge into a solid comb, so the title says the cadence instead
+    assert not any((t.name or "").startswith("weight sync") for t in idle.data)
+    assert idle.layout.title.text.endswith("(weight sync after every step (60 syncs))")
     colours = {t.name: t.line.color for t in idle.data if t.name in ("trainer idle", "engines idle")}
     assert colours["trainer idle"] != colours["engines idle"]
     raw = [t for t in idle.data if (t.name or "").endswith("(raw)")]
     assert raw and all(t.opacity < 0.5 for t in raw)  # raw values faint under the smoothed line
+
+
+def _synced(name: str, steps: list[int]) -> rd.RunReport:
+    """A run whose steps ended with a weight sync at `steps`."""
+    last = max(steps)
+    rows = [{"step": s, "trainer/step": s} | ({"sync/total_s": 0.1} if s in steps else {}) for s in range(1, last + 1)]
+    return rd.run_report(rd.RunRecords.of(name, rows))
+
+
+@pytest.mark.parametrize(
+    ("steps", "ticks", "said"),
+    [
+        (list(range(4, 61, 4)), list(range(4, 61, 4)), None),  # K=4, 60 steps: 15 ticks, one per sync
+        (list(range(4, 501, 4)), None, "a weight sync every 4 steps (125 syncs)"),  # K=4, 500 steps
+        (list(range(1, 501)), None, "weight sync after every step (500 syncs)"),  # K=1, 500 steps
+    ],
+    ids=["K=4-sparse", "K=4-dense", "K=1-dense"],
+)
+def test_sync_marks_are_readable_at_every_cadence(steps, ticks, said):
+    fig = rf.idle_figure([_synced("run", steps)])
+    rug = [t for t in fig.data if t.name == "weight sync"]
+    if ticks is not None:
+        assert list(rug[0].x) == ticks and fig.layout.title.text.endswith("(ticks: weight syncs)")
+    else:
+        assert not rug and fig.layout.title.text.endswith(f"({said})")
+
+
+def test_irregular_dense_syncs_are_aggregated_into_few_marks():
+    import random
+
+    steps = sorted(random.Random(0).sample(range(1, 1001), 300))
+    fig = rf.idle_figure([_synced("run", steps)])
+    (rug,) = [t for t in fig.data if t.name == "weight syncs"]
+    assert len(rug.x) <= rp.SPARSE_SYNCS
+    counts = [int(re.match(r"(\d+) syncs", text).group(1)) for text in rug.hovertext]
+    assert sum(counts) == 300 and "one mark per" in fig.layout.title.text
+
+
+def test_reward_and_held_out_accuracy_have_colours_of_their_own(real):
+    fig = rf.learning_figure([real])
+    colours = {t.name: t.line.color for t in fig.data if t.name in ("reward (batch mean)", "held-out accuracy")}
+    assert len(colours) == 2 and colours["reward (batch mean)"] != colours["held-out accuracy"]
+    other = {rp.TRAINER, rp.ENGINES, rp.GENERATED, rp.TRAINED}
+    assert not set(colours.values()) & other  # one quantity, one colour, across the report
+
+
+def test_staleness_is_drawn_in_versions_and_the_mixed_share_in_percent_on_its_own_axis(real):
+    fig = rf.staleness_figure([real])
+    axes = {a: fig.layout[a] for a in ("yaxis2", "yaxis3")}
+    assert axes["yaxis2"].title.text == "versions behind" and "%" not in (axes["yaxis2"].tickformat or "")
+    assert axes["yaxis2"].dtick == 1  # η = 1: whole versions
+    assert axes["yaxis3"].tickformat == rp.PERCENT  # 0.25% reads 0.25%, not 0%
+    mixed = next(t for t in fig.data if t.name == "share of rows with several versions")
+    assert mixed.yaxis == "y3"
+    stale = next(t for t in fig.data if t.name == "staleness mean")
+    assert stale.yaxis == "y2"
+
+
+def test_code_in_the_summary_is_set_as_code_not_backticks():
+    report = rd.run_report(rd.RunRecords.of("run", _async_records()), prediction_note="fitted (`simulate --from run`)")
+    block = rh.summary_block(report, 0)
+    assert "<code>simulate --from run</code>" in block and "`" not in block
 
 
 def test_a_metric_a_run_lacks_is_said_on_its_panel():
@@ -322,7 +386,10 @@ def test_the_synchronous_prediction_is_read_from_its_cache_while_the_metrics_are
     report = load_report(run)
     assert report.prediction == rd.SyncPrediction(**saved)
     rows = dict(rh.summary_rows(report))
-    assert rows["synchronous run"].startswith("a synchronous run of the same config would take 2:20 (140 s)")
+    assert rows["synchronous run"].startswith(
+        "a synchronous run of the same config (η=0, K=1, the same engines and trainer on the same cores) would take "
+        "2:20 (140 s)"
+    )
     assert "async saved 30%" in rows["synchronous run"] and f"simulate --from {run}" in rows["synchronous run"]
 
 
@@ -416,6 +483,51 @@ def test_every_figure_renders_in_headless_chromium(tmp_path):
     for part in range(5):
         band = pixels[part * 1120 : (part + 1) * 1120, :, :3]
         assert (band < 0.5).any(), f"band {part} of the screenshot is blank"
+
+
+# After load: what a reader sees of the properties issue 32 named, read from the drawn SVG and the page's text.
+_PROPS_SCRIPT = (
+    '<script>window.addEventListener("load",()=>{setTimeout(()=>{'
+    'const sec=n=>document.querySelector(`section[data-figure="${n}"]`);'
+    "const ticks=(n,c)=>[...sec(n).querySelectorAll(`.${c} text`)].map(t=>t.textContent);"
+    "const title=n=>sec(n).querySelector('.gtitle').textContent;"
+    "document.body.setAttribute('data-props',JSON.stringify({"
+    "staleness_axis:ticks('Staleness','y2tick'),mixed_axis:ticks('Staleness','y3tick'),"
+    "idle_title:title('Who waited'),idle_points:sec('Who waited').querySelectorAll('.scatterlayer .point').length,"
+    "backtick:document.body.innerText.includes(String.fromCharCode(96)),"
+    "code:[...document.querySelectorAll('.run code')].map(c=>c.textContent)}));},500);});</script>"
+)
+
+
+@pytest.mark.slow  # a headless browser renders the page (~10 s on a busy 2-core machine)
+@pytest.mark.skipif(_chromium() is None, reason="no chromium on PATH (Debian: apt-get install -y chromium)")
+def test_the_page_reads_right_in_headless_chromium(tmp_path):
+    """The fixture's page as a browser draws it: the staleness axis in whole versions (no %), the mixed-version
+    share on its own percent axis, the K=1 syncs said once (no comb of ticks), code set as code (no backtick
+    anywhere in the page's text). The screenshot is kept in the test's folder (report.png)."""
+    run = tmp_path / "run"
+    shutil.copytree(FIXTURE, run)
+    stat = (run / "metrics.jsonl").stat()
+    key = {"metrics_bytes": stat.st_size, "metrics_mtime_ns": stat.st_mtime_ns}
+    saved = {"measured_s": 98.0, "predicted_self_s": 97.6, "synchronous_s": 142.6, "other_mode": "synchronous",
+             "other_s": 142.6}  # fmt: skip
+    (run / PREDICTION_FILE).write_text(json.dumps({"key": key, "prediction": saved}))
+    page = write_report([run], tmp_path / "report.html").read_text()
+    checked = tmp_path / "checked.html"
+    checked.write_text(page.replace("</body>", _PROPS_SCRIPT + "</body>"))
+    proc = _browser("--dump-dom", checked.as_uri())
+    found = re.search(r'data-props="([^"]*)"', proc.stdout)
+    assert found, f"chromium printed no checked DOM: {proc.stderr[-2000:]}"
+    props = json.loads(html.unescape(found.group(1)))
+    assert props["staleness_axis"] and not any("%" in t for t in props["staleness_axis"]), props
+    assert set(props["staleness_axis"]) <= {"0", "1"}  # η = 1: whole versions
+    assert props["mixed_axis"] and all(t.endswith("%") for t in props["mixed_axis"])
+    assert len(set(props["mixed_axis"])) == len(props["mixed_axis"])  # no two ticks read the same (1%, 0%, 0%)
+    assert props["idle_title"].endswith("(weight sync after every step (60 syncs))") and props["idle_points"] == 0
+    assert not props["backtick"] and props["code"] == [f"simulate --from {run}"]
+    shot = tmp_path / "report.png"
+    _browser("--window-size=1300,5600", f"--screenshot={shot}", (tmp_path / "report.html").as_uri())
+    assert shot.is_file()
 
 
 def test_each_eta_change_of_adaptive_staleness_is_a_line_in_the_report():

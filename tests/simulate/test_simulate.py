@@ -11,6 +11,7 @@ from rllm.experimental.fully_async.__main__ import main
 from rllm.experimental.fully_async.core.staleness import StalenessManager, is_too_stale
 from rllm.experimental.fully_async.simulate.calibrate import calibrate
 from rllm.experimental.fully_async.simulate.engine import simulate
+from rllm.experimental.fully_async.simulate.layout import synchronous
 from rllm.experimental.fully_async.simulate.model import (
     EngineModel,
     LengthModel,
@@ -20,12 +21,7 @@ from rllm.experimental.fully_async.simulate.model import (
     TrainerModel,
 )
 from rllm.experimental.fully_async.simulate.published import predict_published
-from rllm.experimental.fully_async.simulate.scenarios import (
-    ScenarioError,
-    build_config,
-    read_scenario,
-    synchronous,
-)
+from rllm.experimental.fully_async.simulate.scenarios import ScenarioError, build_config, read_scenario
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -250,13 +246,14 @@ def test_cli_runs_a_scenario_file_and_refuses_project_keys_for_it(
 
 
 def test_from_run_shows_its_progress_on_stderr(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The fit runs one simulation per bisection step; a line says so before the first and the rest are throttled
-    off a terminal (observe/progress.py StatusPrinter), so a long fit is not silent and a log is not flooded."""
+    """The fit runs one simulation per step of its peak search; a line says so before the first and the rest are
+    throttled off a terminal (observe/progress.py StatusPrinter), so a long fit is not silent and a log not
+    flooded."""
     run = _fixture_run(tmp_path)
     assert main(["simulate", "--from", str(run), "simulate.lengths.sigma=0.8"]) == 0
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("[0:00] fitting the timing models to") and "(15 steps)" in err[0]
-    assert len(err) < 16  # one bisection alone is 16 simulations
+    assert len(err) < 16  # throttled: fewer lines than simulations
 
 
 def test_status_printer_rewrites_one_line_on_a_terminal_and_throttles_elsewhere() -> None:

@@ -13,9 +13,10 @@ from test_simulate import small
 from rllm.experimental.fully_async.__main__ import main
 from rllm.experimental.fully_async.simulate.calibrate import calibrate
 from rllm.experimental.fully_async.simulate.engine import simulate
+from rllm.experimental.fully_async.simulate.layout import synchronous, with_gpus
 from rllm.experimental.fully_async.simulate.model import HostModel, SimConfig
 from rllm.experimental.fully_async.simulate.result import SimResult
-from rllm.experimental.fully_async.simulate.scenarios import ScenarioError, build_config, synchronous, with_gpus
+from rllm.experimental.fully_async.simulate.scenarios import ScenarioError, build_config
 
 
 def shared(eta: int = 1, background: float | None = None, steps: int = 16) -> SimConfig:

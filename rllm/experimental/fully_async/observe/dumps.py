@@ -57,7 +57,9 @@ def trajectory_record(
             row["prompt_text"] = tokenizer.decode(list(seq.prompt_ids), skip_special_tokens=False)
             row["response_tokens"] = [tokenizer.decode([t], skip_special_tokens=False) for t in seq.response_ids]
         sequences.append(row)
-    metadata = {k: v for k, v in trajectory.metadata.items() if k in ("end_reason", "num_turns", "steps", "rllm")}
+    metadata = {
+        k: v for k, v in trajectory.metadata.items() if k in ("end_reason", "num_turns", "steps", "rllm", "rllm_rows")
+    }
     return {
         "step": step,
         "uid": trajectory.uid,

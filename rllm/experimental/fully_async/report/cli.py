@@ -3,11 +3,12 @@
 The one place the report touches files: it reads each `RUN_DIR/metrics.jsonl`, the run's saved `config.yaml` (its
 mode, model and limits), the last step of its trajectory dump (`trainer.rollout_data_dir`, when the run wrote one)
 and, unless `--no-predict`, fits the simulator to the run (`simulate --from`, simulate/from_run.py) for the summary
-block's "a synchronous run of the same config would take X". The fit simulates the whole run up to 128 times (11 s
-of CPU for 40 steps on a development machine): it shows its progress on stderr and is kept in
-`RUN_DIR/report_prediction.json`, reused while metrics.jsonl is unchanged. `html.render_html` (pure) draws
-the page. Several run directories draw side by side, e.g. an async run against a synchronous one
-(`async_training.max_staleness=0`). Exit codes: 0 written, 2 a run directory or its metrics could not be read.
+block's "a synchronous run of the same config would take X". The fit simulates the whole run 10-20 times (15 s of
+CPU for the default 500-step run on a loaded development machine; tests/bench/bench_report_fit.py): it shows its
+progress on stderr and is kept in `RUN_DIR/report_prediction.json`, reused while metrics.jsonl is unchanged.
+`html.render_html` (pure) draws the page. Several run directories draw side by side, e.g. an async run against a
+synchronous one (`async_training.max_staleness=0`). Exit codes: 0 written, 2 a run directory or its metrics could
+not be read.
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ def predict(run_dir: Path, config: dict[str, Any], records: Sequence[dict[str, A
         synchronous_s=None if result.own == "synchronous" else result.wall_s("synchronous"),
         other_mode=result.other,
         other_s=result.wall_s(result.other),
+        baseline=result.baseline,
     )
     cache.write_text(json.dumps({"key": key, "prediction": prediction.__dict__}, indent=1))
     return prediction, note

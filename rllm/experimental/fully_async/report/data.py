@@ -341,6 +341,8 @@ class SyncPrediction:
     synchronous_s: float | None  # None when the run itself was synchronous
     other_mode: str
     other_s: float
+    # what the synchronous mode is on the run's layout (simulate/layout.py); a cache written before it: CPU runs'
+    baseline: str = "the same engines and trainer on the same cores"
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,13 @@ from rllm.experimental.fully_async.report.data import (
     validation_points,
 )
 from rllm.experimental.fully_async.report.plot import (
+    ACCURACY,
     DASHES,
     ENGINES,
     GENERATED,
     HEIGHT,
+    PERCENT,
+    REWARD,
     RUN_COLOURS,
     TRAINED,
     TRAINER,
@@ -48,8 +51,8 @@ ENTROPY_HINT = "verl logs it with<br>actor_rollout_ref.actor.calculate_entropy=t
 def learning_figure(reports: Sequence[RunReport]) -> go.Figure:
     """Reward per batch and held-out accuracy, against step (left) and wall time (right)."""
     fig = make_subplots(rows=1, cols=2, subplot_titles=("against trainer step", "against wall time"))
-    reward = Line("reward (batch mean)", column("reward/mean"))
-    val = [Line("held-out accuracy", lambda run, x: _validation_series(run, x), smoothed=False)]
+    reward = Line("reward (batch mean)", column("reward/mean"), REWARD)
+    val = [Line("held-out accuracy", lambda run, x: _validation_series(run, x), ACCURACY, smoothed=False)]
     missing: list[str] = []
     for col, x in ((1, "step"), (2, "wall")):
         missing += add_lines(fig, reports, [reward], x, row=1, col=col, legend=col == 1)
@@ -78,15 +81,15 @@ def series_figure(
     syncs: bool = False,
     percent: bool = False,
 ) -> go.Figure:
+    """One panel of lines against the trainer step; with `syncs`, the weight syncs marked and the title saying how."""
     fig = go.Figure()
     missing = add_lines(fig, reports, lines)
     note_missing(fig, missing, drew=len(missing) < len(lines) * len(reports))
     mark_validations(fig, reports)
-    if syncs:
-        mark_syncs(fig, reports)
+    drawn = mark_syncs(fig, reports) if syncs else ""
     if percent:
-        fig.update_yaxes(tickformat=".0%")
-    return layout(fig, title, "trainer step", y_title)
+        fig.update_yaxes(tickformat=PERCENT)
+    return layout(fig, f"{title} ({drawn})" if drawn else title, "trainer step", y_title)
 
 
 def idle_figure(reports: Sequence[RunReport]) -> go.Figure:
@@ -96,7 +99,7 @@ def idle_figure(reports: Sequence[RunReport]) -> go.Figure:
     ]
     return series_figure(
         reports,
-        "Who waited: share of each step's time idle (ticks: weight syncs)",
+        "Who waited: share of each step's time idle",
         lines,
         "idle share",
         syncs=True,
@@ -156,13 +159,14 @@ def sync_figure(reports: Sequence[RunReport]) -> go.Figure:
 
 
 def staleness_figure(reports: Sequence[RunReport]) -> go.Figure:
-    """Left: the staleness distribution per step range (first run); right: mean and max per step with η drawn,
-    and the share of trained rows whose tokens come from several versions."""
+    """Three panels, one unit each: the staleness distribution per step range (first run), the staleness mean and
+    max per step in versions with η drawn, and the share of trained rows whose tokens come from several versions."""
     fig = make_subplots(
         rows=1,
-        cols=2,
-        specs=[[{}, {"secondary_y": True}]],
-        subplot_titles=("trained groups by staleness, per step range", "staleness per step"),
+        cols=3,
+        column_widths=[0.34, 0.38, 0.28],
+        horizontal_spacing=0.08,
+        subplot_titles=("trained groups by staleness, per step range", "staleness per step", "mixed-version rows"),
     )
     buckets = staleness_histograms(reports[0].run)
     for j, bucket in enumerate(buckets):
@@ -186,40 +190,22 @@ def staleness_figure(reports: Sequence[RunReport]) -> go.Figure:
         Line("staleness max", column("staleness/max"), "#444", smoothed=False),
     ]
     missing = add_lines(fig, reports, lines, row=1, col=2)
-    mixed = Line("share of rows with several versions", _mixed_share, GENERATED)
-    for i, report in enumerate(reports):
-        xs, ys = mixed.get(report.run, "step")
-        if xs:
-            fig.add_trace(
-                go.Scatter(
-                    x=xs,
-                    y=smooth(ys),
-                    mode="lines",
-                    name=mixed.name if i == 0 else f"{report.label}: {mixed.name}",
-                    line={"color": GENERATED, "width": 1.5, "dash": DASHES[i % len(DASHES)]},
-                    hovertemplate="%{y:.1%}",
-                ),
-                row=1,
-                col=2,
-                secondary_y=True,
-            )
     note_missing(fig, missing, drew=len(missing) < 2 * len(reports), axis="2")
+    mixed = Line("share of rows with several versions", _mixed_share, GENERATED)
+    missing = add_lines(fig, reports, [mixed], row=1, col=3)
+    note_missing(fig, missing, drew=len(missing) < len(reports), axis="3")
     info = reports[0].info
+    top = max((report.run.last("staleness/max") or 0.0 for report in reports), default=0.0)
     if info is not None and info.max_staleness is not None:
         add_limit(fig, info.max_staleness, f"η = {info.max_staleness} (max_staleness)", row=1, col=2)
+        top = max(top, float(info.max_staleness))
     fig.update_xaxes(title_text="versions behind", row=1, col=1)
-    fig.update_yaxes(title_text="share of groups", tickformat=".0%", row=1, col=1)
+    fig.update_yaxes(title_text="share of groups", tickformat=PERCENT, row=1, col=1)
     fig.update_xaxes(title_text="trainer step", row=1, col=2)
-    fig.update_yaxes(title_text="versions behind", row=1, col=2)
-    fig.update_yaxes(
-        title_text="mixed-version rows",
-        tickformat=".0%",
-        rangemode="tozero",
-        tickmode="auto",
-        row=1,
-        col=2,
-        secondary_y=True,
-    )
+    # staleness counts whole versions: integer ticks (a tick every few versions when η is large)
+    fig.update_yaxes(title_text="versions behind", tick0=0, dtick=max(1, math.ceil(top / 8)), row=1, col=2)
+    fig.update_xaxes(title_text="trainer step", row=1, col=3)
+    fig.update_yaxes(title_text="share of trained rows", tickformat=PERCENT, rangemode="tozero", row=1, col=3)
     return layout(fig, "Staleness of trained samples", "", "", height=HEIGHT + 20)
 
 
@@ -286,7 +272,7 @@ def length_figure(reports: Sequence[RunReport]) -> go.Figure:
     note_missing(fig, missing, drew=len(missing) < 3 * len(reports))
     # tickmode auto: make_subplots syncs a secondary axis's ticks to the primary's grid, which gives 18%, 37%, ...
     fig.update_yaxes(
-        title_text="clipped share", tickformat=".0%", rangemode="tozero", tickmode="auto", secondary_y=True
+        title_text="clipped share", tickformat=PERCENT, rangemode="tozero", tickmode="auto", secondary_y=True
     )
     return layout(fig, "Response length (tokens)", "trainer step", "tokens")
 

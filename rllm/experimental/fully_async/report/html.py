@@ -9,6 +9,7 @@ figures (figures.py) are plotly's `to_html` fragments. The summary block's numbe
 from __future__ import annotations
 
 import html
+import re
 from collections.abc import Sequence
 
 from rllm.experimental.fully_async.observe.progress import format_duration
@@ -28,7 +29,13 @@ table{border-collapse:collapse;width:100%}td{padding:2px 8px;font-size:.9em;vert
 td:first-child{color:#555;white-space:nowrap;width:13em}.big{font-weight:600}
 .sample{border-left:3px solid #ddd;margin:.6em 0;padding:.2em .8em;font-family:ui-monospace,Menlo,monospace;
 font-size:.85em;white-space:pre-wrap}.prompt{color:#777}.legend span{margin-right:1em}
+code{font-family:ui-monospace,Menlo,monospace;font-size:.92em;background:#f3f3f3;padding:0 .25em;border-radius:3px}
 """
+
+
+def text_html(text: str) -> str:
+    """Plain text as HTML: escaped, and what the text quotes in backticks (a command, a key) set as <code>."""
+    return re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(text))
 
 
 def _fmt(value: float | None, pattern: str) -> str:
@@ -69,8 +76,9 @@ def summary_rows(report: RunReport) -> list[tuple[str, str]]:
         rows.append(
             (
                 "synchronous run",
-                f"a synchronous run of the same config would take {format_duration(p.synchronous_s)}"
-                f" ({p.synchronous_s:.0f} s): async saved {saving:.0%} ({p.synchronous_s / wall:.2f}x); "
+                f"a synchronous run of the same config (η=0, K=1, {p.baseline}) would take "
+                f"{format_duration(p.synchronous_s)} ({p.synchronous_s:.0f} s): async saved {saving:.0%} "
+                f"({p.synchronous_s / wall:.2f}x); "
                 f"{report.prediction_note}, which predicts this run at {p.predicted_self_s:.0f} s",
             )
         )
@@ -104,7 +112,7 @@ def summary_rows(report: RunReport) -> list[tuple[str, str]]:
 def summary_block(report: RunReport, index: int) -> str:
     rows = "".join(
         f'<tr><td>{html.escape(k)}</td><td class="{"big" if k in ("wall time", "synchronous run") else ""}">'
-        f"{html.escape(v)}</td></tr>"
+        f"{text_html(v)}</td></tr>"
         for k, v in summary_rows(report)
     )
     colour = RUN_COLOURS[index % len(RUN_COLOURS)]
@@ -158,9 +166,8 @@ def eta_section(reports: Sequence[RunReport]) -> str:
         return ""
     items = []
     for report in adapted:
-        lines = (
-            "".join(f"<li>{html.escape(c.line())}</li>" for c in eta_changes(report.run)) or "<li>η never changed</li>"
-        )
+        changes = [f"<li>{text_html(c.line())}</li>" for c in eta_changes(report.run)]
+        lines = "".join(changes) or "<li>η never changed</li>"
         final = report.run.last("staleness/eta")
         items.append(f"<h3>{html.escape(report.label)} (final η {_fmt(final, '{:.0f}')})</h3><ul>{lines}</ul>")
     return f"<h2>Adaptive staleness</h2>{''.join(items)}"

@@ -2,10 +2,14 @@
 
 Conventions every figure of the report follows (figures.py builds the figures with these):
 - each series is drawn twice: its raw per-step values thin and faint, and smoothed (data.smooth) on top;
-- one quantity, one colour: trainer blue, engines orange, generated tokens green, trained tokens purple; with
-  several runs, a figure of one quantity colours by run, a figure of several quantities dashes by run;
-- validation moments are dotted vertical lines, weight syncs a rug of ticks along the bottom, limits (the queue's
-  capacity, the staleness budget, η) dashed red horizontal lines with their name;
+- one quantity, one colour: trainer blue, engines orange, generated tokens green, trained tokens purple, reward
+  teal, held-out accuracy brown; with several runs, a figure of one quantity colours by run, a figure of several
+  quantities dashes by run;
+- shares are percent with as many decimals as they need (`PERCENT`: 0.25% reads 0.25%, not 0%);
+- validation moments are dotted vertical lines; weight syncs a rug of ticks along the bottom while there are few
+  (`SPARSE_SYNCS`), else said in the title when they come every K steps, else one mark per stretch of steps
+  with its count (a tick per sync at K=1 over 500 steps is a solid bar); limits (the queue's capacity, the
+  staleness budget, η) dashed red horizontal lines with their name;
 - a metric a run did not record is said on the plot ("not recorded by this run: ..."), never an error.
 """
 
@@ -28,6 +32,9 @@ from rllm.experimental.fully_async.report.data import (
 NOT_RECORDED = "not recorded by this run"
 RUN_COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22")
 TRAINER, ENGINES, GENERATED, TRAINED = "#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd"
+REWARD, ACCURACY = "#17becf", "#8c564b"
+PERCENT = ".2~%"  # d3 format: a percent with up to 2 decimals, trailing zeros trimmed
+SPARSE_SYNCS = 40  # at most this many sync ticks in a rug: more merge into a bar at the report's width
 DASHES = ("solid", "dash", "dot", "dashdot")
 HEIGHT = 340
 
@@ -165,20 +172,47 @@ def mark_validations(fig: go.Figure, reports: Sequence[RunReport], x: str = "ste
             fig.add_vline(x=at, line={"dash": "dot", "color": "#888", "width": 1}, opacity=0.6, **where)
 
 
-def mark_syncs(fig: go.Figure, reports: Sequence[RunReport]) -> None:
-    """A rug of ticks along the bottom at the steps that ended with a weight sync (the first run's)."""
+def mark_syncs(fig: go.Figure, reports: Sequence[RunReport]) -> str:
+    """The first run's weight syncs along the bottom (module docstring); returns how they are drawn, for the title."""
     steps = sync_steps(reports[0].run)
     if not steps:
-        return
+        return ""
+    every = _cadence(steps)
+    if len(steps) <= SPARSE_SYNCS:
+        _rug(fig, steps, [f"sync after step {s}" for s in steps], "weight sync", [1.0] * len(steps))
+        return "ticks: weight syncs"
+    if every is not None:  # said in the title only: a regular cadence drawn tick by tick tells nothing more
+        said = "weight sync after every step" if every == 1 else f"a weight sync every {every} steps"
+        return f"{said} ({len(steps)} syncs)"
+    width = -(-(steps[-1] - steps[0] + 1) // SPARSE_SYNCS)  # steps per mark, so at most SPARSE_SYNCS marks
+    bins: dict[int, list[int]] = {}
+    for step in steps:
+        bins.setdefault((step - steps[0]) // width, []).append(step)
+    most = max(len(b) for b in bins.values())
+    texts = [f"{len(b)} syncs in steps {b[0]}-{b[-1]}" for b in bins.values()]
+    centres = [(b[0] + b[-1]) / 2 for b in bins.values()]
+    _rug(fig, centres, texts, "weight syncs", [0.25 + 0.75 * len(b) / most for b in bins.values()])
+    return f"one mark per {width} steps: weight syncs, darker for more"
+
+
+def _cadence(steps: list[int]) -> int | None:
+    """K when the syncs came every K steps from step K on, else None."""
+    every = steps[0]
+    regular = all(b - a == every for a, b in zip([0, *steps], steps, strict=False))
+    return every if regular else None
+
+
+def _rug(fig: go.Figure, xs: Sequence[float], texts: list[str], name: str, opacity: list[float]) -> None:
     fig.add_trace(
         go.Scatter(
-            x=steps,
-            y=[0.0] * len(steps),
+            x=list(xs),
+            y=[0.0] * len(xs),
             yaxis="y9",
             mode="markers",
-            name="weight sync",
-            marker={"symbol": "line-ns-open", "size": 9, "color": "#555"},
-            hovertemplate="sync after step %{x}<extra></extra>",
+            name=name,
+            marker={"symbol": "line-ns-open", "size": 9, "color": "#555", "opacity": opacity},
+            hovertext=texts,
+            hovertemplate="%{hovertext}<extra></extra>",
         )
     )
     fig.update_layout(yaxis9={"overlaying": "y", "range": [0, 1], "visible": False, "fixedrange": True})

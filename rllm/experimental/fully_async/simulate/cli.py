@@ -4,20 +4,25 @@ Inputs (one of):
 - `--config FILE` a project config (loaded with `settings.load_config` as for another machine, so a GPU config
   loads here without a GPU; overrides without the `simulate.` prefix go to it) or a scenario file (top-level keys
   only `description`, `simulate`, `published`: see scenarios.py);
-- `--from RUN_DIR` a finished run: its config.yaml gives the pipeline, its metrics.jsonl the timing models
-  (calibrate.py, from_run.py); prints the measured wall time beside the prediction, and a line per simulation of
-  the fit on stderr while it runs;
+- `--from RUN_DIR` a finished run: its config.yaml gives the pipeline and the layout, its metrics.jsonl the timing
+  models (calibrate.py, from_run.py); prints the measured wall time beside the prediction, and a line per
+  simulation of the fit on stderr while it runs;
 - neither: the project's default config.
-A project config's timing models (engine throughput, response lengths, trainer step, sync) are the defaults of
-model.py, printed on a `timing models:` line, unless `--timing FILE` names a scenario file whose `simulate` block
-supplies them (its pipeline is replaced by the config's) or `simulate.KEY=VALUE` overrides set them, e.g.
-`simulate.engine.peak_tokens_per_s=5000`, `simulate.steps=100`. Prints synchronous (η = 0, K = 1) and the
-configured (fully-async) mode side by side (a synchronous config: against fully async at η =
+The header names the modelled layout (layout.py): engines x tensor-parallel size and trainer GPUs (separate) from a
+GPU config, engine processes and trainer ranks sharing the cores from a CPU one; `simulate.*` keys that would
+contradict it (pipeline.num_engines, engine.gpus_per_engine, trainer_gpus, separated) are refused with the project
+key to set instead. A project config's timing models (engine throughput, response lengths, trainer step, sync) are
+`scenarios.project_timing`'s defaults (on CPU the embedded default's, fitted), printed on a `timing models:` line,
+unless `--timing FILE` names a scenario file whose `simulate` block supplies them (its pipeline is replaced by the
+config's) or `simulate.KEY=VALUE` overrides set them, e.g. `simulate.engine.peak_tokens_per_s=5000`,
+`simulate.steps=100`; an unknown key is refused naming the nearest one. Prints the synchronous baseline (η = 0,
+K = 1; on GPUs colocated on all the layout's GPUs, as verl runs it; on CPU the same processes) and the configured
+(fully-async) mode side by side with one speedup (a synchronous config: against fully async at η =
 `simulate.async_staleness`), so `--from` one mode's run predicts the other mode's wall time too; with `--gpus N`
-the rollout:trainer split that minimises wall time; with a `published:` block, predicted vs published for the
-scenario as written and for each of its `published.variants`. A CPU run or config (trainer.device=cpu, embedded
-engines) shares the host's cores (`simulate.host.*`, model.py): the run's recorded `host/cpus`, else this
-machine's core count. Exit 0, or 2 with one line on a bad key, file or value.
+every rollout:trainer split of N GPUs against the same baseline (the config's own split, when N is its GPU count,
+is the same simulation as its modes' row, marked) and the split that minimises wall time; with a `published:`
+block, predicted vs published for the scenario as written and for each of its `published.variants`. Arguments are
+checked before anything is simulated. Exit 0, or 2 with one line on a bad key, file or value.
 """
 
 from __future__ import annotations
@@ -26,28 +31,37 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
 from rllm.experimental.fully_async.observe.progress import status_printer
-from rllm.experimental.fully_async.simulate.calibrate import CalibrationError
+from rllm.experimental.fully_async.simulate.calibrate import CalibrationError, Simulations
 from rllm.experimental.fully_async.simulate.from_run import predict_from_run
+from rllm.experimental.fully_async.simulate.layout import (
+    Layout,
+    apply_layout,
+    baseline_name,
+    best_split,
+    check_gpus,
+    layout_from_project,
+    layout_layer,
+    modes,
+    sweep_splits,
+)
 from rllm.experimental.fully_async.simulate.model import SimConfig
 from rllm.experimental.fully_async.simulate.published import predict_published
 from rllm.experimental.fully_async.simulate.result import SimResult
 from rllm.experimental.fully_async.simulate.scenarios import (
     SCENARIO_KEYS,
     ScenarioError,
-    best_split,
     build_config,
-    host_from_project,
-    modes,
     parse_overrides,
     pipeline_from_project,
+    project_timing,
     read_scenario,
-    sweep_splits,
     timing_models,
 )
 
@@ -65,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    args = _parser().parse_args(argv)
+    args = _parser().parse_intermixed_args(argv)  # key=value overrides may come before and after --gpus N
     try:
         return _run(args)
     except (ScenarioError, CalibrationError, ValueError) as exc:
@@ -73,33 +87,63 @@ def main(argv: list[str]) -> int:
         return EXIT_BAD_CONFIG
 
 
+LAYOUT_KEYS = {  # simulate.* keys a project config's layout sets, and the project key that sets them
+    "pipeline.num_engines": "engines.num_engines",
+    "engine.gpus_per_engine": "actor_rollout_ref.rollout.tensor_model_parallel_size",
+    "trainer_gpus": "trainer.n_gpus_per_node and trainer.nnodes",
+    "separated": "nothing (engines and trainer never share a GPU; the baseline is colocated)",
+}
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What a simulation starts from: SimConfig layers, the published block, a description, the layout."""
+
+    layers: list[dict[str, Any]]
+    published: dict[str, Any]
+    source: str
+    layout: Layout | None  # None: a scenario file's own settings
+
+
 def _run(args: argparse.Namespace) -> int:
     for item in args.overrides:
         if "=" not in item:
             raise ScenarioError(f"unexpected argument {item!r}: overrides are key=value")
+    if args.gpus is not None and args.gpus < 2:
+        raise ScenarioError(f"--gpus {args.gpus}: at least 2 GPUs are needed (one engine and one trainer GPU)")
     sim_overrides = [o for o in args.overrides if o.startswith("simulate.")]
     project_overrides = [o for o in args.overrides if not o.startswith("simulate.")]
-    sim_layer = parse_overrides(sim_overrides)
-    build_config(SimConfig(), [sim_layer])  # a bad simulate key fails here, before any config file is read
+    sim_layer = parse_overrides(sim_overrides)  # a bad simulate key fails here, before any config file is read
+    build_config(SimConfig(), [sim_layer])
     if args.run_dir is not None:
         if args.config or args.timing:
             raise ScenarioError("--from takes the run's own config and fits its timing: leave out --config/--timing")
-        return _run_from(Path(args.run_dir), project_overrides, sim_layer)
-    layers, published, source = _inputs(args, project_overrides)
-    cfg = build_config(SimConfig(), [*layers, sim_layer])
-    _print_header(source, cfg)
-    if published:
-        _print_published(cfg, published)
+        _refuse_layout_keys(sim_layer, "--from RUN_DIR models the run's own layout")
+        return _run_from(Path(args.run_dir), project_overrides, sim_layer, args.gpus)
+    inputs = _inputs(args, project_overrides, sim_layer)
+    cfg = apply_layout(build_config(SimConfig(), [*inputs.layers, sim_layer]), inputs.layout)
+    if args.gpus is not None:
+        check_gpus(args.gpus, cfg.engine.gpus_per_engine)
+    _print_header(inputs.source, cfg, inputs.layout)
+    if inputs.published:
+        _print_published(cfg, inputs.published)
         return 0
     print(f"  timing models: {timing_models(cfg)}")
-    _print_modes(modes(cfg), 0.0)
+    sims = Simulations()  # the sweep's row for the config's own split is the modes' simulation again
+    _print_modes(modes(cfg, inputs.layout, run=sims), 0.0, baseline_name(inputs.layout))
     _print_host(cfg)
     if args.gpus is not None:
-        _print_sweep(cfg, args.gpus)
+        _print_sweep(cfg, args.gpus, inputs.layout, sims)
     return 0
 
 
-def _run_from(run: Path, project_overrides: list[str], sim_layer: dict[str, Any]) -> int:
+def _refuse_layout_keys(sim_layer: dict[str, Any], why: str) -> None:
+    for dotted, project_key in LAYOUT_KEYS.items():
+        if OmegaConf.select(OmegaConf.create(sim_layer), dotted) is not None:
+            raise ScenarioError(f"simulate.{dotted}: {why}; set {project_key} instead")
+
+
+def _run_from(run: Path, project_overrides: list[str], sim_layer: dict[str, Any], gpus: int | None) -> int:
     """`--from RUN_DIR`: fit to the run (progress on stderr), print both modes and the measured wall time."""
     config, metrics = run / "config.yaml", run / "metrics.jsonl"
     for path in (config, metrics):
@@ -117,12 +161,14 @@ def _run_from(run: Path, project_overrides: list[str], sim_layer: dict[str, Any]
     finally:
         status.close()
     cfg, fit = result.cfg, result.fit
+    if gpus is not None:
+        check_gpus(gpus, cfg.engine.gpus_per_engine)
     note = ""
     if cfg.host.cores is not None:
         where = "recorded by the run" if result.cores_recorded else "of this machine"
         note = f" (CPU run: {cfg.host.cores:g} cores {where})"
-    _print_header(f"fitted to {run}{note}", cfg)
-    _print_modes(result.results, result.startup_s)
+    _print_header(f"fitted to {run}{note}", cfg, result.layout)
+    _print_modes(result.results, result.startup_s, baseline_name(result.layout))
     _print_host(cfg)
     m, predicted = fit.measured, result.predicted_self_s
     print(
@@ -139,15 +185,30 @@ def _run_from(run: Path, project_overrides: list[str], sim_layer: dict[str, Any]
         f"  cross-mode: this {mode} run predicts {result.wall_s(result.other):.1f}s for the {result.other} mode "
         "(compare with a run of that mode)"
     )
+    if gpus is not None:
+        if cfg.host.cores is not None:
+            print(f"  --gpus {gpus}: a what-if: the speeds fitted to this CPU run, on devices of their own")
+        _print_sweep(cfg, gpus, result.layout, Simulations())
     return 0
 
 
-def _print_header(source: str, cfg: SimConfig) -> None:
+def _print_header(source: str, cfg: SimConfig, layout: Layout | None) -> None:
     print(f"simulate: {source}")
+    print(f"  layout: {layout.describe() if layout is not None else _scenario_layout(cfg)}")
     p = cfg.pipeline
     print(
         f"  {cfg.steps} steps of {p.required_samples} groups x {p.samples_per_prompt} samples; eta={p.max_staleness} "
-        f"K={p.trigger_parameter_sync_step} partial_rollout={p.partial_rollout} engines={p.num_engines} seed={cfg.seed}"
+        f"K={p.trigger_parameter_sync_step} partial_rollout={p.partial_rollout} seed={cfg.seed}"
+    )
+
+
+def _scenario_layout(cfg: SimConfig) -> str:
+    trainer = f"{cfg.trainer_gpus} trainer GPU(s)" if cfg.trainer_gpus else "the trainer at its reference GPU count"
+    where = ", separate" if cfg.separated else ""
+    shared = f", sharing {cfg.host.cores:g} cores" if cfg.host.cores is not None else ""
+    return (
+        f"as the scenario sets it: {cfg.pipeline.num_engines} engine(s) x {cfg.engine.gpus_per_engine} GPU(s), "
+        f"{trainer}{where}{shared}"
     )
 
 
@@ -160,15 +221,15 @@ def _print_host(cfg: SimConfig) -> None:
         )
 
 
-def _inputs(args: argparse.Namespace, project_overrides: list[str]) -> tuple[list[Any], dict, str]:
-    """(simulate-block layers, published block, description) of a scenario file or a project config."""
+def _inputs(args: argparse.Namespace, project_overrides: list[str], sim_layer: dict[str, Any]) -> Inputs:
+    """The layers, published block, description and layout of a scenario file or a project config."""
     raw = OmegaConf.load(args.config) if args.config else None
     if raw is not None and set(raw) <= SCENARIO_KEYS and "simulate" in raw:
         if project_overrides or args.timing:
             extra = project_overrides[0] if project_overrides else "--timing"
             raise ScenarioError(f"a scenario file takes only simulate.* overrides, got {extra!r}")
         sim, published = read_scenario(OmegaConf.to_container(raw))
-        return [sim], published, str(raw.get("description", args.config))
+        return Inputs([sim], published, str(raw.get("description", args.config)), None)
     from rllm.experimental.fully_async.settings.loader import ConfigError, load_config
 
     try:
@@ -176,19 +237,26 @@ def _inputs(args: argparse.Namespace, project_overrides: list[str]) -> tuple[lis
         project = load_config(args.config, project_overrides, check_host=False)
     except ConfigError as exc:
         raise ScenarioError(str(exc)) from exc
-    layers: list[Any] = []
-    note = " (default timing models: fit them with --from RUN_DIR, or give --timing FILE or simulate.*)"
+    _refuse_layout_keys(sim_layer, "with a project config the layout comes from its keys")
+    cores = OmegaConf.select(OmegaConf.create(sim_layer), "host.cores", default=os.cpu_count())
+    layout = layout_from_project(project, cores)
+    layers = [project_timing(layout.device, OmegaConf.select(project, "data.max_response_length"))]
+    if layout.device == "cpu":
+        note = " (timing models: the embedded default's, fitted to tests/fixtures/report_run"
+    else:
+        note = " (default timing models"
+    note += ": fit them with --from RUN_DIR, or give --timing FILE or simulate.*)"
     if args.timing:
         timing = OmegaConf.load(args.timing)
         sim, _ = read_scenario(OmegaConf.to_container(timing))
         sim.pop("pipeline", None)  # the config's pipeline, the scenario's timing
         layers.append(sim)
         note = f" (timing models from {args.timing})"
-    layers += [pipeline_from_project(project), host_from_project(project, os.cpu_count())]
-    return layers, {}, f"{args.config or 'default config'}{note}"
+    layers += [pipeline_from_project(project), layout_layer(layout)]
+    return Inputs(layers, {}, f"{args.config or 'default config'}{note}", layout)
 
 
-def _print_modes(results: dict[str, SimResult], startup: float) -> None:
+def _print_modes(results: dict[str, SimResult], startup: float, baseline: str) -> None:
     print(
         f"  {'mode':<13}{'wall s':>10}{'s/step':>9}{'trainer idle':>14}{'engine idle':>13}{'stale mean':>12}"
         f"{'dropped':>9}{'gen tok/s':>12}{'train tok/s':>13}"
@@ -200,6 +268,7 @@ def _print_modes(results: dict[str, SimResult], startup: float) -> None:
             f"{r.generated_tokens_per_s:>12.0f}{r.trained_tokens_per_s:>13.0f}"
         )
     (_, sync), (name, conf) = results.items()
+    print(f"  synchronous: eta=0, K=1, {baseline}")
     print(f"  speedup (synchronous / {name} wall): {sync.wall_s / conf.wall_s:.2f}x")
     total = sum(conf.staleness.values())
     dist = ", ".join(f"{k}: {v / total:.0%}" for k, v in sorted(conf.staleness.items()))
@@ -210,15 +279,22 @@ def _print_modes(results: dict[str, SimResult], startup: float) -> None:
         print(f"  adaptive staleness ({name}): final eta {conf.final_eta}; {moves or 'no change'}{more}")
 
 
-def _print_sweep(cfg: SimConfig, gpus: int) -> None:
-    colocated, splits = sweep_splits(cfg, gpus)
-    print(f"  --gpus {gpus}: colocated synchronous {colocated.wall_s:.1f}s; fully async by rollout:trainer split:")
+def _print_sweep(cfg: SimConfig, gpus: int, layout: Layout | None, sims: Simulations) -> None:
+    colocated, splits = sweep_splits(cfg, gpus, run=sims)
+    print(
+        f"  --gpus {gpus}: synchronous (eta=0, K=1), colocated on all {gpus} GPUs: {colocated.wall_s:.1f}s; "
+        "fully async by rollout:trainer split:"
+    )
+    own = None
+    if layout is not None and layout.device == "gpu" and layout.total_gpus == gpus:
+        own = (layout.rollout_gpus, layout.trainer)
     for s in splits:
         r = s.result
+        mark = "  <- this config's layout" if own == (s.rollout_gpus, s.trainer_gpus) else ""
         print(
             f"    {s.rollout_gpus:>4}:{s.trainer_gpus:<4} wall {r.wall_s:>10.1f}s"
             f"  trainer idle {r.trainer_idle_frac:>6.1%}"
-            f"  engine idle {r.engine_idle_frac:>6.1%}  speedup {colocated.wall_s / r.wall_s:.2f}x"
+            f"  engine idle {r.engine_idle_frac:>6.1%}  speedup {colocated.wall_s / r.wall_s:.2f}x{mark}"
         )
     best = best_split(splits)
     print(f"  best split: {best.rollout_gpus} rollout : {best.trainer_gpus} trainer GPUs ({best.result.wall_s:.1f}s)")

@@ -89,6 +89,7 @@ class Simulation:
         self.controller = StalenessController(cfg.adaptive.rule(), self.eta) if cfg.adaptive.enable else None
         self.next_eta = self.eta  # decided at a sync, applied when it completes
         self.rng = random.Random(cfg.seed)
+        self.sample_length = cfg.lengths.sampler()
         self.engines = [_Engine() for _ in range(p.num_engines)]
         self.events: list[tuple[float, int, str, Any]] = []
         self.seq = 0
@@ -232,16 +233,15 @@ class Simulation:
         index = loads.index(min(loads))
         engine = self.engines[index]
         self._advance(engine)
-        touched = {index}
-        for _ in range(self.n):
-            request = _Request(group, self.cfg.lengths.sample(self.rng))
-            rid, self.next_rid = self.next_rid, self.next_rid + 1
-            if len(engine.running) < limit and not engine.waiting:
+        sample, rng, running, waiting = self.sample_length, self.rng, engine.running, engine.waiting
+        for rid in range(self.next_rid, self.next_rid + self.n):  # the per-sample loop is the simulator's hot path
+            request = _Request(group, sample(rng))
+            if len(running) < limit and not waiting:
                 self._admit(engine, rid, request)
             else:
-                engine.waiting.append((rid, request))
-        for index in sorted(touched):
-            self._schedule(index)
+                waiting.append((rid, request))
+        self.next_rid += self.n
+        self._schedule(index)
 
     def _flush(self) -> None:
         self._move_outbox()

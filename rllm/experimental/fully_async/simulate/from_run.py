@@ -13,16 +13,18 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from rllm.experimental.fully_async.simulate.calibrate import Fit, calibrate
-from rllm.experimental.fully_async.simulate.engine import simulate
+from rllm.experimental.fully_async.simulate.calibrate import Fit, Simulations, calibrate
+from rllm.experimental.fully_async.simulate.layout import (
+    Layout,
+    apply_layout,
+    baseline_name,
+    layout_from_project,
+    layout_layer,
+    modes,
+)
 from rllm.experimental.fully_async.simulate.model import SimConfig
 from rllm.experimental.fully_async.simulate.result import SimResult
-from rllm.experimental.fully_async.simulate.scenarios import (
-    build_config,
-    host_from_project,
-    modes,
-    pipeline_from_project,
-)
+from rllm.experimental.fully_async.simulate.scenarios import build_config, pipeline_from_project
 
 Progress = Callable[[str], None]
 
@@ -33,9 +35,16 @@ class FromRun:
 
     fit: Fit
     cfg: SimConfig
-    results: dict[str, SimResult]  # "synchronous" and the other mode (modes() in scenarios.py)
+    results: dict[str, SimResult]  # "synchronous" (the layout's baseline) and the other mode (layout.modes)
     own: str  # the mode the run itself ran, a key of `results`
     cores_recorded: bool  # host sharing from the run's logged `host/cpus` (else the caller's count)
+    simulations: int  # how many whole-run simulations the fit and the predictions took
+    layout: Layout  # the run's engines and trainer (layout.py)
+
+    @property
+    def baseline(self) -> str:
+        """What "synchronous" is for this run's layout (colocated on its GPUs, or the same processes on CPU)."""
+        return baseline_name(self.layout)
 
     @property
     def startup_s(self) -> float:
@@ -52,15 +61,19 @@ class FromRun:
     @property
     def predicted_self_s(self) -> float:
         """The fitted simulation of the run itself (its own pipeline, before any what-if)."""
-        return simulate(self.fit.cfg).wall_s + self.startup_s
+        assert self.fit.result is not None  # calibrate() always sets it
+        return self.fit.result.wall_s + self.startup_s
 
 
-def run_layers(project: Any, records: Sequence[Mapping[str, Any]], cores: float | None) -> tuple[list[dict], bool]:
-    """SimConfig layers for a run: its pipeline, and host sharing from its logged `host/cpus` (else `cores`)."""
+def run_layers(
+    project: Any, records: Sequence[Mapping[str, Any]], cores: float | None
+) -> tuple[list[dict], Layout, bool]:
+    """SimConfig layers for a run: its pipeline and its layout, a CPU run's cores from its logged `host/cpus`
+    (else `cores`); the layout; whether the cores were recorded."""
     cfg = OmegaConf.create(project) if isinstance(project, Mapping) else project
-    recorded = [r["host/cpus"] for r in records if "host/cpus" in r]
-    host = host_from_project(cfg, float(recorded[-1]) if recorded else cores)
-    return [pipeline_from_project(cfg), host], bool(recorded)
+    recorded = [r["host/cpus"] for r in records if r.get("host/cpus") is not None]
+    layout = layout_from_project(cfg, float(recorded[-1]) if recorded else cores)
+    return [pipeline_from_project(cfg), layout_layer(layout)], layout, bool(recorded)
 
 
 def predict_from_run(
@@ -73,14 +86,16 @@ def predict_from_run(
 ) -> FromRun:
     """Fit to the run with its own pipeline (model overrides in `sim_layer`, such as lengths.sigma, take part in
     the fit), then apply `sim_layer`'s pipeline part as a what-if ("had this run used eta=2") and simulate both
-    modes. `progress` gets a line per stage of the fit (it runs hundreds of simulations on a long run)."""
+    modes. `progress` gets a line per simulation of the fit (10-20 of the whole run)."""
     layer = dict(sim_layer or {})
     what_if = {"pipeline": layer.pop("pipeline")} if "pipeline" in layer else {}
-    layers, recorded = run_layers(project, records, cores)
-    fit = calibrate(build_config(SimConfig(), [*layers, layer]), records, progress=progress)
+    layers, layout, recorded = run_layers(project, records, cores)
+    sims = Simulations()  # the fitted run is simulated once, for the fit and for its own mode's row
+    base = apply_layout(build_config(SimConfig(), [*layers, layer]), layout)
+    fit = calibrate(base, records, progress=progress, sims=sims)
     cfg = build_config(fit.cfg, [what_if])
     if progress is not None:
         progress("simulating the synchronous and the fully-async mode with the fitted models")
-    results = modes(cfg)
+    results = modes(cfg, layout, run=sims)
     own = "synchronous" if fit.cfg.pipeline.max_staleness == 0 else next(n for n in results if n != "synchronous")
-    return FromRun(fit=fit, cfg=cfg, results=results, own=own, cores_recorded=recorded)
+    return FromRun(fit, cfg, results, own, recorded, sims.count, layout)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rllm.experimental.fully_async.core.adaptive_staleness import AdaptiveStalenessRule, OffPolicySignals
@@ -68,13 +69,25 @@ class LengthModel:
     max_tokens: int | None = None  # data.max_response_length; null: no clip
 
     def sample(self, rng: random.Random) -> int:
-        if self.sigma <= 0:
-            length = self.mean_tokens
-        else:
-            mu = math.log(self.mean_tokens) - self.sigma**2 / 2  # so that E[exp(N(mu, sigma))] = mean_tokens
-            length = math.exp(rng.gauss(mu, self.sigma))
-        length = max(1, round(length))
-        return min(length, self.max_tokens) if self.max_tokens else length
+        return self.sampler()(rng)
+
+    def mean_after_clip(self, seed: int = 0, draws: int = 20000) -> float:
+        """The mean length the simulator draws, after the rounding and the clip (sampled with `seed`)."""
+        rng, sample = random.Random(seed), self.sampler()
+        return sum(sample(rng) for _ in range(draws)) / draws
+
+    def sampler(self) -> Callable[[random.Random], int]:
+        """`sample` with the constants worked out once (a simulation draws one length per sample)."""
+        sigma, cap = self.sigma, self.max_tokens
+        fixed = max(1, round(self.mean_tokens))
+        mu = math.log(self.mean_tokens) - sigma**2 / 2  # so that E[exp(N(mu, sigma))] = mean_tokens
+        exp, gauss = math.exp, random.Random.gauss
+
+        def draw(rng: random.Random) -> int:
+            length = fixed if sigma <= 0 else max(1, round(exp(gauss(rng, mu, sigma))))
+            return min(length, cap) if cap else length
+
+        return draw
 
 
 @dataclass

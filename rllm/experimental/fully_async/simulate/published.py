@@ -21,7 +21,7 @@ The scenario's `published:` block (see config/simulate/verl_dapo_qwen25_math_7b.
 Per row, with the scenario's simulate block for everything else (lengths, engine curve shape, sync cost):
 1. colocated synchronous (η = 0, K = 1, R = sync_prompts_per_step, engines on all `gpus`): the trainer's
    per-token cost is set so that old-log-prob + update take what was published at the mean batch size, the rest
-   is its fixed cost; the engines' peak tokens/s is fitted (bisection, `calibrate.fit_generation`) so the
+   is its fixed cost; the engines' peak tokens/s is fitted (`calibrate.fit_generation`) so the
    simulated generation (the trainer's wait) takes `generation_s`;
 2. fully async with the scenario's pipeline on `rollout_gpus` engines' worth of GPUs, trainer step times scaled
    from `gpus` to `trainer_gpus` (model.TrainerModel: per-GPU scaling, `separated_speedup`);
@@ -34,21 +34,16 @@ the scenario's simulate block, so "the colocated components alone" and "with the
 from __future__ import annotations
 
 import copy
-import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from rllm.experimental.fully_async.simulate.calibrate import fit_generation
 from rllm.experimental.fully_async.simulate.engine import simulate
+from rllm.experimental.fully_async.simulate.layout import synchronous, with_gpus
 from rllm.experimental.fully_async.simulate.model import SimConfig
 from rllm.experimental.fully_async.simulate.result import SimResult
-from rllm.experimental.fully_async.simulate.scenarios import (
-    ScenarioError,
-    build_config,
-    synchronous,
-    with_gpus,
-)
+from rllm.experimental.fully_async.simulate.scenarios import ScenarioError, build_config
 
 ROW_KEYS = frozenset(
     {"gpus", "generation_s", "old_log_prob_s", "update_s", "step_s", "rollout_gpus", "trainer_gpus", "speedup"}
@@ -75,9 +70,8 @@ class RowPrediction:
         return self.predicted / self.published - 1.0
 
 
-def mean_clipped_length(cfg: SimConfig, samples: int = 20000) -> float:
-    rng = random.Random(cfg.seed + 1)
-    return sum(cfg.lengths.sample(rng) for _ in range(samples)) / samples
+def mean_clipped_length(cfg: SimConfig) -> float:
+    return cfg.lengths.mean_after_clip(seed=cfg.seed + 1)
 
 
 def steady_s_per_step(result: SimResult, skip_steps: int) -> float:
@@ -108,7 +102,7 @@ def predict_row(
     sync.trainer.per_token_s = compute_s / tokens
     sync.trainer.fixed_s = max(0.0, float(row["step_s"]) - float(row["generation_s"]) - compute_s)
     guess = tokens / sync.pipeline.num_engines / float(row["generation_s"])
-    sync = fit_generation(sync, 2 * float(row["generation_s"]), iterations=12, bracket=(guess / 2, guess * 256))
+    sync = fit_generation(sync, 2 * float(row["generation_s"]), start=guess, bracket=(guess / 2, guess * 256)).cfg
     sync_result = simulate(sync)
     sync_s_per_prompt = steady_s_per_step(sync_result, 1) / prompts
     # 2. fully async on the published split, same engines per GPU, trainer scaled

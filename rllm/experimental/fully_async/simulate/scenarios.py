@@ -1,20 +1,28 @@
-"""Settings for a simulation from a project config or a scenario file; the modes; the rollout:trainer GPU sweep.
+"""Settings for a simulation from a project config or a scenario file, and the timing models it assumes.
 
 Two kinds of input (the CLI reads the file; everything here takes parsed mappings):
 - a project config (loaded by `settings.load_config`): its pipeline keys are read by `pipeline_from_project`
   (async_training.*, actor_rollout_ref.rollout.n, engines.num_engines / max_running_requests,
-  data.max_response_length, trainer.total_training_steps); timing models come from `simulate.*=` overrides;
+  data.max_response_length, trainer.total_training_steps), its hardware by layout.py; the timing models are
+  `project_timing`'s defaults unless `simulate.*=` overrides (or `--timing FILE`) set them:
+  - on GPUs, model.py's defaults (an SGLang engine at 20,000 tokens/s saturated, ...);
+  - on CPU, `CPU_TIMING`: the embedded default's engines and trainer as fitted to the committed run of it
+    (tests/fixtures/report_run, `simulate --from`): a tiny Qwen2 on a development machine, not another model;
+  - response lengths: a mean of half data.max_response_length when that is below twice the default mean (512),
+    so the mean never sits above the clip;
 - a scenario file (`config/simulate/*.yaml`), standalone, with these top-level keys and nothing else:
       description: free text
       simulate:    a SimConfig (model.py): pipeline, engine, lengths, trainer, sync, steps, seed, ...
       published:   optional: measured figures to compare with (see `published.py`)
-  Unknown keys anywhere are refused with one line (OmegaConf structured merge).
+Unknown keys anywhere are refused with one line naming the nearest known one (`check_keys`, difflib), as the CLI
+does for commands.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,11 +30,16 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from rllm.experimental.fully_async.errors import EXIT_BAD_INPUT, FullyAsyncError
-from rllm.experimental.fully_async.simulate.engine import simulate
-from rllm.experimental.fully_async.simulate.model import SimConfig, check
-from rllm.experimental.fully_async.simulate.result import SimResult
+from rllm.experimental.fully_async.simulate.model import LengthModel, SimConfig, check
 
 SCENARIO_KEYS = frozenset({"description", "simulate", "published"})
+# The embedded default on CPU, fitted to tests/fixtures/report_run (60 steps of config/tiny_cpu.yaml, 2 cores):
+# uncontended engine and trainer speeds (the fit divides the other jobs' load out), the mean weight sync.
+CPU_TIMING: dict[str, Any] = {
+    "engine": {"peak_tokens_per_s": 4800.0, "single_tokens_per_s": 48.0},
+    "trainer": {"fixed_s": 0.0, "per_token_s": 1.23e-4},
+    "sync": {"total_s": 0.14, "pause_s": 0.09},
+}
 
 
 class ScenarioError(FullyAsyncError, ValueError):
@@ -53,20 +66,39 @@ def build_config(base: SimConfig, layers: list[Mapping[str, Any]]) -> SimConfig:
 
 
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
-    """`simulate.a.b=v` items -> a nested mapping {a: {b: v}} (values parsed as YAML)."""
+    """`simulate.a.b=v` items -> a nested mapping {a: {b: v}} (values parsed as YAML); unknown keys refused."""
     try:
         dotlist = OmegaConf.from_dotlist([item.removeprefix("simulate.") for item in overrides])
     except OmegaConfBaseException as exc:
         raise ScenarioError(f"bad override: {_first_line(exc)}") from exc
-    return OmegaConf.to_container(dotlist)  # type: ignore[return-value]
+    layer: dict[str, Any] = OmegaConf.to_container(dotlist)  # type: ignore[assignment]
+    check_keys(layer)
+    return layer
 
 
 def read_scenario(raw: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(simulate block, published block) of a parsed scenario file; refuses unknown top-level keys."""
+    """(simulate block, published block) of a parsed scenario file; refuses unknown keys."""
     unknown = sorted(set(raw) - SCENARIO_KEYS)
     if unknown:
         raise ScenarioError(f"unknown scenario key {unknown[0]!r} (allowed: {', '.join(sorted(SCENARIO_KEYS))})")
-    return dict(raw.get("simulate") or {}), dict(raw.get("published") or {})
+    sim = dict(raw.get("simulate") or {})
+    check_keys(sim)
+    return sim, dict(raw.get("published") or {})
+
+
+def check_keys(layer: Mapping[str, Any], schema: type = SimConfig, prefix: str = "simulate") -> None:
+    """Refuse the first key of `layer` that `schema` (a dataclass, nested ones for sections) lacks, naming the
+    nearest known key at that level (difflib, as the CLI does for commands)."""
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    for key, value in layer.items():
+        path = f"{prefix}.{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
+            hint = f"; did you mean {prefix}.{close[0]}?" if close else f" (known: {', '.join(fields)})"
+            raise ScenarioError(f"unknown key {path}{hint}")
+        section = fields[key].default_factory  # a nested dataclass section (its default factory is the class)
+        if isinstance(value, Mapping) and dataclasses.is_dataclass(section):
+            check_keys(value, section, path)  # type: ignore[arg-type]
 
 
 def pipeline_from_project(cfg: Any) -> dict[str, Any]:
@@ -92,81 +124,27 @@ def pipeline_from_project(cfg: Any) -> dict[str, Any]:
     }
 
 
-def host_from_project(cfg: Any, cores: float | None) -> dict[str, Any]:
-    """A CPU run (trainer.device=cpu, embedded engines) shares `cores` between engines and trainer: the simulate
-    `host` block for it (engine_demand = engines.torch_threads; 0, torch's default, uses every core); else {}."""
-    device = OmegaConf.select(cfg, "trainer.device", default=None)
-    backend = OmegaConf.select(cfg, "engines.backend", default=None)
-    if device != "cpu" or backend != "embedded" or cores is None:
-        return {}
-    threads = int(OmegaConf.select(cfg, "engines.torch_threads", default=1) or 0)
-    return {"host": {"cores": float(cores), "engine_demand": float(threads if threads > 0 else cores)}}
+def project_timing(device: str, max_response_length: int | None) -> dict[str, Any]:
+    """The timing models a project config gets unless simulate.* or --timing set them (module docstring)."""
+    layer: dict[str, Any] = copy.deepcopy(CPU_TIMING) if device == "cpu" else {}
+    default_mean = LengthModel().mean_tokens
+    if max_response_length is not None and max_response_length < 2 * default_mean:
+        layer["lengths"] = {"mean_tokens": max(1.0, max_response_length / 2)}
+    return layer
 
 
 def timing_models(cfg: SimConfig) -> str:
     """The timing models in one line, so a prediction from defaults says what it assumed."""
     e, n, t, s = cfg.engine, cfg.lengths, cfg.trainer, cfg.sync
-    clip = f", max {n.max_tokens}" if n.max_tokens else ""
+    clip = f", clipped at {n.max_tokens}: {n.mean_after_clip():,.3g} mean after the clip" if n.max_tokens else ""
+    hardware = "CPU process" if cfg.host.cores is not None else f"{e.gpus_per_engine} GPU(s)"
+    reference = f" at {t.reference_gpus} trainer GPU(s)" if cfg.host.cores is None else ""
     return (
         f"engine {e.peak_tokens_per_s:,.0f} tokens/s saturated ({e.single_tokens_per_s:,.0f} for one request, "
-        f"{e.gpus_per_engine} GPU(s) each); responses {n.mean_tokens:,.0f} tokens mean (log-normal sigma {n.sigma:g}"
-        f"{clip}); trainer {t.fixed_s:g}s + {t.per_token_s * 1e3:g}ms/token; sync {s.total_s:g}s (pause {s.pause_s:g}s)"
+        f"{hardware} each); responses {n.mean_tokens:,.3g} tokens mean (log-normal sigma {n.sigma:g}{clip}); "
+        f"trainer {t.fixed_s:g}s + {t.per_token_s * 1e3:g}ms/token{reference}; sync {s.total_s:g}s "
+        f"(pause {s.pause_s:g}s)"
     )
-
-
-def synchronous(cfg: SimConfig) -> SimConfig:
-    """The same run made synchronous: η = 0, K = 1 (the trainer waits for each batch, engines for each update)."""
-    out = copy.deepcopy(cfg)
-    out.pipeline.max_staleness, out.pipeline.trigger_parameter_sync_step = 0, 1
-    out.adaptive.enable = False  # η fixed at 0
-    return out
-
-
-def modes(cfg: SimConfig) -> dict[str, SimResult]:
-    """Synchronous, and the configured mode; a synchronous config against fully async at η = async_staleness."""
-    if cfg.pipeline.max_staleness > 0:
-        return {"synchronous": simulate(synchronous(cfg)), "configured": simulate(cfg)}
-    other = copy.deepcopy(cfg)
-    other.pipeline.max_staleness = cfg.async_staleness
-    return {"synchronous": simulate(synchronous(cfg)), f"async eta={cfg.async_staleness}": simulate(other)}
-
-
-def with_gpus(cfg: SimConfig, rollout_gpus: int, trainer_gpus: int, *, separated: bool) -> SimConfig:
-    """Engines = rollout_gpus / gpus_per_engine; trainer step times scaled to trainer_gpus; no host sharing."""
-    out = copy.deepcopy(cfg)
-    out.pipeline.num_engines = max(1, rollout_gpus // cfg.engine.gpus_per_engine)
-    out.trainer_gpus, out.separated = trainer_gpus, separated
-    out.host.cores = None  # on GPUs engines and trainer do not share cores (host sharing models a CPU run)
-    if out.pipeline.max_concurrent_rollouts is not None:
-        # The concurrency cap is per deployment: keep it per engine.
-        per_engine = cfg.pipeline.max_concurrent_rollouts / cfg.pipeline.num_engines
-        out.pipeline.max_concurrent_rollouts = max(
-            cfg.pipeline.samples_per_prompt, round(per_engine * out.pipeline.num_engines)
-        )
-    return out
-
-
-@dataclasses.dataclass(frozen=True)
-class SplitResult:
-    rollout_gpus: int
-    trainer_gpus: int
-    result: SimResult
-
-
-def sweep_splits(cfg: SimConfig, gpus: int) -> tuple[SimResult, list[SplitResult]]:
-    """Colocated synchronous on all `gpus`, and fully-async at every rollout:trainer split (in whole engines)."""
-    step = cfg.engine.gpus_per_engine
-    if gpus < step + 1:
-        raise ScenarioError(f"--gpus {gpus} leaves no GPU for the trainer (engine.gpus_per_engine={step})")
-    colocated = simulate(with_gpus(synchronous(cfg), gpus, gpus, separated=False))
-    splits = [
-        SplitResult(r, gpus - r, simulate(with_gpus(cfg, r, gpus - r, separated=True))) for r in range(step, gpus, step)
-    ]
-    return colocated, splits
-
-
-def best_split(splits: list[SplitResult]) -> SplitResult:
-    return min(splits, key=lambda s: (s.result.wall_s, s.rollout_gpus))
 
 
 def _first_line(exc: BaseException) -> str:

@@ -73,11 +73,18 @@ def build_workflow(executor: ExecutorSpec, reward_fn: Any, pool: Any = None, *, 
 
 def rllm_rollout_workflow(rollout_fn: Any, executor: ExecutorSpec) -> Workflow:
     """An rLLM rollout function as a workflow (workflows/rllm_compat.py), its client's `max_tokens` the run's
-    prompt + response budget, as rLLM's executor sets it (data.max_prompt_length + data.max_response_length)."""
+    prompt + response budget, as rLLM's executor sets it (data.max_prompt_length + data.max_response_length), its
+    rows made as rLLM's batch makes them (merged, prompts and responses held to those lengths)."""
     from rllm.experimental.fully_async.workflows.rllm_compat import RllmRolloutWorkflow
 
-    max_tokens = executor.data.max_prompt_length + executor.sampling.max_new_tokens
-    return RllmRolloutWorkflow(rollout_fn, batched=executor.rllm_batched, max_tokens=max_tokens)
+    max_prompt, max_response = executor.data.max_prompt_length, executor.sampling.max_new_tokens
+    return RllmRolloutWorkflow(
+        rollout_fn,
+        batched=executor.rllm_batched,
+        max_tokens=max_prompt + max_response,
+        max_prompt_length=max_prompt,
+        max_response_length=max_response,
+    )
 
 
 def runner_workflow(executor: ExecutorSpec, held_out: bool = False) -> Workflow:

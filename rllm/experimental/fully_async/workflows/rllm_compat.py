@@ -22,14 +22,27 @@ this project's workflow (`run(client, tokenizer, datum, sample_index) -> Version
 |                                        | (the DAPO example indexes `kwargs["raw_prompt"][0]`)                  |
 | `**datum` from `DatasetRegistry`       | the registered row itself (workflow.rllm_rows, data/rows.py); batched:|
 |                                        | with verl RLHFDataset's raw_prompt/index/tools_kwargs, then wrapped   |
-| `Trajectory.sequences[i]`              | `api.trajectory.Sequence` i (one training row each); `response_masks` |
-|                                        | -> `loss_mask`; per-token versions from `to_sequence()` (else         |
-|                                        | `start_version` for every token)                                      |
+| `Trajectory.sequences`                 | training rows as rLLM's batch assembly makes them (`training_rows`):  |
+|                                        | `Trajectory.merge()` (consecutive sequences that extend each other    |
+|                                        | become one row, the tokens between turns mask 0), each row's prompt   |
+|                                        | cut at data.max_prompt_length by `resize_prompt_length` (the rest     |
+|                                        | joins the response, mask 0), its response cut at                      |
+|                                        | data.max_response_length; then one `api.trajectory.Sequence` per row, |
+|                                        | `response_masks` -> `loss_mask`, per-token versions from              |
+|                                        | `to_sequence()` (else `start_version` for every token). With          |
+|                                        | `metadata["step_rewards"]` (per-step credit) there is no merge: one   |
+|                                        | row per sequence, as the step fields are per sequence                 |
 | `Trajectory.reward`, `.metadata`       | `VersionedTrajectory.reward`, `.metadata["rllm"]`;                    |
 |                                        | `metadata["step_rewards"]` and `["step_state_hashes"]`, when present, |
 |                                        | become the step fields; the rest reaches the metrics as rLLM reports  |
 |                                        | it (rllm_metrics.py)                                                  |
 | an exception / `None` returned         | a FAILED trajectory with the reason (rLLM logs and drops the sample)  |
+
+rLLM's assembly (rllm-org/rllm, `utils.assemble_batch_from_trajectory_group_ls`) is `for seq in
+trajectory.merge(): seq = seq.resize_prompt_length(max_prompt_length)`, then every row's response clipped to
+`data.max_response_length` (its reward on the last kept token). Without the merge a conversation of N turns would
+be N rows each holding the whole history as its prompt: N times the trainer's tokens, unbounded by
+data.max_prompt_length. Tokens cut at the response limit are counted in `metadata["rllm_rows"]` and logged once.
 
 The function runs in the rollout service's event loop (it must, to drive the engine client); its own reward
 calls are its business. A function may also return this project's `api.trajectory.VersionedTrajectory`; it is
@@ -38,6 +51,7 @@ kept as is.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 from collections.abc import Awaitable, Callable
@@ -50,6 +64,7 @@ from rllm.experimental.fully_async.api.token_ids import token_ids
 from rllm.experimental.fully_async.api.trajectory import Sequence, TrajectoryStatus, VersionedTrajectory
 from rllm.experimental.fully_async.api.workflow import GenerationClient
 from rllm.experimental.fully_async.client import DEFAULT_MAX_TOKENS, SAMPLE_UID, RolloutClient
+from rllm.experimental.fully_async.protocol import Sequence as RllmSequence
 from rllm.experimental.fully_async.protocol import Trajectory as RllmTrajectory
 
 logger = logging.getLogger(__name__)
@@ -118,6 +133,51 @@ def _to_sequence(seq: Any) -> Sequence:
     )
 
 
+@dataclass(frozen=True)
+class RowCounts:
+    """What `training_rows` did to one trajectory (kept in `metadata["rllm_rows"]`)."""
+
+    sequences: int  # as the function returned them
+    rows: int  # training rows after the merge
+    prompt_tokens_moved: int  # prompt tokens beyond data.max_prompt_length, moved into the response (mask 0)
+    response_tokens_cut: int  # response tokens beyond data.max_response_length, dropped
+
+
+def training_rows(
+    trajectory: RllmTrajectory,
+    max_prompt_length: int | None,
+    max_response_length: int | None,
+    merge: bool = True,
+) -> tuple[list[RllmSequence], RowCounts]:
+    """The rows rLLM trains for `trajectory` (module docstring): merged, prompts resized, responses cut. A limit
+    of None leaves that side as it is (a workflow built by hand, outside a run)."""
+    merged = trajectory.merge() if merge else list(trajectory.sequences)
+    rows, moved, cut = [], 0, 0
+    for seq in merged:
+        if max_prompt_length is not None:
+            moved += max(0, len(seq.prompt_ids) - max_prompt_length)
+            seq = seq.resize_prompt_length(max_prompt_length)
+        if max_response_length is not None and len(seq.response_ids) > max_response_length:
+            cut += len(seq.response_ids) - max_response_length
+            seq = _cut_response(seq, max_response_length)
+        rows.append(seq)
+    return rows, RowCounts(len(trajectory.sequences), len(rows), moved, cut)
+
+
+def _cut_response(seq: RllmSequence, length: int) -> RllmSequence:
+    """The first `length` response tokens (rLLM's batch keeps those and drops the rest)."""
+    versions = seq.response_versions[:length] if seq.response_versions is not None else None
+    return RllmSequence(
+        prompt_ids=list(seq.prompt_ids),
+        response_ids=seq.response_ids[:length],
+        response_logprobs=list(seq.response_logprobs[:length]),
+        response_masks=list(seq.response_masks[:length]),
+        start_version=seq.start_version,
+        end_version=seq.end_version,
+        response_versions=versions,
+    )
+
+
 @dataclass
 class RllmRolloutWorkflow:
     """Adapter from an rLLM rollout function to this project's `Workflow` (see the module docstring)."""
@@ -125,6 +185,8 @@ class RllmRolloutWorkflow:
     rollout_fn: RolloutFn
     batched: bool = False
     max_tokens: int = DEFAULT_MAX_TOKENS  # the client's prompt + response budget (RolloutClient.max_tokens)
+    max_prompt_length: int | None = None  # data.max_prompt_length: a row's prompt beyond it joins the response
+    max_response_length: int | None = None  # data.max_response_length: a row's response is cut there
     name: str = field(default="rllm_rollout_fn", init=False)
     chooses_sampling = True  # the function passes its own sampling_params (validation applies no val_kwargs)
 
@@ -133,6 +195,7 @@ class RllmRolloutWorkflow:
             raise TypeError(f"rollout function {self.rollout_fn!r} must be `async def fn(client, tokenizer, **datum)`")
         self._client: RolloutClient | None = None
         self._version = 0
+        self._warned_cut = False
 
     def set_version(self, version: int) -> None:
         """The policy version the engines now serve (the executor calls this; rLLM's executor calls the client's
@@ -167,9 +230,13 @@ class RllmRolloutWorkflow:
             failure = f"rollout_fn_bad_result: expected a Trajectory, got {type(result).__name__}"
         if failure is None:
             try:
-                trajectory.sequences = [_to_sequence(s) for s in result.sequences]
-                trajectory.reward = float(result.reward)
                 meta = dict(result.metadata or {})
+                per_step = "step_rewards" in meta or "step_state_hashes" in meta
+                rows, counts = training_rows(result, self.max_prompt_length, self.max_response_length, not per_step)
+                self._warn_cut(uid, counts)
+                trajectory.sequences = [_to_sequence(s) for s in rows]
+                trajectory.metadata["rllm_rows"] = dataclasses.asdict(counts)
+                trajectory.reward = float(result.reward)
                 if "step_rewards" in meta:
                     trajectory.step_rewards = [None if r is None else float(r) for r in meta.pop("step_rewards")]
                 if "step_state_hashes" in meta:
@@ -183,3 +250,15 @@ class RllmRolloutWorkflow:
             trajectory.status, trajectory.failure_reason = TrajectoryStatus.FAILED, failure
             logger.warning("sample %s failed: %s", uid, failure)
         return trajectory
+
+    def _warn_cut(self, uid: str, counts: RowCounts) -> None:
+        if counts.response_tokens_cut and not self._warned_cut:
+            self._warned_cut = True
+            logger.warning(
+                "sample %s: %d response tokens beyond data.max_response_length=%s dropped, as rLLM's batch drops "
+                "them (a merged conversation's turns share one row's response); raise data.max_response_length to "
+                "train them (metadata['rllm_rows'] counts them per trajectory; this is logged once)",
+                uid,
+                counts.response_tokens_cut,
+                self.max_response_length,
+            )
