@@ -119,11 +119,11 @@ async def decode_hold(
     headers: dict[str, str] | None = None,
     timeout_s: float = 60.0,
 ) -> AsyncIterator[DecodeHold]:
-    """Arm the engine's test-only decode hold (engines/embedded/decode_hold.py): once `running` requests (rid
-    starting with `rid_prefix`) each have `min_tokens` tokens and `waiting` more wait in its queue, the engine runs no
-    forward pass until released. Send the requests inside, await `hold.reached()`, then act: the requests are
-    decoding, and stay as the hold found them whatever the machine's load. Leaving releases the hold (an engine
-    killed inside has nothing left to release)."""
+    """Arm the engine's test-only decode hold (engines/embedded/decode_hold.py): the engine admits nothing until
+    `running + waiting` requests (rid starting with `rid_prefix`) have arrived, and once `running` of them each have
+    `min_tokens` tokens and `waiting` more wait in its queue, it runs no forward pass until released. Send the
+    requests inside, await `hold.reached()`, then act: the requests are decoding, and stay as the hold found them
+    whatever the machine's load. Leaving releases the hold (an engine killed inside has nothing left to release)."""
     condition = {"running": running, "min_tokens": min_tokens, "waiting": waiting, "rid_prefix": rid_prefix}
     async with httpx.AsyncClient(headers=headers, timeout=30) as http:
         (await http.post(f"{url}/test_only/hold_decoding", json=condition)).raise_for_status()

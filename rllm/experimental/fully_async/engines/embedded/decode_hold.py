@@ -11,7 +11,9 @@ the engine itself stops, between two forward passes, at the first step boundary 
 
 From then until the release no prefill or decode pass runs, and nothing is admitted; everything else goes on (HTTP,
 aborts, pauses, a weight swap once no row runs), so whatever the test does meets those requests exactly as the hold
-found them, however slow the machine. Arm the hold before sending the requests it waits for:
+found them, however slow the machine. Until `running + waiting` such requests have arrived, the armed hold admits
+nothing: requests sent one by one are admitted together once the last is there, so none can finish before the
+others start, whatever the delays between them. Arm the hold before sending the requests it waits for:
 
     POST /test_only/hold_decoding  {running: 1, min_tokens: 1, waiting: 0, rid_prefix: ""}   arm; answers at once
     POST /test_only/wait_for_hold  {timeout_s: 60}   answers once held: {"running": [{rid, output_tokens}],
@@ -82,6 +84,15 @@ class DecodeHold:
         self.condition, self.found = None, {}
         self.reached.clear()
         self._wake()
+
+    def gates(self, running: Iterable[_Request], waiting: Iterable[_Request]) -> bool:
+        """True while nothing may be admitted: the hold is armed, not yet reached, and fewer than `running +
+        waiting` of its requests are queued or running."""
+        cond = self.condition
+        if cond is None or self.reached.is_set():
+            return False
+        present = [r for r in (*running, *waiting) if not r.done and r.rid.startswith(cond.rid_prefix)]
+        return len(present) < cond.running + cond.waiting
 
     def holds(self, running: Iterable[_Request], waiting: Iterable[_Request]) -> bool:
         """True while forward passes must not run; called by the scheduler between passes."""

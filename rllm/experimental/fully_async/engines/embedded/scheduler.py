@@ -38,8 +38,9 @@ Guarantees the HTTP layer and the client rely on (they mirror SGLang 0.5.6):
 - `generate_stream` (SGLang's `stream: true`) yields the request so far after each new token, the latest state only
   when several tokens came between two reads (as SGLang's tokenizer manager keeps only its last output), then the
   finished request.
-- `decode_hold` is a TEST-ONLY control (`decode_hold.py`, not SGLang's): armed, it stops forward passes at the
-  first step boundary where chosen requests are decoding, so a test acts on them however slow the machine is.
+- `decode_hold` is a TEST-ONLY control (`decode_hold.py`, not SGLang's): armed, it admits the requests it names
+  together once all have arrived and stops forward passes at the first step boundary where they are decoding, so a
+  test acts on them however slow the machine is.
 """
 
 from __future__ import annotations
@@ -376,6 +377,8 @@ class Scheduler:
             return False
         if self._running and self._paused_mode not in ("in_place", "retract"):
             return True
+        if self.decode_hold.gates(self._running, self._waiting):  # test-only: admits once all its requests are here
+            return False
         return bool(self._waiting) and self._paused_mode is None and self.swaps.pending is None
 
     async def _loop(self) -> None:
@@ -449,6 +452,8 @@ class Scheduler:
 
     def _admit(self) -> list[_Request]:
         if self._paused_mode is not None or self.swaps.pending is not None:
+            return []
+        if self.decode_hold.gates(self._running, self._waiting):
             return []
         admitted: list[_Request] = []
         budget = self.max_prefill_tokens
