@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from engine_helpers import slowed_down, wait_for_decoding
+from engine_helpers import TEST_ONLY_ROUTES, decode_hold
 
 from rllm.experimental.fully_async.algorithms.advantages import AdvantageConfig
 from rllm.experimental.fully_async.api.trajectory import TrajectoryGroup
@@ -85,7 +85,7 @@ def dataset(tmp_path_factory, tokenizer) -> PromptDataset:
 
 def launcher(model_dir: Path, num_engines: int, log_dir: Path) -> EngineLauncher:
     # One torch thread per engine: the machine has two cores and other tests running beside these.
-    command = EmbeddedEngineCommand(str(model_dir), max_running_requests=64, num_threads=1)
+    command = EmbeddedEngineCommand(str(model_dir), max_running_requests=64, num_threads=1, extra_args=TEST_ONLY_ROUTES)
     return EngineLauncher(command, num_engines, startup_timeout_s=180, log_dir=log_dir)
 
 
@@ -372,7 +372,7 @@ def test_a_killed_engine_has_its_requests_resent_and_losing_the_last_engine_stop
 ):
     """SIGKILL one of two engines mid-generation: the client re-sends its requests to the other, nothing fails and
     groups keep coming. Then SIGKILL the other: run() raises EnginesExhaustedError instead of hanging."""
-    # ignore_eos: every request decodes 48 tokens; the victim is slowed, so requests are surely in flight when it dies.
+    # ignore_eos: every request decodes 48 tokens; the victim holds its requests decoding until it dies (decode_hold).
     workflow = SingleTurnWorkflow(compute_score, {"temperature": 1.0, "max_new_tokens": 48, "ignore_eos": True})
     with launcher(model_dir, 2, tmp_path / "engine_logs") as engines:
         victim, survivor = engines.processes
@@ -392,8 +392,8 @@ def test_a_killed_engine_has_its_requests_resent_and_losing_the_last_engine_stop
                 )
                 run = asyncio.create_task(executor.run())
                 try:
-                    async with slowed_down(victim.url):  # the kill must meet requests mid-decode (48 tokens: 0.05 s)
-                        await wait_for_decoding(real, victim.url)
+                    async with decode_hold(victim.url, min_tokens=1) as hold:  # the kill meets requests decoding
+                        await hold.reached()
                         os.kill(victim.pid, signal.SIGKILL)
                     await queue.wait_for_total(queue.buffer.total_put + 8, RUN_TIMEOUT_S)
                     # The survivor served everything since the kill, the re-sent requests included.

@@ -11,15 +11,13 @@ import pytest
 from engine_helpers import (
     ENGINE_KINDS,
     LOGPROB_TOL,
+    decode_hold,
     engine_command,
     load_weights,
     max_abs_diff,
     reference_logprobs,
-    slowed_down,
     sync_weights,
-    wait_for_decode_passes,
     wait_for_idle,
-    wait_for_running,
 )
 
 from rllm.experimental.fully_async.api.progress import GenerationProgress
@@ -87,11 +85,10 @@ def test_aborted_generation_is_resumed_across_a_weight_update_and_stitched(engin
 
     async def run() -> GenerationResult:
         async with EngineClient([url]) as client:
-            await wait_for_idle(client, url)  # the engine is the module's: no earlier test's requests counted
-            async with slowed_down(url):  # the sync must meet the requests mid-decode
-                task = asyncio.ensure_future(client.generate(prompt, LONG))
-                await wait_for_running(client, url, 1)
-                await wait_for_decode_passes(client, url, 3)  # some tokens of version 0
+            # The sync meets the request at its 3rd token: the engine holds it there (decode_hold).
+            async with decode_hold(url, min_tokens=3, rid_prefix="stitch/") as hold:
+                task = asyncio.ensure_future(client.generate(prompt, LONG, rid="stitch/0"))
+                await hold.reached()
                 await sync_weights(client, url, path_b, "1")
             result = await asyncio.wait_for(task, 60)
             await load_weights(client, url, path_a, "0")  # restore for other tests
@@ -101,7 +98,7 @@ def test_aborted_generation_is_resumed_across_a_weight_update_and_stitched(engin
     assert result.finish_reason == "length" and result.num_resumes == 1
     assert len(result.output_ids) == len(result.logprobs) == len(result.versions) == 200
     split = result.versions.index(1)
-    assert 0 < split < 200 and result.versions == [0] * split + [1] * (200 - split)
+    assert split == 3 and result.versions == [0] * split + [1] * (200 - split)
     # Old tokens are model A's; tokens after the update are model B's, conditioned on everything before them.
     ref_a = reference_logprobs(model_a, prompt, result.output_ids)
     ref_b = reference_logprobs(model_b, prompt, result.output_ids)
@@ -119,18 +116,16 @@ def test_without_partial_rollout_an_interrupted_generation_restarts_on_the_new_w
 
     async def run() -> GenerationResult:
         async with EngineClient([url], partial_rollout=False) as client:
-            await wait_for_idle(client, url)  # the engine is the module's: no earlier test's requests counted
-            async with slowed_down(url):  # the sync must meet the requests mid-decode
-                task = asyncio.ensure_future(client.generate(prompt, LONG))
-                await wait_for_running(client, url, 1)
-                await wait_for_decode_passes(client, url, 3)  # some tokens of version 0
+            async with decode_hold(url, min_tokens=3, rid_prefix="restart/") as hold:
+                task = asyncio.ensure_future(client.generate(prompt, LONG, rid="restart/0"))
+                await hold.reached()
                 await sync_weights(client, url, path_b, "1")
             result = await asyncio.wait_for(task, 60)
             await load_weights(client, url, path_a, "0")
             return result
 
     result = asyncio.run(run())
-    assert result.num_resumes == 1 and result.discarded_tokens > 0
+    assert result.num_resumes == 1 and result.discarded_tokens == 3, "the 3 tokens the sync met are thrown away"
     assert result.versions == [1] * 200 and result.finish_reason == "length"
     ref_b = reference_logprobs(model_b, prompt, result.output_ids)
     assert max_abs_diff(result.logprobs, ref_b) < LOGPROB_TOL
@@ -150,13 +145,12 @@ def test_a_batch_is_aborted_by_a_weight_update_and_each_prompt_is_resumed_on_its
 
     async def run() -> tuple[list[GenerationResult], tuple[int, int]]:
         async with EngineClient([url]) as client:
-            await wait_for_idle(client, url)  # the engine is the module's: no earlier test's requests counted
+            await wait_for_idle(client, url)  # the engine is the module's: its counters then count this test alone
             before = await counts(client)
-            async with slowed_down(url):  # the sync must meet the requests mid-decode
+            async with decode_hold(url, running=3, min_tokens=3, rid_prefix="g/") as hold:
                 task = asyncio.ensure_future(client.generate_batch(prompts, LONG, rids=["g/0", "g/1", "g/2"]))
-                await wait_for_running(client, url, 3)
+                await hold.reached()
                 assert client.in_flight() == {url: 3}, "a batch counts each of its prompts toward the engine's load"
-                await wait_for_decode_passes(client, url, 3)  # some tokens of version 0 each
                 await sync_weights(client, url, path_b, "1")
             results = await asyncio.wait_for(task, 60)
             after = await counts(client)
@@ -169,7 +163,7 @@ def test_a_batch_is_aborted_by_a_weight_update_and_each_prompt_is_resumed_on_its
     for prompt, result in zip(prompts, results, strict=True):
         assert result.num_resumes == 1 and result.finish_reason == "length" and result.prompt_tokens == len(prompt)
         split = result.versions.index(1)
-        assert 0 < split < 200 and result.versions == [0] * split + [1] * (200 - split)
+        assert split == 3 and result.versions == [0] * split + [1] * (200 - split), "one prefill: 3 tokens each"
         ref_a = reference_logprobs(model_a, prompt, result.output_ids)
         ref_b = reference_logprobs(model_b, prompt, result.output_ids)
         assert max_abs_diff(result.logprobs[:split], ref_a[:split]) < LOGPROB_TOL
@@ -183,18 +177,16 @@ def test_a_batch_without_partial_rollout_restarts_every_interrupted_prompt(engin
 
     async def run() -> list[GenerationResult]:
         async with EngineClient([url], partial_rollout=False) as client:
-            await wait_for_idle(client, url)  # the engine is the module's: no earlier test's requests counted
-            async with slowed_down(url):  # the sync must meet the requests mid-decode
+            async with decode_hold(url, running=2, min_tokens=3, rid_prefix="h/") as hold:
                 task = asyncio.ensure_future(client.generate_batch(prompts, LONG, rids=["h/0", "h/1"]))
-                await wait_for_running(client, url, 2)
-                await wait_for_decode_passes(client, url, 3)  # some tokens of version 0 each
+                await hold.reached()
                 await sync_weights(client, url, path_b, "1")
             results = await asyncio.wait_for(task, 60)
             await load_weights(client, url, path_a, "0")
             return results
 
     for prompt, result in zip(prompts, asyncio.run(run()), strict=True):
-        assert result.num_resumes == 1 and result.discarded_tokens > 0 and result.versions == [1] * 200
+        assert result.num_resumes == 1 and result.discarded_tokens == 3 and result.versions == [1] * 200
         assert max_abs_diff(result.logprobs, reference_logprobs(model_b, prompt, result.output_ids)) < LOGPROB_TOL
 
 
@@ -226,15 +218,14 @@ def test_tokens_collected_at_a_checkpoint_pause_are_the_start_of_each_finished_s
 
     async def run() -> tuple[list[list[int]], list[list[float]], list[GenerationResult], bool]:
         async with EngineClient([url]) as client:
-            await wait_for_idle(client, url)  # the engine is the module's: no earlier test's requests counted
             records = [GenerationProgress() for _ in prompts]
-            async with slowed_down(url):  # the pause must meet the requests mid-decode
+            # The pause meets all three decoding: the engine holds once each has 3 tokens (decode_hold).
+            async with decode_hold(url, running=3, min_tokens=3, rid_prefix="c/") as hold:
                 alone = asyncio.ensure_future(client.generate(prompts[0], LONG, rid="c/0", progress=records[0]))
                 batch = asyncio.ensure_future(
                     client.generate_batch(prompts[1:], LONG, rids=["c/1", "c/2"], progress=records[1:])
                 )
-                await wait_for_running(client, url, 3)
-                await wait_for_decode_passes(client, url, 3)  # some tokens each
+                await hold.reached()
                 async with client.tokens_collected(timeout_s=30) as complete:
                     collected = [list(r.output_ids) for r in records]
                     logprobs = [list(r.logprobs) for r in records]
@@ -245,7 +236,7 @@ def test_tokens_collected_at_a_checkpoint_pause_are_the_start_of_each_finished_s
     collected, logprobs, results, complete = asyncio.run(run())
     assert complete, "every call in flight came back while the engines were paused"
     for prompt, tokens, lps, result in zip(prompts, collected, logprobs, results, strict=True):
-        assert 0 < len(tokens) < 200, "collected mid-generation"
+        assert 3 <= len(tokens) < 200, "collected mid-generation"
         assert result.output_ids[: len(tokens)] == tokens and result.logprobs[: len(tokens)] == lps
         assert len(result.output_ids) == 200 and result.num_resumes >= 1 and result.versions == [0] * 200
         assert max_abs_diff(result.logprobs, reference_logprobs(model_a, prompt, result.output_ids)) < LOGPROB_TOL
@@ -266,7 +257,11 @@ def test_a_call_held_by_a_paused_engine_is_not_waited_for_past_the_collections_t
             await client.pause_generation(url, "abort")
             record = GenerationProgress()
             held = asyncio.ensure_future(client.generate([5, 6, 7], LONG, rid="held/0", progress=record))
-            await asyncio.sleep(0.3)  # it reaches the paused engine and is held there
+            # The call is out before the collection starts (a state that lasts until the continue, so this wait
+            # cannot miss it). Its arrival at the engine has no event; none is needed: the collection re-aborts what
+            # the embedded engine holds until its timeout, and the stand-in holds it out of reach either way.
+            while client.in_flight()[url] == 0:
+                await asyncio.sleep(0.01)
             started = time.monotonic()
             async with client.tokens_collected(timeout_s=timeout_s) as complete:
                 waited = time.monotonic() - started
@@ -314,15 +309,12 @@ def test_killed_engine_is_routed_around_and_only_an_empty_fleet_raises(engine_la
 
     async def run() -> None:
         async with EngineClient(engine_launcher.urls, backoff_base_s=0.01, request_timeout_s=60) as client:
-            # Both engines given requests; SIGKILL one while it holds some: they finish on the other. The victim is
-            # paused first, so it holds them until the kill (unpaused, it generated its 200 tokens before a loaded
-            # suite's poll saw one running, and the wait for a running request timed out).
-            await client.pause_generation(victim.url, "in_place")
-            tasks = [asyncio.ensure_future(client.generate([2 + i], LONG)) for i in range(6)]
-            while client.pool.in_flight()[victim.url] < 3:  # least-loaded routing gives it half
-                await asyncio.sleep(0.01)
-            await asyncio.sleep(0.5)  # the requests reach it
-            os.kill(victim.pid, signal.SIGKILL)
+            # Both engines given requests; SIGKILL one while it holds some decoding: they finish on the other. The
+            # victim holds its requests from their first token until the kill (decode_hold).
+            async with decode_hold(victim.url, min_tokens=1) as hold:
+                tasks = [asyncio.ensure_future(client.generate([2 + i], LONG)) for i in range(6)]
+                await hold.reached()
+                os.kill(victim.pid, signal.SIGKILL)
             results = await asyncio.gather(*tasks)
             assert all(len(r.output_ids) == len(r.logprobs) == len(r.versions) == 200 for r in results)
             assert sum(r.num_retries for r in results) >= 1

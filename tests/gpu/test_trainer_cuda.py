@@ -1,15 +1,15 @@
-"""The trainer's policy update on two GPUs: the 2-rank NCCL worker group takes the step of one rank.
+"""The trainer's policy update on two ranks takes the step of one rank, on the `device` parameter
+(tests/gpu/conftest.py): two NCCL ranks on two GPUs where there are two, two gloo ranks on CPU everywhere.
 
-Skipped without CUDA (or with fewer than two GPUs); never run in this project's CI. The one-GPU bf16 update
-against fp32 is tests/gpu/test_trainer_bf16.py.
+The ranks are the project's worker group (runtime/trainer/ranks.py: Ray actors, FSDP2 over the group); the single
+rank is an in-process FSDPPolicyBackend from the same weights. On CUDA the ranks autocast to bf16 (the config's
+`fsdp_config.dtype`) against an fp32 single rank, hence the loose tolerances; on CPU both compute in fp32.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 RESPONSE_LEN = 5
 
@@ -24,8 +24,10 @@ def _batch(seed: int, backend) -> object:
     return data
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs CUDA (2 devices)")
-def test_two_nccl_ranks_take_the_step_of_one_rank(ray_session, tiny_model_dir):
+@pytest.mark.slow  # a Ray worker group of two ranks started and stopped
+def test_two_ranks_take_the_step_of_one_rank(device, ray_session, tiny_model_dir):
+    if device == "cuda" and torch.cuda.device_count() < 2:
+        pytest.skip("needs CUDA (2 devices): one rank per GPU")
     from backend_helpers import actor_cfg
 
     from rllm.experimental.fully_async.backends.fsdp import FSDPPolicyBackend
@@ -35,10 +37,13 @@ def test_two_nccl_ranks_take_the_step_of_one_rank(ray_session, tiny_model_dir):
     single = FSDPPolicyBackend(tiny_model_dir, cfg)
     single.actor.param_dtype = torch.float32
     data = _batch(4, single)
-    group = DistributedPolicyBackend(tiny_model_dir, cfg, world=2, device="cuda", call_timeout_s=300.0)
+    group = DistributedPolicyBackend(tiny_model_dir, cfg, world=2, device=device, call_timeout_s=300.0)
     try:
         torch.testing.assert_close(group.compute_log_prob(data), single.compute_log_prob(data), rtol=0, atol=5e-2)
         m_group, m_single = group.update_policy(data), single.update_policy(data)
+        assert m_group["actor/optimizer_step"] == m_single["actor/optimizer_step"] == 1.0
         assert m_group["actor/grad_norm"] == pytest.approx(m_single["actor/grad_norm"], rel=5e-2)
+        # the step itself: both policies now give the same log-probs
+        torch.testing.assert_close(group.compute_log_prob(data), single.compute_log_prob(data), rtol=0, atol=5e-2)
     finally:
         group.shutdown()

@@ -1,10 +1,17 @@
-"""Helpers shared by the engine, client and ParamSync tests: distinct test models, reference log-probs, and the
-generate-while-syncing scenario both weight transports are held to."""
+"""Helpers shared by the engine, client and ParamSync tests: distinct test models, reference log-probs, the engines'
+test-only decode hold (how a test acts while requests decode), streamed generation, and the generate-while-syncing
+scenario both weight transports are held to.
+
+A test that must act while a request decodes (abort, pause, sync, checkpoint, kill) arms `decode_hold` before the
+requests are sent and acts once `hold.reached()` answers: the engine itself stopped its forward passes at the first
+step boundary where the requests were decoding, so nothing they do can outrun the test (the engines' counters, polled,
+could: a loaded machine missed the window). Engines a test holds are started with `TEST_ONLY_ROUTES`."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -18,6 +25,9 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from rllm.experimental.fully_async.engines.client import EngineClient
 
 LOGPROB_TOL = 1e-4
+# The embedded engine's flag for its test-only /test_only/* routes (engines/embedded/decode_hold.py); the SGLang
+# stand-in serves them always.
+TEST_ONLY_ROUTES = ("--enable-test-only-routes",)
 
 
 # Every client and ParamSync test runs against both; the inner loop (-m "not slow") against the embedded engine only,
@@ -36,7 +46,11 @@ def engine_command(
     if kind == "embedded":
         extra = ("--api-key", api_key) if api_key else ()
         return EmbeddedEngineCommand(
-            str(model_path), max_running_requests=max_running_requests, num_threads=1, lora=lora, extra_args=extra
+            str(model_path),
+            max_running_requests=max_running_requests,
+            num_threads=1,
+            lora=lora,
+            extra_args=TEST_ONLY_ROUTES + extra,
         )
     from sglang_standin import standin_command
 
@@ -71,63 +85,85 @@ def max_abs_diff(a: list[float], b: list[float]) -> float:
     return max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
 
 
-async def wait_for_engine_state(
-    client: Any, url: str, done: Callable[[dict[str, Any]], bool], what: str, timeout_s: float = 60.0
-) -> dict[str, Any]:
-    """Poll the engine's counters (`/get_server_info`: another process, there is no event to wait on) until
-    `done(counters)`; returns them. `client` is an `EngineClient`; `what` names the awaited state for the timeout."""
-    deadline = time.monotonic() + timeout_s
-    while not done(state := (await client.get_server_info(url))["internal_states"][0]):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{url}: no {what} within {timeout_s:g}s (counters: {state})")
-        await asyncio.sleep(0.02)
-    return state
+class DecodeHold:
+    """An armed decode hold on one engine (`decode_hold`)."""
+
+    def __init__(self, http: httpx.AsyncClient, url: str, timeout_s: float) -> None:
+        self._http, self.url, self.timeout_s = http, url, timeout_s
+        self.found: dict[str, Any] | None = None
+
+    async def reached(self) -> dict[str, Any]:
+        """Wait until the engine holds (an event on the engine's side: no polling); what it found there,
+        {"running": [{"rid", "output_tokens"}], "waiting": [rid]}. The error names the condition on a timeout."""
+        answer = await self._http.post(
+            f"{self.url}/test_only/wait_for_hold", json={"timeout_s": self.timeout_s}, timeout=self.timeout_s + 30
+        )
+        if answer.status_code != 200:
+            raise TimeoutError(f"{self.url}: {answer.text}")
+        self.found = answer.json()
+        return self.found
+
+    async def release(self) -> None:
+        """Let forward passes go on (done on leaving `decode_hold` too)."""
+        (await self._http.post(f"{self.url}/test_only/release_hold")).raise_for_status()
 
 
 @contextlib.asynccontextmanager
-async def slowed_down(url: str, step_s: float = 0.05, headers: dict[str, str] | None = None) -> AsyncIterator[None]:
-    """While inside, the engine at `url` sleeps `step_s` before every step (SGLang's `/slow_down`, which the
-    embedded engine and the stand-in serve). The tiny test models decode 240 tokens in 0.2 s: a test that must act
-    while a request decodes (abort it, pause, sync) misses that window when a loaded machine stalls it that long,
-    and at 0.05 s a step the window is 12 s. Leave before waiting for the requests to finish; an engine killed
-    inside has nothing left to lift."""
+async def decode_hold(
+    url: str,
+    *,
+    running: int = 1,
+    min_tokens: int = 3,
+    waiting: int = 0,
+    rid_prefix: str = "",
+    headers: dict[str, str] | None = None,
+    timeout_s: float = 60.0,
+) -> AsyncIterator[DecodeHold]:
+    """Arm the engine's test-only decode hold (engines/embedded/decode_hold.py): the engine admits nothing until
+    `running + waiting` requests (rid starting with `rid_prefix`) have arrived, and once `running` of them each have
+    `min_tokens` tokens and `waiting` more wait in its queue, it runs no forward pass until released. Send the
+    requests inside, await `hold.reached()`, then act: the requests are decoding, and stay as the hold found them
+    whatever the machine's load. Leaving releases the hold (an engine killed inside has nothing left to release)."""
+    condition = {"running": running, "min_tokens": min_tokens, "waiting": waiting, "rid_prefix": rid_prefix}
     async with httpx.AsyncClient(headers=headers, timeout=30) as http:
-        (await http.post(f"{url}/slow_down", json={"forward_sleep_time": step_s})).raise_for_status()
+        (await http.post(f"{url}/test_only/hold_decoding", json=condition)).raise_for_status()
         try:
-            yield
+            yield DecodeHold(http, url, timeout_s)
         finally:
             with contextlib.suppress(httpx.TransportError):
-                (await http.post(f"{url}/slow_down", json={"forward_sleep_time": None})).raise_for_status()
+                (await http.post(f"{url}/test_only/release_hold")).raise_for_status()
 
 
-async def wait_for_running(client: Any, url: str, n: int, timeout_s: float = 60.0) -> None:
-    """Until n requests are decoding."""
-    await wait_for_engine_state(client, url, lambda s: s["num_running"] >= n, f"{n} requests decoding", timeout_s)
-
-
-async def wait_for_decoding(client: Any, url: str, timeout_s: float = 60.0) -> None:
-    """Until a request is decoding."""
-    await wait_for_running(client, url, 1, timeout_s)
+async def stream_generate(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    """POST /generate with `stream: true` and yield each Server-Sent Event's JSON as it arrives (SGLang's
+    `data: {json}\\n\\n` chunks), stopping at `data: [DONE]`; raises if the stream ends without it."""
+    async with http.stream("POST", f"{url}/generate", json={**body, "stream": True}) as response:
+        response.raise_for_status()
+        assert response.headers["content-type"].startswith("text/event-stream"), response.headers
+        async for line in response.aiter_lines():
+            if not line:
+                continue  # the blank line that ends an event
+            assert line.startswith("data: "), f"not a Server-Sent Event: {line!r}"
+            if line == "data: [DONE]":
+                return
+            yield json.loads(line[len("data: ") :])
+    raise AssertionError(f"{url}/generate: the stream ended without data: [DONE]")
 
 
 async def wait_for_idle(client: Any, url: str, timeout_s: float = 60.0) -> None:
     """Until nothing runs or waits on the engine: on an engine shared by a module's tests, the requests of a test
-    that stopped its callers may still be decoding (nothing aborts them), and a count of running requests taken then
-    would count theirs."""
-    await wait_for_engine_state(
-        client, url, lambda s: s["num_running"] == 0 and s["num_waiting"] == 0, "idle engine", timeout_s
-    )
+    that stopped its callers may still be decoding (nothing aborts them), and counters read then would count theirs.
 
-
-async def wait_for_decode_passes(client: Any, url: str, n: int, timeout_s: float = 60.0) -> None:
-    """Until the engine has run `n` more decode passes than now: a request that is decoding has produced tokens by
-    then (a fixed sleep assumed so, and failed on a loaded machine)."""
-
-    def decode_passes(state: dict[str, Any]) -> int:
-        return state["forward_passes"] - state["prefill_passes"]
-
-    target = decode_passes((await client.get_server_info(url))["internal_states"][0]) + n
-    await wait_for_engine_state(client, url, lambda s: decode_passes(s) >= target, f"{n} decode passes", timeout_s)
+    A poll, and the one kept: idleness has no event, and once nothing new is sent it is a state that lasts, so a
+    slow machine only waits longer; it cannot miss it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = (await client.get_server_info(url))["internal_states"][0]
+        if state["num_running"] == 0 and state["num_waiting"] == 0:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url}: not idle within {timeout_s:g}s (counters: {state})")
+        await asyncio.sleep(0.02)
 
 
 def restarted(launcher: Any, index: int) -> Any:
@@ -146,7 +182,8 @@ def generate_while_syncing(
 ) -> list[tuple[list[int], Any]]:
     """`workers` clients sample one-token-prompt completions of varied lengths on `urls` without pause while
     `push(version)` (a weight sync, run in a thread) runs for each of `versions` in turn; each worker finishes at
-    least one request. Returns (prompt, GenerationResult) for every completion."""
+    least one request. Every push meets a request decoding on `urls[0]` (the engine is held there until the push is
+    done, `decode_hold`), so every sync interrupts one. Returns (prompt, GenerationResult) for every completion."""
     from rllm.experimental.fully_async.engines.client import EngineClient
 
     async def scenario() -> list[tuple[list[int], Any]]:
@@ -165,7 +202,9 @@ def generate_while_syncing(
             async def syncs() -> None:
                 try:
                     for version in versions:
-                        await asyncio.to_thread(push, version)
+                        async with decode_hold(urls[0], running=1, min_tokens=1) as hold:
+                            await hold.reached()
+                            await asyncio.to_thread(push, version)
                 finally:
                     done.set()
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from engine_helpers import slowed_down, wait_for_decode_passes, wait_for_idle, wait_for_running
+from engine_helpers import TEST_ONLY_ROUTES, decode_hold, wait_for_idle
 from workflow_helpers import Datum
 
 from rllm.experimental.fully_async.api.progress import (
@@ -75,7 +75,7 @@ def addition(tmp_path_factory):
     build_addition_model(seed=0).save_pretrained(model_dir, safe_serialization=True)
     tokenizer.save_pretrained(model_dir)
     train, _ = write_addition_parquets(tmp_path_factory.mktemp("addition_data"), seed=0, num_train=40, num_val=1)
-    command = EmbeddedEngineCommand(str(model_dir), max_running_requests=64, num_threads=1)
+    command = EmbeddedEngineCommand(str(model_dir), max_running_requests=64, num_threads=1, extra_args=TEST_ONLY_ROUTES)
     with EngineLauncher(command, 1, startup_timeout_s=180, log_dir=tmp_path_factory.mktemp("engine_logs")) as eng:
         yield eng.urls, PromptDataset(train, tokenizer, max_prompt_length=16), tokenizer
 
@@ -101,11 +101,12 @@ async def checkpoint_mid_generation(service: RolloutService) -> tuple[dict, list
     """Run the service until samples are mid-generation, take its checkpoint state as `write_checkpoint` does (the
     engines paused to collect the tokens in flight), and stop it: the crash."""
     client = service.executor.client
-    await wait_for_idle(client, client.urls[0])  # so the requests counted next are this service's
-    async with slowed_down(client.urls[0]):  # the checkpoint's pause must meet the samples mid-decode
+    await wait_for_idle(client, client.urls[0])  # so the requests the hold counts are this service's
+    # The checkpoint's pause meets the samples of the first prefill decoding: the engine holds at their first token
+    # (decode_hold); samples sent later wait in its queue, unstarted.
+    async with decode_hold(client.urls[0], min_tokens=1) as hold:
         rollouts = asyncio.create_task(service.run())
-        await wait_for_running(client, client.urls[0], 4)
-        await wait_for_decode_passes(client, client.urls[0], 1)  # decoding: each has its first tokens, none its last
+        await hold.reached()
         state, queued = await service.collected_checkpoint_state()
     service.stop()
     await rollouts
@@ -174,18 +175,20 @@ def test_a_continued_sample_too_stale_to_train_is_dropped_and_counted_as_any(add
         service.executor.load_state_dict(state, queued)
         service.queue.put(queued)
         rollouts = asyncio.create_task(service.run())
-        stats = service.executor.stats
-        while stats.resumed.get(CONTINUED, 0) < len(state["in_flight_progress"]):
-            await asyncio.sleep(0.01)
-        batch = await service.take_batch(BatchRequest(1, 2, Ack(), timeout_s=0.5))
+        # Batches are asked for until the continued samples have ended (however long their tokens take on a busy
+        # machine): each take_batch waits on the queue's changes and drops what comes stale.
+        stale_groups, fresh = 0, []
+        while set(state["in_flight_progress"]) & set(service.executor.ledger.in_flight_uids()):
+            batch = await service.take_batch(BatchRequest(1, 2, Ack(), timeout_s=0.5))
+            stale_groups, fresh = stale_groups + batch.stale_groups, fresh + batch.groups
         service.stop()
         await rollouts
         await service.executor.client.aclose()
-        return state, batch
+        return state, stale_groups, fresh
 
-    state, batch = asyncio.run(asyncio.wait_for(scenario(), WAIT_S))
+    state, stale_groups, fresh = asyncio.run(asyncio.wait_for(scenario(), WAIT_S))
     saved = state["in_flight_progress"]
-    assert batch.stale_groups >= 1 and all(g.min_version == 2 for g in batch.groups)
+    assert stale_groups >= 1 and all(g.min_version == 2 for g in fresh)
     outcomes: dict[str, str] = {}
     history = read_journal(journal, outcomes)
     assert all(outcomes[uid] == CONTINUED and history[uid][0].value == "dropped_stale" for uid in saved)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import importlib
+import json
 import subprocess
 import sys
 import time
@@ -15,14 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from engine_helpers import (
-    engine_command,
-    slowed_down,
-    sync_weights,
-    wait_for_decode_passes,
-    wait_for_engine_state,
-    wait_for_running,
-)
+from engine_helpers import decode_hold, engine_command, stream_generate, sync_weights
 from omegaconf import OmegaConf
 from sglang_standin import STANDIN_DIR
 
@@ -118,17 +112,21 @@ def test_http_error_codes_are_sglangs(standin):
 
 def test_requests_sent_while_paused_are_held_and_waiting_queue_aborts_carry_no_version(standin):
     async def run() -> tuple[dict, dict]:
-        async with httpx.AsyncClient(headers=auth(), timeout=60) as http, EngineClient([standin], api_key=KEY) as info:
+        async with httpx.AsyncClient(headers=auth(), timeout=60) as http:
             body = {"sampling_params": LONG, "return_logprob": True}
-            async with slowed_down(standin, headers=auth()):  # the pause must meet the first mid-decode
-                # The second is sent once the first decodes: sent together, either could take the one running slot.
-                first = asyncio.ensure_future(http.post(f"{standin}/generate", json={"input_ids": [3], **body}))
-                await wait_for_running(info, standin, 1)
-                second = asyncio.ensure_future(http.post(f"{standin}/generate", json={"input_ids": [4], **body}))
-                await wait_for_engine_state(info, standin, lambda s: s["num_waiting"] >= 1, "request waiting")
+            # The pause meets one decoding and one in the waiting queue (one running slot): the engine holds there.
+            async with decode_hold(standin, min_tokens=1, waiting=1, rid_prefix="pw/", headers=auth()) as hold:
+                sent = {
+                    rid: asyncio.ensure_future(
+                        http.post(f"{standin}/generate", json={"input_ids": [3 + i], "rid": rid, **body})
+                    )
+                    for i, rid in enumerate(("pw/0", "pw/1"))
+                }
+                found = await hold.reached()
                 await http.post(f"{standin}/pause_generation", json={"mode": "abort"})
-            running, waiting = (await first).json(), (await second).json()
+            running, waiting = (await sent[found["running"][0]["rid"]]).json(), (await sent[found["waiting"][0]]).json()
             held = asyncio.ensure_future(http.post(f"{standin}/generate", json={"input_ids": [5], **body}))
+            # A check of absence: a slow machine makes it weaker (the request may not have arrived), never wrong.
             await asyncio.sleep(0.5)
             assert not held.done(), "a request sent while paused must be held, not answered"
             await http.post(f"{standin}/continue_generation", json={})
@@ -157,14 +155,10 @@ def test_a_pause_polls_a_second_while_a_request_is_in_flight_and_returns_at_once
     async def run() -> tuple[float, float, dict]:
         async with httpx.AsyncClient(headers=auth(), timeout=60) as http:
             idle = await timed_pause(http)
-            async with slowed_down(standin, headers=auth()):  # the pause must meet the request mid-decode
-                running = asyncio.ensure_future(
-                    http.post(f"{standin}/generate", json={"input_ids": [3], "sampling_params": LONG})
-                )
-                deadline = time.monotonic() + 30
-                while (await http.get(f"{standin}/get_server_info")).json()["internal_states"][0]["num_running"] < 1:
-                    assert time.monotonic() < deadline, "the request never started decoding"
-                    await asyncio.sleep(0.02)
+            async with decode_hold(standin, min_tokens=1, rid_prefix="pp/", headers=auth()) as hold:
+                body = {"input_ids": [3], "sampling_params": LONG, "rid": "pp/0"}
+                running = asyncio.ensure_future(http.post(f"{standin}/generate", json=body))
+                await hold.reached()  # the pause meets it decoding
                 busy = await timed_pause(http)
             return idle, busy, (await running).json()
 
@@ -177,18 +171,19 @@ def test_a_pause_polls_a_second_while_a_request_is_in_flight_and_returns_at_once
 def test_waiting_queue_aborts_are_resumed_as_unstarted_pieces(standin, models):
     async def run() -> list:
         async with EngineClient([standin], api_key=KEY) as client:
-            async with slowed_down(standin, headers=auth()):  # the sync must meet the first mid-decode
-                # The first request decodes before the second is sent: which one runs and which waits is then known
-                # (sent together, either could reach the one running slot first).
-                tasks = [asyncio.ensure_future(client.generate([3], LONG))]
-                await wait_for_running(client, standin, 1)
-                await wait_for_decode_passes(client, standin, 1)  # some tokens of version 0
-                tasks.append(asyncio.ensure_future(client.generate([4], LONG)))
-                await wait_for_engine_state(client, standin, lambda s: s["num_waiting"] >= 1, "request waiting")
+            # The sync meets one decoding and one in the waiting queue (one running slot): the engine holds there.
+            async with decode_hold(standin, min_tokens=1, waiting=1, rid_prefix="wq/", headers=auth()) as hold:
+                tasks = {
+                    rid: asyncio.ensure_future(client.generate([3 + i], LONG, rid=rid))
+                    for i, rid in enumerate(("wq/0", "wq/1"))
+                }
+                found = await hold.reached()
                 await sync_weights(client, standin, models["a"][0], "1")
-            results = await asyncio.gather(*tasks)
+            results = await asyncio.gather(*tasks.values())
             await client.update_weight_version(standin, "0")
-            return results
+            # the client suffixes each piece's rid: "wq/0-0" is the first piece of wq/0
+            running_first = found["running"][0]["rid"].startswith("wq/0-")
+            return results if running_first else results[::-1]
 
     started, queued = asyncio.run(run())
     assert len(started.output_ids) == len(queued.output_ids) == 150
@@ -214,15 +209,12 @@ def test_a_batch_answers_a_list_and_its_waiting_prompts_are_resumed_as_unstarted
             one_rid = await http.post(f"{standin}/generate", json={"input_ids": [[3], [4]], "rid": "c"})
             assert [r["meta_info"]["id"] for r in one_rid.json()] == ["c_0", "c_1"], "SGLang's _normalize_rid"
         async with EngineClient([standin], api_key=KEY) as client:
-            async with slowed_down(standin, headers=auth()):  # the sync must meet the first prompt mid-decode
+            # The sync meets the first prompt decoding and the second waiting (one running slot; a batch queues its
+            # prompts in order): the engine holds there.
+            async with decode_hold(standin, min_tokens=1, waiting=1, rid_prefix="w/", headers=auth()) as hold:
                 task = asyncio.ensure_future(client.generate_batch([[3], [4]], LONG, rids=["w/0", "w/1"]))
-                await wait_for_engine_state(
-                    client,
-                    standin,
-                    lambda s: s["num_running"] >= 1 and s["num_waiting"] >= 1,
-                    "one decoding, one waiting",
-                )
-                await wait_for_decode_passes(client, standin, 1)  # some tokens of version 0
+                found = await hold.reached()
+                assert found["running"][0]["rid"].startswith("w/0-") and found["waiting"][0].startswith("w/1-")
                 await sync_weights(client, standin, models["a"][0], "1")
             results = await asyncio.wait_for(task, 60)
             await client.update_weight_version(standin, "0")
@@ -234,6 +226,157 @@ def test_a_batch_answers_a_list_and_its_waiting_prompts_are_resumed_as_unstarted
     assert len(started.output_ids) == len(queued.output_ids) == 150
     assert started.versions[0] == 0 and started.versions[-1] == 1 and started.num_resumes == 1
     assert queued.versions == [1] * 150 and queued.num_resumes == 1
+
+
+# ---------------------------------------------------------------- streaming (stream: true)
+# What SGLang 0.5.6 sends, read from http_server.generate_request, tokenizer_manager._wait_one_response,
+# _handle_batch_output, _handle_batch_request and _handle_abort_req (checked against the wheel's text at the end).
+RUNNING_CHUNK_KEYS = {
+    "id",
+    "finish_reason",
+    "prompt_tokens",
+    "weight_version",
+    "total_retractions",
+    "completion_tokens",
+    "cached_tokens",
+}
+
+
+def assert_sglang_chunks(chunks: list[dict], finish: dict | str, return_logprob: bool = True) -> None:
+    """A request's chunks as SGLang streams them without --stream-output: each the request so far (cumulative text,
+    output_ids and output_token_logprobs), finish_reason null until the last, which alone has e2e_latency; the first
+    alone has response_sent_to_client_ts."""
+    logprob_keys = {"output_token_logprobs"} if return_logprob else set()
+    so_far: list[int] = []
+    for i, chunk in enumerate(chunks):
+        meta, last = chunk["meta_info"], i == len(chunks) - 1
+        assert chunk["text"] == "" and meta["completion_tokens"] == len(chunk["output_ids"])
+        assert chunk["output_ids"][: len(so_far)] == so_far, "cumulative output_ids"
+        so_far = chunk["output_ids"]
+        assert ("response_sent_to_client_ts" in meta) == (i == 0) and ("e2e_latency" in meta) == last
+        if not last:
+            assert meta["finish_reason"] is None and meta["weight_version"] == "0"
+            assert set(meta) - {"response_sent_to_client_ts"} == RUNNING_CHUNK_KEYS | logprob_keys
+            if return_logprob:
+                assert [e[1] for e in meta["output_token_logprobs"]] == chunk["output_ids"]
+    last = chunks[-1]["meta_info"]["finish_reason"]
+    assert last == finish if isinstance(finish, dict) else last["type"] == finish
+
+
+def test_a_stream_sends_sglangs_chunks_while_the_request_decodes_then_done(standin):
+    body = {"input_ids": [3, 4], "sampling_params": LONG, "return_logprob": True, "rid": "st/0"}
+
+    async def run() -> tuple[dict, list[dict]]:
+        async with httpx.AsyncClient(headers=auth(), timeout=60) as http:
+            chunks: list[dict] = []
+            stream = stream_generate(http, standin, body)
+            async with decode_hold(standin, min_tokens=2, rid_prefix="st/", headers=auth()) as hold:
+                while len((chunk := await anext(stream))["output_ids"]) < 2:
+                    chunks.append(chunk)
+                chunks.append(chunk)  # sent while the engine holds the request at its 2nd token
+                await hold.reached()
+            chunks += [c async for c in stream]
+            return chunk, chunks
+
+    mid, chunks = asyncio.run(run())
+    assert mid["meta_info"]["finish_reason"] is None and len(mid["output_ids"]) == 2
+    assert_sglang_chunks(chunks, {"type": "length", "length": 150})
+    assert len(chunks[-1]["output_ids"]) == 150 and "index" not in chunks[-1]
+
+
+def test_a_stream_sent_while_paused_has_its_headers_at_once_and_its_tokens_after_the_continue(standin):
+    """Starlette sends a StreamingResponse's status and headers before the body's generator runs, and the pause
+    gate is inside it (tokenizer_manager.generate_request): the client sees 200 while the request is held."""
+
+    async def run() -> list[dict]:
+        async with httpx.AsyncClient(headers=auth(), timeout=60) as http:
+            (await http.post(f"{standin}/pause_generation", json={"mode": "abort"})).raise_for_status()
+            try:
+                body = {"input_ids": [5], "sampling_params": {"max_new_tokens": 6, "ignore_eos": True}, "stream": True}
+                async with http.stream("POST", f"{standin}/generate", json=body) as response:
+                    assert response.status_code == 200  # the headers came while the engine is paused
+                    (await http.post(f"{standin}/continue_generation", json={})).raise_for_status()
+                    lines = [line async for line in response.aiter_lines() if line]
+            finally:
+                await http.post(f"{standin}/continue_generation", json={})
+        assert lines[-1] == "data: [DONE]"
+        return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+
+    chunks = asyncio.run(run())
+    assert_sglang_chunks(chunks, "length", return_logprob=False)
+    assert len(chunks[-1]["output_ids"]) == 6
+
+
+def test_a_pause_ends_a_running_stream_with_finish_abort_and_a_waiting_one_with_its_abort_chunk(standin):
+    """A running request ends with FINISH_ABORT's JSON and its tokens; one aborted in the waiting queue with
+    _handle_abort_req's chunk: 'Abort in waiting queue', its last token as output_ids (none: it never ran), no
+    weight_version nor prompt_tokens."""
+
+    async def run() -> tuple[list[dict], list[dict]]:
+        async with httpx.AsyncClient(headers=auth(), timeout=60) as http:
+            got: dict[str, list[dict]] = {"sp/0": [], "sp/1": []}
+
+            async def read(rid: str, prompt: list[int]) -> None:
+                body = {"input_ids": prompt, "sampling_params": LONG, "rid": rid, "return_logprob": True}
+                got[rid] += [c async for c in stream_generate(http, standin, body)]
+
+            async with decode_hold(standin, min_tokens=3, waiting=1, rid_prefix="sp/", headers=auth()) as hold:
+                readers = [asyncio.ensure_future(read(rid, [3 + i])) for i, rid in enumerate(got)]
+                found = await hold.reached()
+                await http.post(f"{standin}/pause_generation", json={"mode": "abort"})
+            await http.post(f"{standin}/continue_generation", json={})
+            await asyncio.gather(*readers)
+            return got[found["running"][0]["rid"]], got[found["waiting"][0]]
+
+    running, waiting = asyncio.run(run())
+    assert_sglang_chunks(running, {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None})
+    assert len(running[-1]["output_ids"]) == 3, "aborted with the tokens it had when the pause met it"
+    assert len(waiting) == 1, "never ran: the abort is its only chunk"
+    meta = waiting[0]["meta_info"]
+    assert meta["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
+    assert waiting[0]["output_ids"] == [] and meta["completion_tokens"] == 0 and meta["output_token_logprobs"] == []
+    assert set(meta) == {
+        "id",
+        "finish_reason",
+        "completion_tokens",
+        "output_token_logprobs",
+        "response_sent_to_client_ts",
+    }
+
+
+def test_a_streamed_batch_tags_each_chunk_with_its_prompts_index_and_an_error_is_a_chunk(standin):
+    async def run() -> tuple[list[dict], list[dict]]:
+        async with httpx.AsyncClient(headers=auth(), timeout=60) as http:
+            params = {"max_new_tokens": 4, "ignore_eos": True}
+            body = {"input_ids": [[3], [4, 5]], "rid": "sb", "sampling_params": params}
+            batch = [c async for c in stream_generate(http, standin, body)]
+            too_long = [c async for c in stream_generate(http, standin, {"input_ids": [3] * 300})]
+            return batch, too_long
+
+    batch, too_long = asyncio.run(run())
+    for index in (0, 1):
+        mine = [c for c in batch if c["index"] == index]
+        assert {c["meta_info"]["id"] for c in mine} == {f"sb_{index}"}  # _normalize_rid
+        assert_sglang_chunks(mine, "length", return_logprob=False)
+        assert len(mine[-1]["output_ids"]) == 4 and mine[-1]["meta_info"]["prompt_tokens"] == index + 1
+    assert len(too_long) == 1 and set(too_long[0]) == {"error"} and too_long[0]["error"]["message"]
+
+
+def test_the_streamed_wire_format_is_the_one_in_sglangs_source(sglang_wheel_source):
+    """The strings the stand-in streams are SGLang 0.5.6's own (read from the wheel, never imported)."""
+    http_server = sglang_wheel_source["entrypoints/http_server.py"]
+    manager = sglang_wheel_source["managers/tokenizer_manager.py"]
+    batch = sglang_wheel_source["managers/schedule_batch.py"]
+    assert 'yield b"data: [DONE]\\n\\n"' in http_server and 'media_type="text/event-stream"' in http_server
+    assert 'yield b"data: " + orjson.dumps(' in http_server and 'out = {"error": {"message": str(e)}}' in http_server
+    for key in (*RUNNING_CHUNK_KEYS, "e2e_latency", "response_sent_to_client_ts", "text", "output_ids"):
+        assert f'"{key}"' in manager, key
+    assert 'result["index"] = rid_to_index[result["meta_info"]["id"]]' in manager
+    assert 'abort_message = recv_obj.abort_message or "Abort in waiting queue"' in manager
+    assert "output_ids = [output_ids[-1]] if len(output_ids) > 0 else []" in manager  # a stream's abort chunk
+    assert "output_token_ids = state.output_ids.copy()" in manager  # cumulative without --stream-output
+    assert 'self.message = message or "Aborted"' in batch and '"status_code": self.status_code' in batch
+    assert "stream_output: bool = False" in sglang_wheel_source["server_args.py"]
 
 
 # ---------------------------------------------------------------- command line from the config
@@ -296,7 +439,8 @@ def test_engines_beyond_loopback_get_a_per_run_api_key(tmp_path):
 
 @pytest.fixture(scope="session")
 def sglang_wheel_source() -> dict[str, str]:
-    """server_args.py and io_struct.py of sglang==0.5.6 as text, from its wheel (downloaded once into a cache)."""
+    """server_args.py, io_struct.py and the files the stream's format comes from, of sglang==0.5.6, as text, from
+    its wheel (downloaded once into a cache)."""
     cache = Path.home() / ".cache" / "rllm_fully_async" / "wheels"
     cache.mkdir(parents=True, exist_ok=True)
     wheels = sorted(cache.glob("sglang-0.5.6-*.whl"))
@@ -313,7 +457,14 @@ def sglang_wheel_source() -> dict[str, str]:
     with zipfile.ZipFile(wheels[0]) as wheel:
         return {
             name: wheel.read(f"sglang/srt/{name}").decode()
-            for name in ("server_args.py", "managers/io_struct.py", "sampling/sampling_params.py")
+            for name in (
+                "server_args.py",
+                "managers/io_struct.py",
+                "sampling/sampling_params.py",
+                "entrypoints/http_server.py",
+                "managers/tokenizer_manager.py",
+                "managers/schedule_batch.py",
+            )
         }
 
 

@@ -7,7 +7,7 @@ import asyncio
 
 import numpy as np
 import pytest
-from engine_helpers import slowed_down, wait_for_decoding
+from engine_helpers import TEST_ONLY_ROUTES, decode_hold
 from run_helpers import QUICK_WARMUP_STEPS
 from transformers import AutoTokenizer
 
@@ -33,7 +33,9 @@ def assets(number_line_cache):
 
 @pytest.fixture(scope="module")
 def engine(assets, tmp_path_factory):
-    cmd = EmbeddedEngineCommand(str(assets.model_dir), max_running_requests=64, num_threads=1)
+    cmd = EmbeddedEngineCommand(
+        str(assets.model_dir), max_running_requests=64, num_threads=1, extra_args=TEST_ONLY_ROUTES
+    )
     with EngineLauncher(cmd, 1, log_dir=tmp_path_factory.mktemp("agent_engine_logs")) as launcher:
         yield launcher.urls[0]
 
@@ -112,9 +114,10 @@ def test_weight_sync_in_the_middle_of_a_turn_resumes_it_with_new_versions(assets
 
     async def scenario():
         async with EngineClient([engine]) as client:
-            async with slowed_down(engine):  # the pause must land inside a turn
+            # The pause lands inside the first turn, at its 3rd token: the engine holds there (decode_hold).
+            async with decode_hold(engine, min_tokens=3) as hold:
                 task = asyncio.ensure_future(workflow.run(client, tokenizer, datum, 0))
-                await wait_for_decoding(client, engine)
+                await hold.reached()
                 await client.pause_generation(engine, "abort")
             await client.update_weights_from_disk(engine, str(assets.model_dir), weight_version="1")
             await client.continue_generation(engine)
@@ -128,7 +131,7 @@ def test_weight_sync_in_the_middle_of_a_turn_resumes_it_with_new_versions(assets
     first, second = t.sequences
     assert first.num_resumes == 1 and len(first.response_ids) == 200
     split = first.response_versions.index(1)
-    assert split > 0 and first.response_versions == [0] * split + [1] * (200 - split)
+    assert split == 3 and first.response_versions == [0] * split + [1] * (200 - split)
     assert set(second.response_versions) == {1} and t.min_version == 0
     assert len(first.prompt_ids) + 200 + 4 + len(second.response_ids) == t.metadata["context_tokens"] == 256
     # The second turn's prompt holds the first turn's tokens exactly, then the observation.

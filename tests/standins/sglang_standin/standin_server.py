@@ -31,6 +31,22 @@ against this server. Its HTTP layer reproduces what `sglang/srt/entrypoints/http
   catch a request mid-decode.
 - LoRA: `--enable-lora` & co, `/load_lora_adapter`, `/unload_lora_adapter`, `/v1/models`, `/generate`'s
   `lora_path`; its quirks are listed in `lora_routes.py`.
+- `/generate` with `stream: true` (`http_server.generate_request`, `tokenizer_manager._wait_one_response` and
+  `_handle_batch_output`, without `--stream-output`, which the launcher never passes): the status and headers
+  (`text/event-stream`) go out at once, a request sent while paused is held after them; then one
+  `data: {json}\n\n` chunk per scheduler output, only the latest when several came between two reads, each the
+  request so far: cumulative `text` and `output_ids`, `meta_info` with `finish_reason` null until the last chunk, the
+  server's `weight_version` as each chunk is built, cumulative `output_token_logprobs`, `response_sent_to_client_ts`
+  on the first chunk only and `e2e_latency` on the last; a batch's chunks interleaved, each with its prompt's
+  `index`; a ValueError as a `data: {"error": {"message"}}` chunk; `data: [DONE]\n\n` last. A request aborted in
+  the waiting queue ends its stream with `_handle_abort_req`'s chunk (its last token as `output_ids`, none here).
+  Not reproduced: SGLang aborts a stream's requests 2 s after its client disconnects (`create_abort_task`); the
+  stand-in frees them at once, as the embedded engine does.
+- A running request aborted (by `/abort_request`, a pause or `abort_all_requests`) ends with SGLang's `FINISH_ABORT`
+  (`{type: abort, message: "Aborted", status_code: null, err_type: null}`); one aborted in the waiting queue with
+  `_handle_abort_req`'s `{type: abort, message: "Abort in waiting queue"}`.
+- The `/test_only/*` routes (the embedded engine's `decode_hold.py`: hold forward passes while chosen requests
+  decode) are NOT SGLang's; the stand-in serves them always, being a test fixture itself.
 The distributed weight-update routes are in `distributed_routes.py`. `/get_server_info` carries
 `internal_states: [<embedded scheduler stats>]` (SGLang's shape; the keys inside are the embedded engine's, which
 the tests read).
@@ -42,9 +58,11 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import signal
+import time
 import uuid
 from typing import Any
 
@@ -54,6 +72,7 @@ from distributed_routes import add_routes as _add_distributed_routes
 from lora_routes import InternalServerError, lora_paths
 from lora_routes import add_routes as _add_lora_routes
 
+from rllm.experimental.fully_async.engines.embedded.decode_hold import add_test_only_routes
 from rllm.experimental.fully_async.engines.embedded.lora import (
     LORA_TARGET_ALL,
     SUPPORTED_LORA_TARGET_MODULES,
@@ -66,9 +85,9 @@ from rllm.experimental.fully_async.engines.embedded.lora_api import (
 )
 from rllm.experimental.fully_async.engines.embedded.lora_serving import LoRAServing
 from rllm.experimental.fully_async.engines.embedded.model_runner import ModelRunner, load_model
-from rllm.experimental.fully_async.engines.embedded.requests import WeightUpdateError
+from rllm.experimental.fully_async.engines.embedded.requests import GenerateOutput, WeightUpdateError
 from rllm.experimental.fully_async.engines.embedded.sampling import SamplingParams
-from rllm.experimental.fully_async.engines.embedded.scheduler import PAUSE_MODES, Scheduler
+from rllm.experimental.fully_async.engines.embedded.scheduler import PAUSE_MODES, Scheduler, interleave_streams
 from rllm.experimental.fully_async.engines.embedded.weights import WeightLoader
 
 logger = logging.getLogger("sglang_standin")
@@ -77,6 +96,8 @@ STATE = web.AppKey("state", object)
 # tokenizer_manager.pause_generation (mode abort) re-checks the model-update lock every second while it is held.
 PAUSE_POLL_S = 1.0
 SGLANG_DTYPES = {"auto": "float32", "float": "float32", "float32": "float32", "bfloat16": "bfloat16"}
+# schedule_batch.FINISH_ABORT().to_json(): how a running request that was aborted finishes
+RUNNING_ABORT = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
 
 
 def _detail(loc: str, msg: str) -> web.Response:
@@ -203,6 +224,8 @@ async def generate(request: web.Request) -> web.Response:
     except (ValueError, TypeError) as exc:
         return web.json_response({"error": {"message": str(exc)}}, status=400)
     rids = [str(r or uuid.uuid4().hex) for r in rids]
+    if body.get("stream"):
+        return await _stream(request, st, prompts, params, rids, logprob, loras, single)
     async with st.is_pause_cond:  # held while paused (generate_request)
         await st.is_pause_cond.wait_for(lambda: not st.is_pause)
     await st.reader_enter()
@@ -221,18 +244,77 @@ async def generate(request: web.Request) -> web.Response:
     return web.json_response(answers[0] if single else answers)
 
 
-def _output(st: StandinState, out: Any, rid: str, return_logprob: bool) -> dict[str, Any]:
-    """One prompt's answer; a prompt aborted in the waiting queue has no weight_version nor prompt_tokens."""
+def _output(
+    st: StandinState, out: GenerateOutput, rid: str, return_logprob: bool, *, stamp: bool = True
+) -> dict[str, Any]:
+    """One prompt's answer, or a streamed chunk of it (`finish_reason` None: the request so far); a prompt aborted
+    in the waiting queue has no weight_version, prompt_tokens nor e2e_latency (`_handle_abort_req`). `stamp`: the
+    first (or only) output sent, which `_wait_one_response` stamps with `response_sent_to_client_ts`."""
     finish = out.finish_reason
+    in_waiting_queue = finish is not None and finish.get("type") == "abort" and rid in st.waiting_aborted
+    if finish is not None and finish.get("type") == "abort":
+        finish = {"type": "abort", "message": "Abort in waiting queue"} if in_waiting_queue else RUNNING_ABORT
     meta: dict[str, Any] = {"id": rid, "finish_reason": finish}
     if return_logprob:
         pairs = zip(out.output_logprobs, out.output_ids, strict=True)
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in pairs]
     meta["completion_tokens"] = len(out.output_ids)
-    if not (finish.get("type") == "abort" and rid in st.waiting_aborted):
-        meta.update(prompt_tokens=out.prompt_tokens, weight_version=st.weight_version, total_retractions=0)
-    st.waiting_aborted.discard(rid)
+    if not in_waiting_queue:
+        meta.update(
+            prompt_tokens=out.prompt_tokens, weight_version=st.weight_version, total_retractions=0, cached_tokens=0
+        )
+        if finish is not None:
+            meta["e2e_latency"] = out.e2e_latency
+    if stamp:
+        meta["response_sent_to_client_ts"] = time.time()
+    if finish is not None:
+        st.waiting_aborted.discard(rid)
     return {"text": "", "output_ids": out.output_ids, "meta_info": meta}
+
+
+def _sse(payload: Any) -> bytes:
+    """One Server-Sent Event as http_server.generate_request writes it: `data: ` + orjson's compact JSON."""
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _stream(
+    request: web.Request,
+    st: StandinState,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    rids: list[str],
+    logprob: list[bool],
+    loras: list[str | None],
+    single: bool,
+) -> web.StreamResponse:
+    """The streamed /generate (module docstring): headers first (Starlette's StreamingResponse), then the pause gate
+    and the reader lock inside the stream, as tokenizer_manager.generate_request runs inside it."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    async with st.is_pause_cond:
+        await st.is_pause_cond.wait_for(lambda: not st.is_pause)
+    await st.reader_enter()
+    try:
+        streams = [
+            st.scheduler.generate_stream(list(p), sp, r, lora)
+            for p, sp, r, lora in zip(prompts, params, rids, loras, strict=True)
+        ]
+        sent = [False] * len(rids)
+        async for index, out in interleave_streams(streams):
+            chunk = _output(st, out, rids[index], logprob[index], stamp=not sent[index])
+            sent[index] = True
+            if "prompt_tokens" not in chunk["meta_info"]:  # aborted in the waiting queue: _handle_abort_req
+                chunk["output_ids"] = out.output_ids[-1:]  # a stream gets its last token (none: it never ran)
+            if not single:
+                chunk["index"] = index
+            await response.write(_sse(chunk))
+    except ValueError as exc:
+        await response.write(_sse({"error": {"message": str(exc)}}))
+    finally:
+        await st.reader_exit()
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
 
 
 async def pause_generation(request: web.Request) -> web.Response:
@@ -386,6 +468,7 @@ def build_app(scheduler: Scheduler, args: argparse.Namespace) -> web.Application
     app[STATE] = StandinState(scheduler, args, scheduler.lora)
     _add_distributed_routes(app, app[STATE])  # /init_weights_update_group & co
     _add_lora_routes(app, app[STATE])  # /load_lora_adapter, /unload_lora_adapter, /v1/models
+    add_test_only_routes(app, scheduler.decode_hold, enabled=True)  # not SGLang's (module docstring)
     for path, handler, methods in [
         ("/generate", generate, ("POST", "PUT")),
         ("/pause_generation", pause_generation, ("POST",)),

@@ -35,6 +35,12 @@ Guarantees the HTTP layer and the client rely on (they mirror SGLang 0.5.6):
 - `slow_down(seconds)` (SGLang's `/slow_down`, `Scheduler.run_batch`'s `forward_sleep_time`) sleeps that long before
   every step, so a test can catch a request mid-decode: the tiny test models decode 240 tokens in 0.2 s, a window a
   loaded machine misses. The sleep is on the loop, as SGLang's is in its scheduler process: HTTP keeps answering.
+- `generate_stream` (SGLang's `stream: true`) yields the request so far after each new token, the latest state only
+  when several tokens came between two reads (as SGLang's tokenizer manager keeps only its last output), then the
+  finished request.
+- `decode_hold` is a TEST-ONLY control (`decode_hold.py`, not SGLang's): armed, it admits the requests it names
+  together once all have arrived and stops forward passes at the first step boundary where they are decoding, so a
+  test acts on them however slow the machine is.
 """
 
 from __future__ import annotations
@@ -45,9 +51,10 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
+from rllm.experimental.fully_async.engines.embedded.decode_hold import DecodeHold
 from rllm.experimental.fully_async.engines.embedded.lora import LoRAAdapter
 from rllm.experimental.fully_async.engines.embedded.lora_serving import LoRAServing
 from rllm.experimental.fully_async.engines.embedded.model_runner import ModelRunner
@@ -60,7 +67,7 @@ from rllm.experimental.fully_async.engines.embedded.sampling import (
 from rllm.experimental.fully_async.engines.embedded.weights import WeightLoader, WeightSwaps
 
 # WeightUpdateError is re-exported: the HTTP layers catch it from here.
-__all__ = ["PAUSE_MODES", "GenerateOutput", "Scheduler", "WeightUpdateError"]
+__all__ = ["PAUSE_MODES", "GenerateOutput", "Scheduler", "WeightUpdateError", "interleave_streams"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +108,7 @@ class Scheduler:
         self._task: asyncio.Task[None] | None = None
         self._pass_in_progress = False  # a forward pass runs in the worker thread: the KV cache is not ours
         self.forward_sleep_s: float | None = None  # SGLang's /slow_down: a sleep before every step
+        self.decode_hold = DecodeHold(self.wake)  # test-only (decode_hold.py); inert unless armed
         self.stats: dict[str, int] = {
             "requests_finished": 0,
             "requests_aborted": 0,
@@ -164,10 +172,17 @@ class Scheduler:
 
     # ---------------------------------------------------------------- requests
     async def generate(
-        self, input_ids: list[int], params: SamplingParams, rid: str, lora_path: str | None = None
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        rid: str,
+        lora_path: str | None = None,
+        *,
+        on_token: Callable[[_Request], None] | None = None,
     ) -> GenerateOutput:
         """Queue one request and wait for it; holds while paused. Raises ValueError for invalid input.
-        `lora_path`: the name of the LoRA adapter to generate with (SGLang's field), None for the base model."""
+        `lora_path`: the name of the LoRA adapter to generate with (SGLang's field), None for the base model.
+        `on_token(request)` is called after each token the request gets (`generate_stream`'s listener)."""
         self._validate(input_ids, rid)
         if lora_path is not None and self.lora is None:
             raise ValueError(f"lora_path {lora_path!r} names an adapter, but this engine runs without --enable-lora")
@@ -175,7 +190,7 @@ class Scheduler:
             params = dataclasses.replace(params, sampling_seed=DEFAULT_SAMPLING_SEED)  # as SGLang's default
         loop = asyncio.get_running_loop()
         max_new = min(params.max_new_tokens, self.runner.info.context_length - len(input_ids))
-        req = _Request(rid, list(input_ids), params, max_new, loop.create_future())
+        req = _Request(rid, list(input_ids), params, max_new, loop.create_future(), on_token=on_token)
         self._by_rid[rid] = req
         try:
             # Held here while paused (SGLang: is_pause_cond); the caller's HTTP timeout bounds the wait and a
@@ -206,6 +221,52 @@ class Scheduler:
             self._by_rid.pop(rid, None)
             if req.adapter is not None and self.lora is not None:
                 self.lora.release(req.adapter)  # its rows are done: the loop drops them before any unload acts
+
+    async def generate_stream(
+        self, input_ids: list[int], params: SamplingParams, rid: str, lora_path: str | None = None
+    ) -> AsyncIterator[GenerateOutput]:
+        """`generate`, streamed: after each new token the request so far (`finish_reason` None), then the finished
+        request. A reader slower than the decode loop gets the latest state only (SGLang's tokenizer manager keeps
+        its last output too). Raises ValueError for invalid input; closing the iterator abandons the request."""
+        latest: list[_Request] = []
+        new_tokens = asyncio.Event()
+
+        def on_token(req: _Request) -> None:
+            latest[:] = [req]
+            new_tokens.set()
+
+        result = asyncio.ensure_future(self.generate(input_ids, params, rid, lora_path, on_token=on_token))
+        try:
+            while True:
+                tokens = asyncio.ensure_future(new_tokens.wait())
+                try:
+                    await asyncio.wait([result, tokens], return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    tokens.cancel()
+                if result.done():
+                    yield result.result()
+                    return
+                new_tokens.clear()
+                if latest[0].done:  # finished with this token: the last chunk, on its way, carries it
+                    continue
+                yield self._so_far(latest[0])
+        finally:
+            if not result.done():
+                result.cancel()  # the reader went away: generate's cancellation frees the request's row
+                with contextlib.suppress(asyncio.CancelledError):
+                    await result
+
+    def _so_far(self, req: _Request) -> GenerateOutput:
+        """A running request's snapshot, as a streamed chunk reports it."""
+        return GenerateOutput(
+            rid=req.rid,
+            output_ids=list(req.output_ids),
+            output_logprobs=list(req.logprobs),
+            finish_reason=None,
+            prompt_tokens=len(req.input_ids),
+            weight_version=req.weight_version if req.weight_version is not None else self.weight_version,
+            e2e_latency=None,
+        )
 
     def _validate(self, input_ids: list[int], rid: str) -> None:
         vocab = self.runner.info.vocab_size
@@ -312,8 +373,12 @@ class Scheduler:
     def _has_work(self) -> bool:
         if self.swaps.pending is not None and not self._running:
             return True
+        if self.decode_hold.holds(self._running, self._waiting):  # test-only: no pass until it is released
+            return False
         if self._running and self._paused_mode not in ("in_place", "retract"):
             return True
+        if self.decode_hold.gates(self._running, self._waiting):  # test-only: admits once all its requests are here
+            return False
         return bool(self._waiting) and self._paused_mode is None and self.swaps.pending is None
 
     async def _loop(self) -> None:
@@ -361,7 +426,7 @@ class Scheduler:
             )
             self._consume(admitted, out)
             self._drop_done_rows()
-        if self._running and self._paused_mode is None:
+        if self._running and self._paused_mode is None and not self.decode_hold.holds(self._running, self._waiting):
             rows = list(self._running)
             out = await self._in_thread(
                 self.runner.decode, [r.output_ids[-1] for r in rows], [r.params for r in rows], self._adapters(rows)
@@ -387,6 +452,8 @@ class Scheduler:
 
     def _admit(self) -> list[_Request]:
         if self._paused_mode is not None or self.swaps.pending is not None:
+            return []
+        if self.decode_hold.gates(self._running, self._waiting):
             return []
         admitted: list[_Request] = []
         budget = self.max_prefill_tokens
@@ -416,6 +483,8 @@ class Scheduler:
             req.output_ids.append(token)
             req.logprobs.append(logprob)
             self.stats["generated_tokens"] += 1
+            if req.on_token is not None:
+                req.on_token(req)
             params = req.params
             # SGLang's check_finished order: length first, then stop tokens (ignore_eos disables both kinds).
             if len(req.output_ids) >= req.max_new_tokens:
@@ -430,3 +499,30 @@ class Scheduler:
             self._running = [self._running[i] for i in keep]
         while self._waiting and self._waiting[0].done:
             self._waiting.popleft()
+
+
+async def interleave_streams(
+    streams: list[AsyncIterator[GenerateOutput]],
+) -> AsyncIterator[tuple[int, GenerateOutput]]:
+    """(index, chunk) from the streams of a batch's prompts, each as it comes: SGLang's streamed batch
+    (tokenizer_manager._handle_batch_request waits on every prompt's next output, FIRST_COMPLETED). Closes them all
+    on exit, so a reader that goes away abandons every prompt."""
+    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.__getitem__):
+                index = pending.pop(task)
+                try:
+                    out = task.result()
+                except StopAsyncIteration:
+                    continue
+                yield index, out
+                pending[asyncio.ensure_future(anext(streams[index]))] = index
+    finally:
+        for task in pending:
+            task.cancel()
+        # A stream is closed only once its pending read has ended (an async generator cannot close mid-read).
+        await asyncio.gather(*pending, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()

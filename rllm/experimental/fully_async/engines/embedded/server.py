@@ -10,6 +10,16 @@ responses carry no `text`. Everything that decides *what* to run lives in `sched
 translates JSON. `/get_server_info` adds `engine_stats` (forward-pass and token counters) so tests can check that
 requests really share forward passes.
 
+`/generate` with `stream: true` answers as SGLang 0.5.6 does without `--stream-output` (http_server.generate_request,
+tokenizer_manager._handle_batch_output and _wait_one_response): Server-Sent Events, one `data: {json}` chunk
+after each new token (the latest state when the reader falls behind), each holding the request so far (cumulative
+`output_ids`, `meta_info` with `finish_reason` null until the last chunk, cumulative `output_token_logprobs`), a
+batch's chunks interleaved with their prompt's `index`, an invalid request as a `data: {"error": {...}}` chunk,
+then `data: [DONE]`. An abort ends the stream with the abort's chunk.
+
+The `/test_only/*` routes (`decode_hold.py`) are NOT SGLang's: a control for tests, refused unless the engine is
+started with `--enable-test-only-routes`.
+
 The distributed weight-update routes (`/init_weights_update_group` & co) are in `weight_group_routes.py`.
 LoRA (SGLang's flags `--enable-lora`, `--lora-paths`, `--max-lora-rank`, `--lora-target-modules`,
 `--max-loras-per-batch`, `--max-loaded-loras`; `/generate`'s `lora_path`): the flags and the routes
@@ -24,16 +34,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
 import uuid
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from aiohttp import web
 from transformers.utils import logging as hf_logging
 
+from rllm.experimental.fully_async.engines.embedded.decode_hold import ENABLE_FLAG, add_test_only_routes
 from rllm.experimental.fully_async.engines.embedded.lora import LoRALimits
 from rllm.experimental.fully_async.engines.embedded.lora_api import (
     add_lora_flags,
@@ -46,7 +58,12 @@ from rllm.experimental.fully_async.engines.embedded.lora_api import (
 from rllm.experimental.fully_async.engines.embedded.lora_serving import LoRAServing
 from rllm.experimental.fully_async.engines.embedded.model_runner import DTYPES, ModelRunner, load_model
 from rllm.experimental.fully_async.engines.embedded.sampling import SamplingParams
-from rllm.experimental.fully_async.engines.embedded.scheduler import GenerateOutput, Scheduler, WeightUpdateError
+from rllm.experimental.fully_async.engines.embedded.scheduler import (
+    GenerateOutput,
+    Scheduler,
+    WeightUpdateError,
+    interleave_streams,
+)
 from rllm.experimental.fully_async.engines.embedded.weight_group_routes import add_weight_group_routes
 from rllm.experimental.fully_async.engines.embedded.weights import WeightLoader
 
@@ -81,8 +98,9 @@ def _meta_info(out: GenerateOutput, return_logprob: bool) -> dict[str, Any]:
         "completion_tokens": len(out.output_ids),
         "cached_tokens": 0,
         "weight_version": out.weight_version,
-        "e2e_latency": out.e2e_latency,
     }
+    if out.e2e_latency is not None:  # SGLang sets it when the request finishes
+        meta["e2e_latency"] = out.e2e_latency
     if return_logprob:
         # SGLang: [logprob, token_id, token_text]; text is None without a tokenizer.
         meta["output_token_logprobs"] = [
@@ -100,35 +118,55 @@ def _per_item(value: Any, n: int, name: str, is_single_value: Any) -> list[Any]:
     return value
 
 
-async def generate(request: web.Request) -> web.Response:
-    """POST /generate: one prompt (input_ids: list[int]) or a batch (list[list[int]])."""
+class _GenerateCall(NamedTuple):
+    """A parsed /generate body: one entry per prompt (`single`: the body held one prompt, not a batch)."""
+
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    rids: list[str]
+    logprob_flags: list[bool]
+    lora_paths: list[str | None]
+    single: bool
+    stream: bool
+
+
+def _parse_generate(body: dict[str, Any], lora: LoRAServing | None) -> _GenerateCall:
+    if body.get("text") is not None or "input_ids" not in body:
+        raise ValueError("the embedded engine is token-in/token-out: send input_ids (no text, no tokenizer)")
+    if not isinstance(body.get("stream", False), bool):
+        raise ValueError(f"stream must be true or false, got {body['stream']!r}")
+    input_ids = body["input_ids"]
+    single = isinstance(input_ids, list) and (not input_ids or not isinstance(input_ids[0], list))
+    prompts = [input_ids] if single else input_ids
+    if not isinstance(prompts, list) or not prompts:
+        raise ValueError("input_ids must be a non-empty list of ints or a list of such lists")
+    n = len(prompts)
+    params = _per_item(body.get("sampling_params"), n, "sampling_params", lambda v: v is None or isinstance(v, dict))
+    rids = _per_item(body.get("rid"), n, "rid", lambda v: v is None or isinstance(v, str))
+    return _GenerateCall(
+        prompts=[list(p) for p in prompts],
+        params=[SamplingParams.from_json(p) for p in params],
+        rids=[r if r is not None else uuid.uuid4().hex for r in rids],
+        logprob_flags=_per_item(body.get("return_logprob", False), n, "return_logprob", lambda v: isinstance(v, bool)),
+        lora_paths=request_lora_paths(body, n, lora),
+        single=single,
+        stream=bool(body.get("stream", False)),
+    )
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    """POST /generate: one prompt (input_ids: list[int]) or a batch (list[list[int]]); streamed with stream=true."""
     scheduler = request.app[SCHEDULER_KEY]
     try:
-        body = await _json_body(request)
-        if body.get("text") is not None or "input_ids" not in body:
-            raise ValueError("the embedded engine is token-in/token-out: send input_ids (no text, no tokenizer)")
-        if body.get("stream"):
-            raise ValueError("stream=true is not supported by the embedded engine")
-        input_ids = body["input_ids"]
-        single = isinstance(input_ids, list) and (not input_ids or not isinstance(input_ids[0], list))
-        prompts = [input_ids] if single else input_ids
-        if not isinstance(prompts, list) or not prompts:
-            raise ValueError("input_ids must be a non-empty list of ints or a list of such lists")
-        n = len(prompts)
-        params = _per_item(
-            body.get("sampling_params"), n, "sampling_params", lambda v: v is None or isinstance(v, dict)
-        )
-        params = [SamplingParams.from_json(p) for p in params]
-        rids = _per_item(body.get("rid"), n, "rid", lambda v: v is None or isinstance(v, str))
-        rids = [r if r is not None else uuid.uuid4().hex for r in rids]
-        logprob_flags = _per_item(body.get("return_logprob", False), n, "return_logprob", lambda v: isinstance(v, bool))
-        lora_paths = request_lora_paths(body, n, scheduler.lora)
+        call = _parse_generate(await _json_body(request), scheduler.lora)
     except (ValueError, TypeError) as exc:
         return _error(str(exc))
-
+    if call.stream:
+        return await _stream_generate(request, scheduler, call)
+    prompts, params, rids, logprob_flags, single = call.prompts, call.params, call.rids, call.logprob_flags, call.single
     tasks = [
-        asyncio.ensure_future(scheduler.generate(list(p), sp, rid, lora_path=lora))
-        for p, sp, rid, lora in zip(prompts, params, rids, lora_paths, strict=True)
+        asyncio.ensure_future(scheduler.generate(p, sp, rid, lora_path=lora))
+        for p, sp, rid, lora in zip(prompts, params, rids, call.lora_paths, strict=True)
     ]
     try:
         results = await asyncio.gather(*tasks, return_exceptions=True)
@@ -150,6 +188,35 @@ async def generate(request: web.Request) -> web.Response:
         for out, flag in zip(results, logprob_flags, strict=True)
     ]
     return web.json_response(payload[0] if single else payload)
+
+
+def _sse(payload: Any) -> bytes:
+    """One Server-Sent Event as SGLang writes it: `data: ` + compact JSON (orjson's) + a blank line."""
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _stream_generate(request: web.Request, scheduler: Scheduler, call: _GenerateCall) -> web.StreamResponse:
+    """The streamed /generate: headers at once, a chunk per update of any prompt, `data: [DONE]` last."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    streams = [
+        scheduler.generate_stream(p, sp, rid, lora)
+        for p, sp, rid, lora in zip(call.prompts, call.params, call.rids, call.lora_paths, strict=True)
+    ]
+    try:
+        async for index, out in interleave_streams(streams):
+            chunk: dict[str, Any] = {
+                "output_ids": out.output_ids,
+                "meta_info": _meta_info(out, call.logprob_flags[index]),
+            }
+            if not call.single:
+                chunk["index"] = index  # tokenizer_manager._handle_batch_request's rid_to_index
+            await response.write(_sse(chunk))
+    except ValueError as exc:  # SGLang: the error becomes a chunk of the stream (the status, 200, is sent)
+        await response.write(_sse({"error": {"message": str(exc)}}))
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
 
 
 async def pause_generation(request: web.Request) -> web.Response:
@@ -335,6 +402,8 @@ def build_app(scheduler: Scheduler, args: argparse.Namespace) -> web.Application
     add_weight_group_routes(app, scheduler, args.weight_update_timeout_s)  # /init_weights_update_group & co
     lora = scheduler.lora or LoRAServing(LoRALimits(0, frozenset()), lambda: scheduler.runner.model, enabled=False)
     add_lora_routes(app, lora, args.model_path, scheduler.runner.info.context_length)  # /load_lora_adapter & co
+    # /test_only/*: NOT SGLang's; refused unless the flag is given (decode_hold.py)
+    add_test_only_routes(app, scheduler.decode_hold, enabled=getattr(args, "enable_test_only_routes", False))
     return app
 
 
@@ -367,6 +436,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (SGLang's --api-key)")
     parser.add_argument(
         "--parent-check-s", type=float, default=2.0, help="exit when the parent dies; checked this often (0: never)"
+    )
+    parser.add_argument(
+        ENABLE_FLAG,
+        action="store_true",
+        help="serve the test-only /test_only/* routes (decode_hold.py: hold forward passes while requests decode); "
+        "not SGLang's API, for the project's tests only",
     )
     add_lora_flags(parser)
     args = parser.parse_args(argv)
