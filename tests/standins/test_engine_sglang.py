@@ -399,6 +399,7 @@ def sglang_cfg(**extra_args: object) -> EnginesSpec:
                 "extra_args": extra_args,
                 "sampling_seed": None,
                 "deterministic_inference": False,
+                "forward_sleep_s": 0.0,
             },
             "actor_rollout_ref": {
                 "model": {"path": "/models/qwen"},
