@@ -574,7 +574,9 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s standin:{args.port} %(message)s")
+    # force: as SGLang's configure_logger does; a library imported first (verl sets WARNING at import) must not
+    # swallow the server's own lines.
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s standin:{args.port} %(message)s", force=True)
     torch.set_num_threads(int(os.environ.get("SGLANG_STANDIN_THREADS", "1")))
     torch.manual_seed(args.random_seed or 0)
     asyncio.run(serve(args))

@@ -27,13 +27,15 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import httpx
 
 from rllm.experimental.fully_async.engines.lora import lora_flags
 from rllm.experimental.fully_async.errors import FullyAsyncError
-from rllm.experimental.fully_async.run_spec import EngineLoRASpec
+
+if TYPE_CHECKING:  # run_spec imports verl (~4 s) through algorithms/; an engine process needs only the type
+    from rllm.experimental.fully_async.run_spec import EngineLoRASpec
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,11 @@ minus the two GPU-only ones (`engines/embedded/lora_api.py`).
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
-from rllm.experimental.fully_async.run_spec import EngineLoRASpec
+if TYPE_CHECKING:  # run_spec imports verl (~4 s) through algorithms/; an engine process needs only the type
+    from rllm.experimental.fully_async.run_spec import EngineLoRASpec
+
 
 ADAPTER_PREFIX = "policy-v"
 _VERSIONED = re.compile(rf"^{re.escape(ADAPTER_PREFIX)}(\d+)$")

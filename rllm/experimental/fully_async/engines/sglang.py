@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from rllm.experimental.fully_async.engines.lora import lora_flags
-from rllm.experimental.fully_async.run_spec import EngineLoRASpec
+
+if TYPE_CHECKING:  # run_spec imports verl (~4 s) through algorithms/; an engine process needs only the type
+    from rllm.experimental.fully_async.run_spec import EngineLoRASpec
 
 
 @dataclass(frozen=True)

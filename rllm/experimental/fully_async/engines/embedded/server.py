@@ -524,6 +524,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level.upper(),
         format=f"%(asctime)s %(levelname)s engine:{args.port} %(name)s: %(message)s",
+        force=True,  # as SGLang's configure_logger: a library's import-time basicConfig must not win
     )
     # One progress bar per weight update would flood the engine log.
     hf_logging.disable_progress_bar()
