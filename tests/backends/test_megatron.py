@@ -2,7 +2,7 @@
 
 megatron-core 0.16.1 and mbridge import on CPU, but a Megatron forward pass needs CUDA, so what is tested here is
 everything around it (tests/gpu/test_megatron_gpu.py has the rest):
-- `config/fully_async_ppo_megatron_trainer.yaml` composes on verl's `ppo_megatron_trainer` defaults, its parallel
+- `config/gpu_megatron_sglang.yaml` composes on verl's `ppo_megatron_trainer` defaults, its parallel
   keys load and reach verl's McoreActorConfig with `fully_async` on; on a machine without CUDA the strategy is
   refused in one line;
 - the Megatron -> HF weight-name mapping of verl's two converters (mbridge, verl's McoreToHFWeightConverterDense)
@@ -28,7 +28,7 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core==0.16.1)")
 
 REPO = Path(__file__).resolve().parents[2]
-MEGATRON_YAML = REPO / "config" / "fully_async_ppo_megatron_trainer.yaml"
+MEGATRON_YAML = REPO / "config" / "gpu_megatron_sglang.yaml"
 GPU_OVERRIDES = ["trainer.device=cuda"]
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -103,7 +103,7 @@ def test_megatron_config_refusals_are_one_line(overrides, named):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here: the strategy is not refused")
-@pytest.mark.parametrize("config", ["fully_async_ppo_megatron_trainer.yaml", "tiny_cpu.yaml"])
+@pytest.mark.parametrize("config", ["gpu_megatron_sglang.yaml", "tiny_cpu.yaml"])
 def test_without_cuda_megatron_is_refused_in_one_line_before_anything_else(config):
     from rllm.experimental.fully_async.backends.megatron import CUDA_REFUSAL, build_megatron_backend
     from rllm.experimental.fully_async.errors import ConfigError
@@ -126,9 +126,7 @@ def test_on_a_cuda_host_without_transformer_engine_megatron_is_refused_in_one_li
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(megatron, "_installed", lambda module: module in ("megatron.core", "mbridge"))
     with pytest.raises(ConfigError) as info:
-        load_config(
-            REPO / "config" / "fully_async_ppo_megatron_trainer.yaml", ["actor_rollout_ref.actor.strategy=megatron"]
-        )
+        load_config(REPO / "config" / "gpu_megatron_sglang.yaml", ["actor_rollout_ref.actor.strategy=megatron"])
     assert str(info.value).startswith(
         "'actor_rollout_ref.actor.strategy=megatron': Megatron path unusable: TransformerEngine's PyTorch extension"
     )

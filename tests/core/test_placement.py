@@ -73,7 +73,7 @@ def test_describe_lists_every_slot_and_idle_gpus():
 # --- the `plan` command ----------------------------------------------------------------------------------------
 
 REPO = Path(__file__).resolve().parents[2]
-GPU_CONFIG = REPO / "config" / "fully_async_ppo_trainer.yaml"
+GPU_CONFIG = REPO / "config" / "gpu_fsdp_sglang.yaml"
 
 
 def test_plan_prints_every_engine_command_with_its_own_gpus(capsys):

@@ -150,7 +150,7 @@ def test_the_one_gpu_fsdp_config_checkpoints_its_one_rank(device, tiny_model_dir
     """With gradient checkpointing every forward of the update runs again in backward. Only `update_policy` is
     counted: the log-prob forward before it (no gradients) is not recomputed, and counted with the update it made
     n + 2m against 2(n + m)."""
-    path = REPO / "config" / "fully_async_ppo_trainer.yaml"
+    path = REPO / "config" / "gpu_fsdp_sglang.yaml"
     overrides = [
         f"actor_rollout_ref.model.path={tiny_model_dir}",
         "data.train_files=unused.parquet",

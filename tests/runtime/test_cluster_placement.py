@@ -263,7 +263,7 @@ def test_a_cpu_driver_may_start_a_cluster_run_whose_ranks_are_on_gpu_nodes():
     from rllm.experimental.fully_async.errors import ConfigError
     from rllm.experimental.fully_async.settings import load_config
 
-    gpu_config = os.path.join(os.path.dirname(__file__), "..", "..", "config", "fully_async_ppo_trainer.yaml")
+    gpu_config = os.path.join(os.path.dirname(__file__), "..", "..", "config", "gpu_fsdp_sglang.yaml")
     cfg = load_config(gpu_config, ["trainer.nnodes=2"])  # the head node need not have CUDA: the ranks are elsewhere
     assert (cfg.trainer.device, cfg.trainer.nnodes) == ("cuda", 2)
     if not torch.cuda.is_available():

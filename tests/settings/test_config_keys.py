@@ -717,7 +717,7 @@ def test_an_rllm_programs_refused_verl_keys_are_each_named_with_why_in_one_line(
     refused = {}
     for _ in range(len(overrides)):
         try:
-            cfg = load_config(REPO / "config" / "fully_async_ppo_trainer.yaml", overrides, check_host=False)
+            cfg = load_config(REPO / "config" / "gpu_fsdp_sglang.yaml", overrides, check_host=False)
             break
         except ConfigError as exc:
             assert exc.key is not None and f"'{exc.key}'" in str(exc) and "\n" not in str(exc), str(exc)
@@ -802,7 +802,7 @@ def test_the_critic_section_is_read_only_with_gae():
     ],
 )
 def test_megatron_parallel_sizes_above_one_are_refused_until_a_multi_gpu_path_runs(key):
-    path = REPO / "config" / "fully_async_ppo_megatron_trainer.yaml"
+    path = REPO / "config" / "gpu_megatron_sglang.yaml"
     load_config(path, [f"actor_rollout_ref.actor.megatron.{key}=1"], check_host=False)  # planned from anywhere
     with pytest.raises(ConfigError, match=rf"'actor_rollout_ref\.actor\.megatron\.{key}=2'.*one GPU") as info:
         load_config(path, [f"actor_rollout_ref.actor.megatron.{key}=2"], check_host=False)
@@ -813,7 +813,7 @@ def test_megatron_parallel_sizes_above_one_are_refused_until_a_multi_gpu_path_ru
 
 
 def test_gpu_fsdp_yaml_loads_with_every_key_honoured_or_refused():
-    path = REPO / "config" / "fully_async_ppo_trainer.yaml"
+    path = REPO / "config" / "gpu_fsdp_sglang.yaml"
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match=r"'trainer.device=cuda' but CUDA is not available"):
             load_config(path)
@@ -837,7 +837,7 @@ def test_gpu_megatron_yaml_is_refused_without_cuda_in_one_line():
     if torch.cuda.is_available():
         pytest.skip("CUDA is here: tests/backends/test_megatron.py covers the Megatron YAML")
     with pytest.raises(ConfigError, match="needs CUDA") as info:
-        load_config(REPO / "config" / "fully_async_ppo_megatron_trainer.yaml")
+        load_config(REPO / "config" / "gpu_megatron_sglang.yaml")
     assert "\n" not in str(info.value)
 
 

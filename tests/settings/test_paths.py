@@ -31,7 +31,7 @@ def test_model_path_tilde_is_expanded_for_every_reader(tmp_path, monkeypatch, ca
     assert run_plan(cfg) == 0
     assert f"--model-path {expected}" in capsys.readouterr().out
     assert spec.executor.data.train_files == (str(tmp_path / "d" / "train.parquet"),)
-    sglang = load_config(REPO / "config" / "fully_async_ppo_trainer.yaml", ["trainer.device=cpu"])
+    sglang = load_config(REPO / "config" / "gpu_fsdp_sglang.yaml", ["trainer.device=cpu"])
     assert build_run_spec(sglang).engines.model_path == str(tmp_path / "models" / "Qwen2.5-1.5B-Instruct")
 
 

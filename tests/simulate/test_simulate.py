@@ -286,7 +286,7 @@ def test_status_printer_rewrites_one_line_on_a_terminal_and_throttles_elsewhere(
 def test_a_gpu_config_simulates_here_with_its_timing_models_stated(capsys: pytest.CaptureFixture[str]) -> None:
     """No GPU and no trainer.device=cpu: the config is loaded as for another machine, and the default timing
     models it is simulated with are printed (their numbers, so the reader knows what was assumed)."""
-    argv = ["simulate", "--config", str(REPO / "config/fully_async_ppo_trainer.yaml"), "simulate.steps=4"]
+    argv = ["simulate", "--config", str(REPO / "config/gpu_fsdp_sglang.yaml"), "simulate.steps=4"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "timing models: engine 20,000 tokens/s saturated" in out and "trainer 0s + 0.1ms/token" in out
@@ -301,7 +301,7 @@ def test_timing_models_come_from_a_scenario_file_with_the_configs_pipeline(
         "simulate:\n  engine: {peak_tokens_per_s: 1234.0, single_tokens_per_s: 12.0}\n"
         "  pipeline: {required_samples: 999}\n"  # ignored: the config's pipeline is kept
     )
-    config = str(REPO / "config/fully_async_ppo_trainer.yaml")
+    config = str(REPO / "config/gpu_fsdp_sglang.yaml")
     assert main(["simulate", "--config", config, "--timing", str(timing), "simulate.steps=3"]) == 0
     out = capsys.readouterr().out
     assert "timing models: engine 1,234 tokens/s saturated (12 for one request" in out

@@ -16,7 +16,7 @@ from rllm.experimental.fully_async.simulate.layout import Layout, layout_from_pr
 from rllm.experimental.fully_async.simulate.scenarios import ScenarioError
 
 REPO = Path(__file__).resolve().parents[2]
-GPU_CONFIG = str(REPO / "config/fully_async_ppo_trainer.yaml")
+GPU_CONFIG = str(REPO / "config/gpu_fsdp_sglang.yaml")
 SHORT = ["simulate.steps=6", "trainer.total_training_steps=6"]
 
 

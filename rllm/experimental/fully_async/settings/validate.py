@@ -179,7 +179,7 @@ def _refuse_unsupported_megatron(cfg: DictConfig, *, check_host: bool) -> None:
     if "megatron" not in cfg.actor_rollout_ref.actor:
         raise ConfigError(
             "'actor_rollout_ref.actor.strategy=megatron' needs verl's Megatron keys: add ppo_megatron_trainer to "
-            "the YAML's defaults (see config/fully_async_ppo_megatron_trainer.yaml)"
+            "the YAML's defaults (see config/gpu_megatron_sglang.yaml)"
         )
     if cfg.trainer.device != "cuda":
         raise ConfigError("'actor_rollout_ref.actor.strategy=megatron' runs on GPUs only: set trainer.device=cuda")
