@@ -8,7 +8,7 @@ generations as two rows of one trajectory, rewarded by the better of the two (ea
 
 from dataclasses import dataclass
 
-from rllm.experimental.fully_async.api.trajectory import Sequence, TrajectoryStatus, VersionedTrajectory
+from rllm.experimental.fully_async.api.trajectory import TrajectoryStatus, VersionedSequence, VersionedTrajectory
 from rllm.experimental.fully_async.workflows.base import score_safely
 
 
@@ -24,7 +24,7 @@ class BestOfTwo:
         for attempt in range(2):
             out = await client.generate(list(datum.prompt_ids), dict(self.sampling_params), rid=f"{uid}/{attempt}")
             sequences.append(
-                Sequence(list(datum.prompt_ids), list(out.output_ids), list(out.logprobs), list(out.versions))
+                VersionedSequence(list(datum.prompt_ids), list(out.output_ids), list(out.logprobs), list(out.versions))
             )
             outcome = await score_safely(
                 self.reward_fn,

@@ -337,15 +337,15 @@ def test_dr_grpo_normaliser_is_the_configured_response_length_not_the_batch_widt
 
 
 def test_empty_response_keeps_its_reward_in_its_groups_statistics():
-    from rllm.experimental.fully_async.api.trajectory import Sequence, TrajectoryGroup, VersionedTrajectory
+    from rllm.experimental.fully_async.api.trajectory import VersionedGroup, VersionedSequence, VersionedTrajectory
     from rllm.experimental.fully_async.core.batch import groups_to_dataproto
 
     def traj(i: int, response: list[int], reward: float) -> VersionedTrajectory:
         n = len(response)
-        seq = Sequence([1, 2], response, response_logprobs=[-0.5] * n, response_versions=[0] * n)
+        seq = VersionedSequence([1, 2], response, response_logprobs=[-0.5] * n, response_versions=[0] * n)
         return VersionedTrajectory(uid=f"g/{i}", prompt_uid="g", sequences=[seq], reward=reward)
 
-    group = TrajectoryGroup("g", [traj(0, [], 1.0), traj(1, [5, 6], 0.0), traj(2, [5], 0.0), traj(3, [7], 0.0)])
+    group = VersionedGroup("g", [traj(0, [], 1.0), traj(1, [5, 6], 0.0), traj(2, [5], 0.0), traj(3, [7], 0.0)])
     data = groups_to_dataproto([group], pad_token_id=0, temperature=1.0)
     result = AdvantageConfig(adv_estimator="grpo").compute_with_stats(data)
     scores = [1.0, 0.0, 0.0, 0.0]

@@ -19,7 +19,7 @@ from rllm.experimental.fully_async.algorithms.filters import (
     has_zero_reward_variance,
 )
 from rllm.experimental.fully_async.api.config import dataclass_from_config
-from rllm.experimental.fully_async.api.trajectory import Sequence, TrajectoryGroup, VersionedTrajectory
+from rllm.experimental.fully_async.api.trajectory import VersionedGroup, VersionedSequence, VersionedTrajectory
 
 
 def make_group(
@@ -27,14 +27,14 @@ def make_group(
     rewards: list[float],
     lengths: list[int] | list[list[int]] | None = None,
     finish: list[str] | None = None,
-) -> TrajectoryGroup:
+) -> VersionedGroup:
     """A group with one trajectory per reward; `lengths[i]` is an int (one sequence) or a list (one per step)."""
     trajectories = []
     for i, reward in enumerate(rewards):
         spec = 3 if lengths is None else lengths[i]
         step_lengths = [spec] if isinstance(spec, int) else spec
         sequences = [
-            Sequence(
+            VersionedSequence(
                 prompt_ids=[1, 2],
                 response_ids=[5] * n,
                 response_logprobs=[-0.5] * n,
@@ -46,7 +46,7 @@ def make_group(
         trajectories.append(
             VersionedTrajectory(uid=f"{prompt_uid}/{i}", prompt_uid=prompt_uid, sequences=sequences, reward=reward)
         )
-    return TrajectoryGroup(prompt_uid=prompt_uid, trajectories=trajectories, metadata={"source": "test"})
+    return VersionedGroup(prompt_uid=prompt_uid, trajectories=trajectories, metadata={"source": "test"})
 
 
 def uids(groups) -> Counter[str]:

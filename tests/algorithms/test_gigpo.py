@@ -20,7 +20,7 @@ from rllm.experimental.fully_async.algorithms.gigpo import (
     compute_gigpo_advantage,
     step_rewards_from_trajectory,
 )
-from rllm.experimental.fully_async.api.trajectory import Sequence, VersionedTrajectory
+from rllm.experimental.fully_async.api.trajectory import VersionedSequence, VersionedTrajectory
 
 EPS = 1e-6
 
@@ -322,7 +322,7 @@ def test_registered_in_verl_and_reachable_through_compute_advantages():
 
 
 def make_trajectory(n_steps: int, reward: float, step_rewards=None) -> VersionedTrajectory:
-    seqs = [Sequence([1], [2, 3], [-0.1, -0.2], [0, 0]) for _ in range(n_steps)]
+    seqs = [VersionedSequence([1], [2, 3], [-0.1, -0.2], [0, 0]) for _ in range(n_steps)]
     return VersionedTrajectory(uid="p/0", prompt_uid="p", sequences=seqs, reward=reward, step_rewards=step_rewards)
 
 

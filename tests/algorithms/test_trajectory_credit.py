@@ -34,7 +34,7 @@ from rllm.experimental.fully_async.algorithms.advantages import (
 )
 from rllm.experimental.fully_async.algorithms.credit import chain_tokens, index_trajectories
 from rllm.experimental.fully_async.algorithms.gigpo import GiGPOConfig
-from rllm.experimental.fully_async.api.trajectory import Sequence, TrajectoryGroup, VersionedTrajectory
+from rllm.experimental.fully_async.api.trajectory import VersionedGroup, VersionedSequence, VersionedTrajectory
 from rllm.experimental.fully_async.core.batch import groups_to_dataproto
 from rllm.experimental.fully_async.envs import EnvSpec
 from rllm.experimental.fully_async.settings.loader import ConfigError, load_config
@@ -50,7 +50,9 @@ OUTCOME = ["grpo", "rloo", "reinforce_plus_plus_baseline"]
 def trajectory(uid: str, turn_lengths: list[int], step_rewards: list[float]) -> VersionedTrajectory:
     """A trajectory of len(turn_lengths) sequences (one row each), each turn's reward on its row."""
     sequences = [
-        Sequence(prompt_ids=[1, 2], response_ids=[3] * n, response_logprobs=[-0.1] * n, response_versions=[0] * n)
+        VersionedSequence(
+            prompt_ids=[1, 2], response_ids=[3] * n, response_logprobs=[-0.1] * n, response_versions=[0] * n
+        )
         for n in turn_lengths
     ]
     return VersionedTrajectory(
@@ -64,7 +66,7 @@ def trajectory(uid: str, turn_lengths: list[int], step_rewards: list[float]) -> 
 
 def batch(*groups: list[VersionedTrajectory]):
     return groups_to_dataproto(
-        [TrajectoryGroup(g[0].prompt_uid, list(g)) for g in groups], pad_token_id=0, temperature=1.0
+        [VersionedGroup(g[0].prompt_uid, list(g)) for g in groups], pad_token_id=0, temperature=1.0
     )
 
 

@@ -23,16 +23,16 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # bind loopback
 import ray  # after the variables above, so every Ray code path sees them
 
 from rllm.experimental.fully_async.api.step_messages import Batch, BatchRequest
-from rllm.experimental.fully_async.api.trajectory import Sequence, TrajectoryGroup, VersionedTrajectory
+from rllm.experimental.fully_async.api.trajectory import VersionedGroup, VersionedSequence, VersionedTrajectory
 from rllm.experimental.fully_async.runtime.rollout.message_queue import MessageQueue
 
 CALL_TIMEOUT_S = 60
 
 
-def make_group(i: int, samples: int) -> TrajectoryGroup:
+def make_group(i: int, samples: int) -> VersionedGroup:
     """`samples` trajectories of a 6-token prompt and a 4-token answer, the addition task's shape."""
-    seq = Sequence([3, 4, 13, 5, 6, 14], [3, 7, 9, 1], [-0.5] * 4, [0] * 4)
-    return TrajectoryGroup(f"e0/{i}", [VersionedTrajectory(f"e0/{i}/{k}", f"e0/{i}", [seq]) for k in range(samples)])
+    seq = VersionedSequence([3, 4, 13, 5, 6, 14], [3, 7, 9, 1], [-0.5] * 4, [0] * 4)
+    return VersionedGroup(f"e0/{i}", [VersionedTrajectory(f"e0/{i}/{k}", f"e0/{i}", [seq]) for k in range(samples)])
 
 
 def in_process(groups_per_batch: int, samples: int, seconds: float) -> float:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rllm.experimental.fully_async.api.trajectory import Sequence, TrajectoryGroup, VersionedTrajectory
+from rllm.experimental.fully_async.api.trajectory import VersionedGroup, VersionedSequence, VersionedTrajectory
 from rllm.experimental.fully_async.core.staleness import StalenessBounds, StalenessManager, is_too_stale
 from rllm.experimental.fully_async.core.versions import groups_ahead_budget, groups_per_version, is_sync_step
 from rllm.experimental.fully_async.settings.compat import max_staleness_from_rllm
@@ -22,14 +22,14 @@ class FakeVersion:
         return self.version
 
 
-def group(prompt_uid: str, versions: list[int]) -> TrajectoryGroup:
-    seq = Sequence(
+def group(prompt_uid: str, versions: list[int]) -> VersionedGroup:
+    seq = VersionedSequence(
         prompt_ids=[1],
         response_ids=list(range(len(versions))),
         response_logprobs=[0.0] * len(versions),
         response_versions=versions,
     )
-    return TrajectoryGroup(
+    return VersionedGroup(
         prompt_uid, [VersionedTrajectory(uid=f"{prompt_uid}/0", prompt_uid=prompt_uid, sequences=[seq])]
     )
 

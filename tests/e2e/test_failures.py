@@ -31,7 +31,7 @@ import torch
 from engine_helpers import TEST_ONLY_ROUTES, decode_hold
 
 from rllm.experimental.fully_async.algorithms.advantages import AdvantageConfig
-from rllm.experimental.fully_async.api.trajectory import TrajectoryGroup
+from rllm.experimental.fully_async.api.trajectory import VersionedGroup
 from rllm.experimental.fully_async.core.batch import groups_to_dataproto
 from rllm.experimental.fully_async.core.ledger import SampleLedger
 from rllm.experimental.fully_async.core.ledger_format import SampleState, history_counts
@@ -107,7 +107,7 @@ class LocalQueue(MessageQueue):
         if not await self.wait_for(lambda: self.buffer.total_put >= n, timeout_s):
             raise TimeoutError(f"only {self.buffer.total_put} of {n} groups queued after {timeout_s:g}s")
 
-    def drain(self) -> list[TrajectoryGroup]:
+    def drain(self) -> list[VersionedGroup]:
         return self.pop(len(self.buffer)) if len(self.buffer) else []
 
 
@@ -135,7 +135,7 @@ def make_executor(
     return executor, queue, ledger
 
 
-def train_queued(executor: RolloutExecutor, queue: LocalQueue) -> list[TrajectoryGroup]:
+def train_queued(executor: RolloutExecutor, queue: LocalQueue) -> list[VersionedGroup]:
     """Play the trainer: take every queued group and report its samples trained."""
     groups = queue.drain()
     executor.report_consumed([t.uid for g in groups for t in g.trajectories], len(groups), [], 0)

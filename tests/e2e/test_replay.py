@@ -21,9 +21,9 @@ import torch
 from test_resume import _command, _sigkill_tree, _start, _wait_for_line
 
 from rllm.experimental.fully_async.api.trajectory import (
-    Sequence,
-    TrajectoryGroup,
     TrajectoryStatus,
+    VersionedGroup,
+    VersionedSequence,
     VersionedTrajectory,
 )
 from rllm.experimental.fully_async.runtime.checkpoints.trainer_state import capture_rng_state
@@ -42,10 +42,10 @@ class _Backend:  # the recorder asks a world-size-1 backend for nothing but its 
     device = "cpu"
 
 
-def _group(prompt_uid: str, rewards: list[float]) -> TrajectoryGroup:
+def _group(prompt_uid: str, rewards: list[float]) -> VersionedGroup:
     trajectories = []
     for index, reward in enumerate(rewards):
-        sequence = Sequence(
+        sequence = VersionedSequence(
             prompt_ids=[3, 4, 5],
             response_ids=[7, 8, 1],
             # log-probs as the engine's JSON gives them: float32 values read as Python floats, and one that is not
@@ -58,7 +58,7 @@ def _group(prompt_uid: str, rewards: list[float]) -> TrajectoryGroup:
         )
     trajectories[-1].status = TrajectoryStatus.FAILED
     trajectories[-1].failure_reason = "reward_timeout"
-    return TrajectoryGroup(prompt_uid, trajectories, data_source="addition")
+    return VersionedGroup(prompt_uid, trajectories, data_source="addition")
 
 
 def _record(run_dir: Path, start_step: int = 0, resumed_from: Path | None = None, model: Path | None = None):

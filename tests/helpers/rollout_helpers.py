@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from rllm.experimental.fully_async.api.trajectory import Sequence, VersionedTrajectory
+from rllm.experimental.fully_async.api.trajectory import VersionedSequence, VersionedTrajectory
 from rllm.experimental.fully_async.core.ids import SampleId
 from rllm.experimental.fully_async.core.ledger import SampleLedger
 from rllm.experimental.fully_async.data.prompts import PromptIterator, PromptRecord
@@ -30,7 +30,7 @@ class VersionTaggingWorkflow:
 
     async def run(self, client, tokenizer, datum, sample_index: int) -> VersionedTrajectory:
         await asyncio.sleep(0.001)  # a real await: groups finish interleaved with the trainer's requests
-        sequence = Sequence(list(datum.prompt_ids), [5], [-0.5], [self.engine_version])
+        sequence = VersionedSequence(list(datum.prompt_ids), [5], [-0.5], [self.engine_version])
         uid = str(SampleId(datum.epoch, datum.record.index, sample_index))
         return VersionedTrajectory(uid, datum.prompt_uid, [sequence], reward=float(sample_index % 2))
 

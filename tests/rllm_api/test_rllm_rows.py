@@ -21,7 +21,7 @@ from rllm_tool_world import build_tokenizer
 from workflow_helpers import Datum
 
 from rllm.experimental.fully_async.algorithms.advantages import compute_advantages
-from rllm.experimental.fully_async.api.trajectory import TrajectoryGroup, TrajectoryStatus
+from rllm.experimental.fully_async.api.trajectory import TrajectoryStatus, VersionedGroup
 from rllm.experimental.fully_async.core.batch import groups_to_dataproto
 from rllm.experimental.fully_async.engines.client import GenerationResult
 from rllm.experimental.fully_async.protocol import Trajectory
@@ -176,7 +176,7 @@ def test_rows_masks_and_advantages_are_rllms(tok, max_prompt, max_response):
     # merged as rLLM merges: three sequences, two rows (turns 1-2 in one, turn 3 alone)
     assert [len(t.sequences) for t in ours] == [2, 2, 2]
     assert all(t.metadata["rllm_rows"]["sequences"] == 3 for t in ours)
-    group = TrajectoryGroup(prompt_uid="p0", trajectories=ours)
+    group = VersionedGroup(prompt_uid="p0", trajectories=ours)
     batch = groups_to_dataproto([group], pad_token_id=tok.pad_token_id, temperature=1.0)
     compute_advantages(batch, "grpo")
     reference = rllm_batch([(t.uid, r) for t, r in zip(ours, returned, strict=True)], max_prompt, max_response,

@@ -25,9 +25,9 @@ import torch
 from verl.utils.torch_functional import get_cosine_schedule_with_warmup
 
 from rllm.experimental.fully_async.api.trajectory import (
-    Sequence,
-    TrajectoryGroup,
     TrajectoryStatus,
+    VersionedGroup,
+    VersionedSequence,
     VersionedTrajectory,
 )
 from rllm.experimental.fully_async.runtime.checkpoints.format import (
@@ -85,13 +85,13 @@ def trainer_part(model, optimizer, scheduler, step: int) -> dict:
     }
 
 
-def make_queue() -> list[TrajectoryGroup]:
+def make_queue() -> list[VersionedGroup]:
     multi_turn = VersionedTrajectory(
         uid="p1/0",
         prompt_uid="p1",
         sequences=[
-            Sequence([1, 2], [3, 4, 5], [-0.5, -1.25, -0.1], [3, 3, 4], loss_mask=[1, 0, 1], num_resumes=1),
-            Sequence([1, 2, 3, 4, 5], [6], [-2.0], [4], finish_reason="length"),
+            VersionedSequence([1, 2], [3, 4, 5], [-0.5, -1.25, -0.1], [3, 3, 4], loss_mask=[1, 0, 1], num_resumes=1),
+            VersionedSequence([1, 2, 3, 4, 5], [6], [-2.0], [4], finish_reason="length"),
         ],
         reward=1.0,
         step_rewards=[0.0, 1.0],
@@ -102,14 +102,16 @@ def make_queue() -> list[TrajectoryGroup]:
     failed = VersionedTrajectory(
         uid="p1/1",
         prompt_uid="p1",
-        sequences=[Sequence([1, 2], [7], [-math.inf], [3])],
+        sequences=[VersionedSequence([1, 2], [7], [-math.inf], [3])],
         status=TrajectoryStatus.FAILED,
         failure_reason="reward_error: ZeroDivisionError",
     )
-    single = VersionedTrajectory(uid="p2/0", prompt_uid="p2", sequences=[Sequence([9], [8, 1], [-0.3, -0.01], [5, 5])])
+    single = VersionedTrajectory(
+        uid="p2/0", prompt_uid="p2", sequences=[VersionedSequence([9], [8, 1], [-0.3, -0.01], [5, 5])]
+    )
     return [
-        TrajectoryGroup("p1", [multi_turn, failed], data_source="addition", metadata={"k": [1, 2]}),
-        TrajectoryGroup("p2", [single], created_at=99.0),
+        VersionedGroup("p1", [multi_turn, failed], data_source="addition", metadata={"k": [1, 2]}),
+        VersionedGroup("p2", [single], created_at=99.0),
     ]
 
 
@@ -192,7 +194,7 @@ def test_round_trip_restores_every_part(tmp_path):
     for group in loaded.queue:
         for trajectory in group.trajectories:
             assert type(trajectory.status) is TrajectoryStatus
-            assert all(type(s) is Sequence for s in trajectory.sequences)
+            assert all(type(s) is VersionedSequence for s in trajectory.sequences)
     assert loaded.queue[0].trajectories[1].status is TrajectoryStatus.FAILED
     assert loaded.queue[0].trajectories[0].sequences[0].loss_mask == [1, 0, 1]
     assert loaded.queue[0].trajectories[1].sequences[0].response_logprobs == [-math.inf]

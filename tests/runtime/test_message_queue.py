@@ -8,9 +8,9 @@ import asyncio
 import pytest
 
 from rllm.experimental.fully_async.api.trajectory import (
-    Sequence,
-    TrajectoryGroup,
     TrajectoryStatus,
+    VersionedGroup,
+    VersionedSequence,
     VersionedTrajectory,
 )
 from rllm.experimental.fully_async.core.buffer import GroupBuffer
@@ -19,18 +19,18 @@ from rllm.experimental.fully_async.runtime.rollout.message_queue import GetResul
 WAIT_S = 30.0  # generous: the machine is shared; a hang still fails instead of blocking the suite
 
 
-def make_group(i: int, version: int = 0, failed: bool = False) -> TrajectoryGroup:
-    seq = Sequence(
+def make_group(i: int, version: int = 0, failed: bool = False) -> VersionedGroup:
+    seq = VersionedSequence(
         prompt_ids=[1, 2], response_ids=[3, 4], response_logprobs=[-0.1, -0.2], response_versions=[version] * 2
     )
     status = TrajectoryStatus.FAILED if failed else TrajectoryStatus.OK
     trajectories = [
         VersionedTrajectory(uid=f"p{i}/{k}", prompt_uid=f"p{i}", sequences=[seq], status=status) for k in range(2)
     ]
-    return TrajectoryGroup(prompt_uid=f"p{i}", trajectories=trajectories)
+    return VersionedGroup(prompt_uid=f"p{i}", trajectories=trajectories)
 
 
-def uids(groups: list[TrajectoryGroup]) -> list[str]:
+def uids(groups: list[VersionedGroup]) -> list[str]:
     return [g.prompt_uid for g in groups]
 
 

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from rllm.experimental.fully_async.algorithms.advantages import AdvantageConfig
 from rllm.experimental.fully_async.api.step_messages import Ack, Batch, BatchRequest
-from rllm.experimental.fully_async.api.trajectory import Sequence, TrajectoryGroup, VersionedTrajectory
+from rllm.experimental.fully_async.api.trajectory import VersionedGroup, VersionedSequence, VersionedTrajectory
 from rllm.experimental.fully_async.backends.fsdp import FSDPPolicyBackend, build_actor_config
 from rllm.experimental.fully_async.core.batch import groups_to_dataproto
 from rllm.experimental.fully_async.core.buffer import GroupBuffer
@@ -35,7 +35,7 @@ class LocalRollouts:
     """The rollout side's one-call contract (api.step_messages.RolloutSource) over a queue of groups, recording every
     request and acknowledgement. Stale-group handling is the service's, tested in test_rollout_service.py."""
 
-    def __init__(self, groups: list[TrajectoryGroup], closed: bool = False) -> None:
+    def __init__(self, groups: list[VersionedGroup], closed: bool = False) -> None:
         self.buffer = GroupBuffer(max_groups=1000)
         self.buffer.push(groups)
         if closed:
@@ -84,7 +84,7 @@ def _actor_cfg(lr: float = 1e-3):
     return cfg
 
 
-def _groups(backend: FSDPPolicyBackend | None, version: int, seed: int, prefix: str = "p") -> list[TrajectoryGroup]:
+def _groups(backend: FSDPPolicyBackend | None, version: int, seed: int, prefix: str = "p") -> list[VersionedGroup]:
     """Random prompts/responses; rollout log-probs from `backend` (on-policy) or constant (stale data)."""
     gen = torch.Generator().manual_seed(seed)
     groups = []
@@ -93,11 +93,11 @@ def _groups(backend: FSDPPolicyBackend | None, version: int, seed: int, prefix: 
         trajectories = []
         for i in range(SAMPLES):
             response = torch.randint(2, 32, (2 + (i % 3),), generator=gen).tolist()
-            seq = Sequence(prompt, response, [-1.0] * len(response), [version] * len(response))
+            seq = VersionedSequence(prompt, response, [-1.0] * len(response), [version] * len(response))
             trajectories.append(
                 VersionedTrajectory(f"{prefix}{g}/{i}", f"{prefix}{g}", [seq], reward=float((g + i) % 2))
             )
-        groups.append(TrajectoryGroup(f"{prefix}{g}", trajectories))
+        groups.append(VersionedGroup(f"{prefix}{g}", trajectories))
     if backend is not None:
         data = groups_to_dataproto(groups, pad_token_id=0, temperature=1.0)
         log_probs = backend.compute_log_prob(data)
@@ -256,7 +256,7 @@ def test_adaptive_staleness_moves_eta_at_a_sync_and_the_next_request_carries_it(
     assert trainer.state_dict()["staleness"] == {"eta": 2, "clear_streak": 0}
 
 
-def _stale_groups(backend: FSDPPolicyBackend, seed: int) -> list[TrajectoryGroup]:
+def _stale_groups(backend: FSDPPolicyBackend, seed: int) -> list[VersionedGroup]:
     """Groups whose rollout log-probs are the backend's plus noise: behaviour weights spread around 1, some > 2."""
     groups = _groups(backend, version=0, seed=seed)
     gen = torch.Generator().manual_seed(seed + 100)

@@ -12,7 +12,7 @@ from run_helpers import QUICK_WARMUP_STEPS
 from transformers import AutoTokenizer
 
 from rllm.experimental.fully_async.algorithms.gigpo import compute_gigpo
-from rllm.experimental.fully_async.api.trajectory import TrajectoryGroup, TrajectoryStatus
+from rllm.experimental.fully_async.api.trajectory import TrajectoryStatus, VersionedGroup
 from rllm.experimental.fully_async.core.batch import groups_to_dataproto
 from rllm.experimental.fully_async.data.prompts import PromptDataset, PromptIterator
 from rllm.experimental.fully_async.engines import EmbeddedEngineCommand, EngineLauncher
@@ -85,7 +85,7 @@ def test_group_of_episodes_on_a_real_engine_forms_gigpo_step_groups(assets, engi
             assert (
                 nxt.prompt_ids[: len(prev.prompt_ids) + len(prev.response_ids)] == prev.prompt_ids + prev.response_ids
             )
-    data = groups_to_dataproto([TrajectoryGroup(datum.prompt_uid, trajectories)], pad_token_id=0, temperature=1.0)
+    data = groups_to_dataproto([VersionedGroup(datum.prompt_uid, trajectories)], pad_token_id=0, temperature=1.0)
     nt = data.non_tensor_batch
     out = compute_gigpo(
         data.batch["token_level_rewards"],

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from workflow_helpers import Datum, ScriptedClient
 
-from rllm.experimental.fully_async.api.trajectory import TrajectoryGroup, TrajectoryStatus
+from rllm.experimental.fully_async.api.trajectory import TrajectoryStatus, VersionedGroup
 from rllm.experimental.fully_async.core.batch import groups_to_dataproto
 from rllm.experimental.fully_async.envs import EnvSpec
 from rllm.experimental.fully_async.envs.product import ProductEnv
@@ -50,7 +50,7 @@ def test_the_calculator_turns_the_problem_into_a_copy_and_only_model_turns_train
     assert traj.status == TrajectoryStatus.OK and traj.reward == 1.0 and traj.step_rewards == [0.0, 1.0]
     assert tok.decode(client.calls[1]) == "Q23*47=c[23*47]<eos>>1081:"  # the tool result as a tool message
     assert traj.metadata["steps"][0]["tool"] is True and traj.metadata["end_reason"] == "done"
-    data = groups_to_dataproto([TrajectoryGroup("p0", [traj])], pad_token_id=0, temperature=1.0)
+    data = groups_to_dataproto([VersionedGroup("p0", [traj])], pad_token_id=0, temperature=1.0)
     # two rows (turns); the tool result sits in the second row's prompt, never in a trained response
     assert data.batch["response_mask"].sum().item() == len("c[23*47]") + 1 + len("1081") + 1
     wrong = asyncio.run(

@@ -15,9 +15,9 @@ from workflow_helpers import ScriptedClient, datum
 
 from rllm.experimental.fully_async.algorithms.advantages import compute_advantages
 from rllm.experimental.fully_async.api.trajectory import (
-    Sequence,
-    TrajectoryGroup,
     TrajectoryStatus,
+    VersionedGroup,
+    VersionedSequence,
     VersionedTrajectory,
 )
 from rllm.experimental.fully_async.core.batch import groups_to_dataproto
@@ -132,7 +132,7 @@ def test_step_rewards_from_the_reward_function_land_on_their_turns_rows(tok, rew
     traj = asyncio.run(workflow.run(ScriptedClient(tok, ["+1", "+1", "+2"]), tok, datum(tok, 3, 7), 0))
     assert traj.status == TrajectoryStatus.OK and traj.metadata["end_reason"] == "done"
     assert traj.step_rewards == [0.1, 0.1, 1.0] and traj.reward == 1.0
-    data = groups_to_dataproto([TrajectoryGroup("p0", [traj])], pad_token_id=0, temperature=1.0)
+    data = groups_to_dataproto([VersionedGroup("p0", [traj])], pad_token_id=0, temperature=1.0)
     scores = data.batch["token_level_rewards"]
     for row, seq in enumerate(traj.sequences):
         # each turn's reward on its own row, on the last token of that turn's span
@@ -199,7 +199,7 @@ def test_an_episode_longer_than_the_models_context_is_refused_before_start(tmp_p
 # --- dumps and the viewer -----------------------------------------------------------------------------------------
 
 
-def _mixed_version_group(tok) -> TrajectoryGroup:
+def _mixed_version_group(tok) -> VersionedGroup:
     """Two episodes of one prompt; the first's second turn was resumed across a weight sync (versions 0 -> 1)."""
     trajectories = []
     for index, (second, versions) in enumerate((("+1", [0, 1, 1]), ("+2", [1, 1, 1]))):
@@ -207,15 +207,15 @@ def _mixed_version_group(tok) -> TrajectoryGroup:
         first = tok.encode("+3<eos>", add_special_tokens=False)
         observation = tok.encode("6>7:", add_special_tokens=False)
         sequences = [
-            Sequence(first_prompt, first, [-0.1] * 3, [0, 0, 0]),
-            Sequence(first_prompt + first + observation, tok.encode(f"{second}<eos>"), [-0.2] * 3, versions),
+            VersionedSequence(first_prompt, first, [-0.1] * 3, [0, 0, 0]),
+            VersionedSequence(first_prompt + first + observation, tok.encode(f"{second}<eos>"), [-0.2] * 3, versions),
         ]
         trajectory = VersionedTrajectory(f"p0/{index}", "p0", sequences, reward=float(index == 0))
         trajectory.step_rewards = [0.0, float(index == 0)]
         trajectory.step_state_hashes = ["a", "b"]
         trajectory.metadata["end_reason"] = "done" if index == 0 else "max_turns"
         trajectories.append(trajectory)
-    return TrajectoryGroup("p0", trajectories)
+    return VersionedGroup("p0", trajectories)
 
 
 def test_training_dump_holds_tokens_masks_versions_rewards_and_advantages_per_step(tmp_path, tok):

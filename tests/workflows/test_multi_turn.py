@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from workflow_helpers import ScriptedClient, datum
 
-from rllm.experimental.fully_async.api.trajectory import TrajectoryGroup, TrajectoryStatus
+from rllm.experimental.fully_async.api.trajectory import TrajectoryStatus, VersionedGroup
 from rllm.experimental.fully_async.core.batch import groups_to_dataproto
 from rllm.experimental.fully_async.envs import EnvSpec, state_hash
 from rllm.experimental.fully_async.tasks.number_line import build_tokenizer
@@ -67,7 +67,7 @@ def test_group_rows_share_state_hashes_where_states_repeat(tok):
     workflow = MultiTurnWorkflow(EnvSpec(name="number_line"), {"max_new_tokens": 3})
     scripts = [["+3", "+1"], ["+1", "+2", "+1"], ["-1", "+3", "+2"]]
     trajs = [run(workflow, ScriptedClient(tok, s), tok, datum(tok), i) for i, s in enumerate(scripts)]
-    data = groups_to_dataproto([TrajectoryGroup("p0", trajs)], pad_token_id=0, temperature=1.0)
+    data = groups_to_dataproto([VersionedGroup("p0", trajs)], pad_token_id=0, temperature=1.0)
     hashes = list(data.non_tensor_batch["state_hash"])
     assert len(hashes) == 8
     assert hashes.count(state_hash("3>7:")) == 3  # every trajectory's first step

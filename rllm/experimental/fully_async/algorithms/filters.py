@@ -4,7 +4,7 @@ Group-relative estimators (GRPO, RLOO, GiGPO) learn nothing from a group whose s
 every advantage is zero, the group only dilutes the batch. DAPO (arXiv 2503.14476, Sec. 3.2 "Dynamic Sampling")
 drops such groups and keeps sampling until the batch is full; slime does the same with its `dynamic_sampling_filter`.
 Responses that ran into the length limit carry a reward for text that was cut off; DAPO's "overlong filtering"
-(Sec. 3.4) keeps them out of the loss. This module does both on `TrajectoryGroup`s, before anything is tensorised.
+(Sec. 3.4) keeps them out of the loss. This module does both on `VersionedGroup`s, before anything is tensorised.
 
 Every function here is pure: lists in, a `FilterResult` out. Nothing is lost silently
 (docs/design.md#rule-nothing-lost-silently): each dropped trajectory comes back inside a `DroppedGroup` carrying a
@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Literal
 
-from rllm.experimental.fully_async.api.trajectory import TrajectoryGroup, VersionedTrajectory
+from rllm.experimental.fully_async.api.trajectory import VersionedGroup, VersionedTrajectory
 
 # Two rewards closer than this count as equal. Matches the epsilon verl's GRPO adds to the group std, so a group the
 # filter keeps is one where GRPO's normalisation is not dominated by that epsilon.
@@ -103,7 +103,7 @@ class DroppedGroup:
     was dropped it is the group itself.
     """
 
-    group: TrajectoryGroup
+    group: VersionedGroup
     reason: FilterReason
 
     @property
@@ -115,7 +115,7 @@ class DroppedGroup:
 class FilterResult:
     """What survived, and every drop with its reason. `num_input_*` count what went in."""
 
-    kept: tuple[TrajectoryGroup, ...]
+    kept: tuple[VersionedGroup, ...]
     dropped: tuple[DroppedGroup, ...]
     num_input_groups: int
     num_input_trajectories: int
@@ -152,7 +152,7 @@ class FilterResult:
         return metrics
 
 
-def _count_trajectories(groups: list[TrajectoryGroup] | tuple[TrajectoryGroup, ...]) -> int:
+def _count_trajectories(groups: list[VersionedGroup] | tuple[VersionedGroup, ...]) -> int:
     return sum(len(g.trajectories) for g in groups)
 
 
@@ -171,7 +171,7 @@ def _trajectory_length_reason(
 
 
 def drop_by_length(
-    groups: list[TrajectoryGroup] | tuple[TrajectoryGroup, ...],
+    groups: list[VersionedGroup] | tuple[VersionedGroup, ...],
     max_response_length: int,
     *,
     drop_truncated: bool = False,
@@ -182,7 +182,7 @@ def drop_by_length(
     A group dropped with scope "group" is recorded under the reason of its first offending trajectory. A group whose
     trajectories are all dropped with scope "trajectory" is not kept as an empty group.
     """
-    kept: list[TrajectoryGroup] = []
+    kept: list[VersionedGroup] = []
     dropped: list[DroppedGroup] = []
     for group in groups:
         reasons = [_trajectory_length_reason(t, max_response_length, drop_truncated) for t in group.trajectories]
@@ -203,7 +203,7 @@ def drop_by_length(
     return FilterResult(tuple(kept), tuple(dropped), len(groups), _count_trajectories(groups))
 
 
-def drop_small_groups(groups: list[TrajectoryGroup] | tuple[TrajectoryGroup, ...], min_group_size: int) -> FilterResult:
+def drop_small_groups(groups: list[VersionedGroup] | tuple[VersionedGroup, ...], min_group_size: int) -> FilterResult:
     """Drop groups with fewer than `min_group_size` trajectories."""
     kept = tuple(g for g in groups if len(g.trajectories) >= min_group_size)
     dropped = tuple(
@@ -212,14 +212,14 @@ def drop_small_groups(groups: list[TrajectoryGroup] | tuple[TrajectoryGroup, ...
     return FilterResult(kept, dropped, len(groups), _count_trajectories(groups))
 
 
-def has_zero_reward_variance(group: TrajectoryGroup, tol: float = REWARD_EQUAL_TOL) -> bool:
+def has_zero_reward_variance(group: VersionedGroup, tol: float = REWARD_EQUAL_TOL) -> bool:
     """True when max(reward) - min(reward) <= tol (always for groups of zero or one trajectory)."""
     rewards = group.rewards
     return len(rewards) < 2 or max(rewards) - min(rewards) <= tol
 
 
 def drop_zero_variance(
-    groups: list[TrajectoryGroup] | tuple[TrajectoryGroup, ...], tol: float = REWARD_EQUAL_TOL
+    groups: list[VersionedGroup] | tuple[VersionedGroup, ...], tol: float = REWARD_EQUAL_TOL
 ) -> FilterResult:
     """Drop groups whose rewards are all equal (DAPO dynamic sampling)."""
     kept = tuple(g for g in groups if not has_zero_reward_variance(g, tol))
@@ -229,9 +229,9 @@ def drop_zero_variance(
     return FilterResult(kept, dropped, len(groups), _count_trajectories(groups))
 
 
-def filter_groups(groups: list[TrajectoryGroup] | tuple[TrajectoryGroup, ...], config: FilterConfig) -> FilterResult:
+def filter_groups(groups: list[VersionedGroup] | tuple[VersionedGroup, ...], config: FilterConfig) -> FilterResult:
     """Run the configured stages in order (length, group size, reward variance); see the module docstring."""
-    current: tuple[TrajectoryGroup, ...] = tuple(groups)
+    current: tuple[VersionedGroup, ...] = tuple(groups)
     dropped: list[DroppedGroup] = []
     if config.max_response_length is not None:
         stage = drop_by_length(
@@ -246,7 +246,7 @@ def filter_groups(groups: list[TrajectoryGroup] | tuple[TrajectoryGroup, ...], c
     return FilterResult(current, tuple(dropped), len(groups), _count_trajectories(groups))
 
 
-GroupFilterFn = Callable[[list[TrajectoryGroup]], tuple[list[TrajectoryGroup], list[tuple[TrajectoryGroup, str]]]]
+GroupFilterFn = Callable[[list[VersionedGroup]], tuple[list[VersionedGroup], list[tuple[VersionedGroup, str]]]]
 
 
 def build_group_filter(config: FilterConfig | None) -> GroupFilterFn | None:
@@ -260,7 +260,7 @@ def build_group_filter(config: FilterConfig | None) -> GroupFilterFn | None:
     if config is None:
         return None
 
-    def group_filter(groups: list[TrajectoryGroup]) -> tuple[list[TrajectoryGroup], list[tuple[TrajectoryGroup, str]]]:
+    def group_filter(groups: list[VersionedGroup]) -> tuple[list[VersionedGroup], list[tuple[VersionedGroup, str]]]:
         result = filter_groups(groups, config)
         return list(result.kept), [(d.group, d.reason.value) for d in result.dropped]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from rllm.experimental.fully_async.api.trajectory import TrajectoryGroup, TrajectoryStatus
+from rllm.experimental.fully_async.api.trajectory import TrajectoryStatus, VersionedGroup
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,7 @@ class Ack:
     groups: int = 0
 
     @classmethod
-    def of(cls, groups: list[TrajectoryGroup]) -> Ack:
+    def of(cls, groups: list[VersionedGroup]) -> Ack:
         """The acknowledgement of a trained batch: its OK samples and its group count."""
         ids = tuple(t.uid for g in groups for t in g.trajectories if t.status == TrajectoryStatus.OK)
         return cls(ids, len(groups))
@@ -53,7 +53,7 @@ class Batch:
     ended and nothing is left.
     """
 
-    groups: list[TrajectoryGroup]
+    groups: list[VersionedGroup]
     status: Literal["ok", "timeout", "closed"]
     stale_groups: int  # groups dropped as too stale while serving this request (ledger: dropped_stale)
     wait_s: float  # time the service spent waiting for groups

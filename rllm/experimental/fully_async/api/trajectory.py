@@ -1,11 +1,11 @@
-"""Messages between the rollout side and the trainer: Sequence, VersionedTrajectory, TrajectoryGroup.
+"""Messages between the rollout side and the trainer: VersionedSequence, VersionedTrajectory, VersionedGroup.
 
 These are the only things that cross the MessageQueue. They carry token ids (never text) so the trainer
 trains on exactly what the engine produced, and every generated token carries the policy version that
 produced it (docs/design.md#rule-versions-on-every-token), which is what staleness is measured from.
 
 A VersionedTrajectory holds one or more Sequences so that a multi-turn agent (one model call per turn) fits
-without a redesign; a single-turn RLVR sample is a VersionedTrajectory with one Sequence.
+without a redesign; a single-turn RLVR sample is a VersionedTrajectory with one VersionedSequence.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class TrajectoryStatus(str, Enum):
 
 
 @dataclass
-class Sequence:
+class VersionedSequence:
     """One model call: a prompt and the response the engine generated for it.
 
     `response_logprobs`, `response_versions` and `loss_mask` have one entry per response token.
@@ -47,7 +47,8 @@ class Sequence:
         lengths = (len(self.response_logprobs), len(self.response_versions), len(self.loss_mask))
         if any(length != n for length in lengths):
             raise ValueError(
-                f"Sequence fields disagree in length: {n} response ids, logprobs/versions/loss_mask = {lengths}"
+                f"VersionedSequence fields disagree in length: {n} response ids, "
+                f"logprobs/versions/loss_mask = {lengths}"
             )
 
     @property
@@ -63,7 +64,7 @@ class VersionedTrajectory:
 
     uid: str  # unique per sample: f"{prompt_uid}/{sample_index}"
     prompt_uid: str
-    sequences: list[Sequence]
+    sequences: list[VersionedSequence]
     reward: float = 0.0
     status: TrajectoryStatus = TrajectoryStatus.OK
     failure_reason: str | None = None
@@ -83,7 +84,7 @@ class VersionedTrajectory:
 
 
 @dataclass
-class TrajectoryGroup:
+class VersionedGroup:
     """The n samples of one prompt; the unit the staleness budget and the queue count in."""
 
     prompt_uid: str

@@ -25,12 +25,12 @@ import numpy as np
 import torch
 from verl import DataProto
 
-from rllm.experimental.fully_async.api.trajectory import TrajectoryGroup, TrajectoryStatus
+from rllm.experimental.fully_async.api.trajectory import TrajectoryStatus, VersionedGroup
 
 PAD_VERSION = -1
 
 
-def trainable_trajectories(groups: Iterable[TrajectoryGroup]):
+def trainable_trajectories(groups: Iterable[VersionedGroup]):
     """The OK trajectories of the groups, in order (failed ones are accounted for by the caller)."""
     for group in groups:
         for trajectory in group.trajectories:
@@ -39,7 +39,7 @@ def trainable_trajectories(groups: Iterable[TrajectoryGroup]):
 
 
 def groups_to_dataproto(
-    groups: list[TrajectoryGroup], *, pad_token_id: int, temperature: float, max_response_length: int | None = None
+    groups: list[VersionedGroup], *, pad_token_id: int, temperature: float, max_response_length: int | None = None
 ) -> DataProto:
     """Assemble the rows described in the module docstring. Raises ValueError if there is nothing to train.
 

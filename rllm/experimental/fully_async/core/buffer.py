@@ -1,4 +1,4 @@
-"""GroupBuffer: the bounded FIFO of TrajectoryGroups between rollout and trainer, as plain bookkeeping.
+"""GroupBuffer: the bounded FIFO of VersionedGroups between rollout and trainer, as plain bookkeeping.
 
 Pure (docs/design.md#rule-functional-core): no asyncio, no Ray. It never blocks; it answers "how much fits" and "take
 exactly n". The rollout service's `runtime/rollout/message_queue.py` adds the waiting around it.
@@ -10,17 +10,17 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from rllm.experimental.fully_async.api.trajectory import TrajectoryGroup
+from rllm.experimental.fully_async.api.trajectory import VersionedGroup
 
 
 class GroupBuffer:
-    """A bounded FIFO of TrajectoryGroups with cumulative counts. Never blocks; not thread-safe (one owner)."""
+    """A bounded FIFO of VersionedGroups with cumulative counts. Never blocks; not thread-safe (one owner)."""
 
     def __init__(self, max_groups: int) -> None:
         if max_groups < 1:
             raise ValueError(f"max_groups must be >= 1, got {max_groups}")
         self.max_groups = max_groups
-        self._groups: deque[TrajectoryGroup] = deque()
+        self._groups: deque[VersionedGroup] = deque()
         self.closed = False
         self.total_put = 0
         self.total_got = 0
@@ -33,7 +33,7 @@ class GroupBuffer:
     def space(self) -> int:
         return self.max_groups - len(self._groups)
 
-    def push(self, groups: Sequence[TrajectoryGroup]) -> int:
+    def push(self, groups: Sequence[VersionedGroup]) -> int:
         """Append as many of `groups` (in order) as fit; return how many. Nothing is taken after close."""
         if self.closed:
             self.total_rejected_closed += len(groups)
@@ -43,7 +43,7 @@ class GroupBuffer:
         self.total_put += n
         return n
 
-    def pop(self, n: int) -> list[TrajectoryGroup]:
+    def pop(self, n: int) -> list[VersionedGroup]:
         """Remove and return the n oldest groups; ValueError if fewer are queued."""
         if n < 1 or n > len(self._groups):
             raise ValueError(f"cannot pop {n} groups from a buffer holding {len(self._groups)}")
@@ -51,10 +51,10 @@ class GroupBuffer:
         self.total_got += n
         return out
 
-    def remove_if(self, predicate: Callable[[TrajectoryGroup], bool]) -> list[TrajectoryGroup]:
+    def remove_if(self, predicate: Callable[[VersionedGroup], bool]) -> list[VersionedGroup]:
         """Remove and return the groups for which predicate holds (oldest first); the others keep their order."""
-        kept: deque[TrajectoryGroup] = deque()
-        removed: list[TrajectoryGroup] = []
+        kept: deque[VersionedGroup] = deque()
+        removed: list[VersionedGroup] = []
         for group in self._groups:
             (removed if predicate(group) else kept).append(group)
         self._groups = kept
@@ -63,7 +63,7 @@ class GroupBuffer:
     def close(self) -> None:
         self.closed = True
 
-    def snapshot(self) -> list[TrajectoryGroup]:
+    def snapshot(self) -> list[VersionedGroup]:
         return list(self._groups)
 
     def stats(self) -> dict[str, Any]:

@@ -4,7 +4,7 @@ Pure code (no Ray, no asyncio, no I/O): the RolloutExecutor, the trainer, the si
 same functions (docs/design.md#rule-functional-core). Modelled on AReaL's staleness manager.
 
 Units (defined once in core/versions.py). Everything counts **groups** (one prompt's n samples, a
-`TrajectoryGroup`); a **version** is one weight sync (the trainer bumps it once per sync, not per optimizer step),
+`VersionedGroup`); a **version** is one weight sync (the trainer bumps it once per sync, not per optimizer step),
 and `B` is the number of groups consumed per version: required_samples × trigger_parameter_sync_step.
 
 The rule (AReaL; docs/design.md#rule-hard-staleness-bound) — a new rollout starts only while
@@ -30,7 +30,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
-from rllm.experimental.fully_async.api.trajectory import TrajectoryGroup
+from rllm.experimental.fully_async.api.trajectory import VersionedGroup
 
 
 class VersionProvider(Protocol):
@@ -211,8 +211,8 @@ def is_too_stale(min_token_version: int | None, trainer_version: int, max_stalen
 
 
 class StalenessSplit(NamedTuple):
-    fresh: list[TrajectoryGroup]
-    too_stale: list[TrajectoryGroup]
+    fresh: list[VersionedGroup]
+    too_stale: list[VersionedGroup]
 
 
 class StalenessBounds:
@@ -259,10 +259,10 @@ class StalenessBounds:
     def is_too_stale(self, min_token_version: int | None, trainer_version: int) -> bool:
         return is_too_stale(min_token_version, trainer_version, self.bound(min_token_version))
 
-    def split(self, groups: Iterable[TrajectoryGroup], trainer_version: int) -> StalenessSplit:
+    def split(self, groups: Iterable[VersionedGroup], trainer_version: int) -> StalenessSplit:
         """(fresh, too_stale) by each group's oldest token and own bound, keeping the input order in each."""
-        fresh: list[TrajectoryGroup] = []
-        too_stale: list[TrajectoryGroup] = []
+        fresh: list[VersionedGroup] = []
+        too_stale: list[VersionedGroup] = []
         for group in groups:
             (too_stale if self.is_too_stale(group.min_version, trainer_version) else fresh).append(group)
         return StalenessSplit(fresh, too_stale)

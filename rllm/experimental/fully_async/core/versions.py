@@ -9,7 +9,7 @@ v·K+1 .. (v+1)·K. The engines are tagged with the version of the weights they 
 never assumed), and every generated token carries it. Staleness at training time = trainer version − the oldest
 token version of a group (docs/design.md#rule-versions-on-every-token); η (`max_staleness`) bounds it, in versions.
 
-**Groups and samples.** A *group* (`TrajectoryGroup`) is one prompt's n samples (`actor_rollout_ref.rollout.n`);
+**Groups and samples.** A *group* (`VersionedGroup`) is one prompt's n samples (`actor_rollout_ref.rollout.n`);
 a *sample* is one trajectory. rLLM/verl's `required_samples` counts groups (prompts) per optimizer step.
 
 **B, groups per version.** The staleness budget (core/staleness.py) counts groups per version:

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rllm.experimental.fully_async.api.progress import GenerationProgress
-from rllm.experimental.fully_async.api.trajectory import Sequence
+from rllm.experimental.fully_async.api.trajectory import VersionedSequence
 from rllm.experimental.fully_async.core.ids import sampling_seed_for
 from rllm.experimental.fully_async.engines.http import EngineError
 from rllm.experimental.fully_async.engines.lora import adapter_version
@@ -72,9 +72,9 @@ class GenerationResult:
     discarded_tokens: int = 0  # tokens thrown away by restarts from the prompt (partial_rollout=False)
     lora_path: str | None = None  # the LoRA adapter every piece named (None: the base model)
 
-    def to_sequence(self, prompt_ids: list[int]) -> Sequence:
+    def to_sequence(self, prompt_ids: list[int]) -> VersionedSequence:
         """The protocol message the trainer consumes."""
-        return Sequence(
+        return VersionedSequence(
             prompt_ids=list(prompt_ids),
             response_ids=list(self.output_ids),
             response_logprobs=list(self.logprobs),

@@ -28,7 +28,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from rllm.experimental.fully_async.api.trajectory import TrajectoryGroup, TrajectoryStatus, VersionedTrajectory
+from rllm.experimental.fully_async.api.trajectory import TrajectoryStatus, VersionedGroup, VersionedTrajectory
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ def write_episodes(directory: Path, step: int, episodes: Iterable[VersionedTraje
 
 
 def write_training_batch(
-    directory: Path, step: int, groups: list[TrajectoryGroup], data: Any, tokenizer: Any = None
+    directory: Path, step: int, groups: list[VersionedGroup], data: Any, tokenizer: Any = None
 ) -> Path:
     """Training dump: the batch's trajectories with the advantages of their rows (`data` is the DataProto the
     trainer assembled with core/batch.py, advantages written). Rows are matched by (traj_uid, step_index)."""

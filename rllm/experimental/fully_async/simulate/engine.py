@@ -42,7 +42,7 @@ class _Group:
     def __init__(self, n: int, accept: bool) -> None:
         self.remaining = n
         self.accept = accept
-        self.min_version: int | None = None  # read by StalenessBounds.split, as TrajectoryGroup.min_version
+        self.min_version: int | None = None  # read by StalenessBounds.split, as VersionedGroup.min_version
         self.tokens = 0
         self.mixed = 0
 

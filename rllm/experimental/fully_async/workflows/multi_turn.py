@@ -7,15 +7,15 @@ model turn is one `client.generate` call: its tokens carry their log-probs and t
 reported; a weight sync in the middle of a turn is resumed by the client (partial rollout), so one turn may hold
 tokens of two versions.
 
-How a trajectory maps onto Sequences (core/batch.py makes one training row per Sequence), `layout`:
+How a trajectory maps onto VersionedSequences (core/batch.py makes one training row per VersionedSequence), `layout`:
 
-- "per_step" (default; what GiGPO needs): one Sequence per model turn. Its `prompt_ids` are the whole conversation
-  before the turn (datum prompt, earlier turns, observations), its `response_ids` the turn's generated tokens, all
-  with loss mask 1. Observation and tool tokens are therefore never trained: they only ever sit in a prompt.
-  `step_rewards[t]` and `step_state_hashes[t]` belong to Sequence t, so batch rows, GiGPO steps and rewards line
-  up one to one. Cost: the prompt is re-encoded per step (quadratic in turns; fine for short episodes).
-- "concat": one Sequence for the whole episode: prompt = datum prompt + first observation, response = every turn
-  and every later observation, observation/tool tokens with loss mask 0 (log-prob 0, the version of the turn
+- "per_step" (default; what GiGPO needs): one VersionedSequence per model turn. Its `prompt_ids` are the whole
+  conversation before the turn (datum prompt, earlier turns, observations), its `response_ids` the turn's generated
+  tokens, all with loss mask 1. Observation and tool tokens are therefore never trained: they only ever sit in a prompt.
+  `step_rewards[t]` and `step_state_hashes[t]` belong to VersionedSequence t, so batch rows, GiGPO steps and rewards
+  line up one to one. Cost: the prompt is re-encoded per step (quadratic in turns; fine for short episodes).
+- "concat": one VersionedSequence for the whole episode: prompt = datum prompt + first observation, response = every
+  turn and every later observation, observation/tool tokens with loss mask 0 (log-prob 0, the version of the turn
   before). Linear cost, but one row: `step_rewards` is [total] and GiGPO's step level has one step per trajectory
   (it reduces to GRPO). Use it for long episodes trained with GRPO.
 The layout changes rows, never credit: the estimators treat a trajectory's rows as one sample
@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rllm.experimental.fully_async.api.progress import ENV_NOT_RESTORED, GenerationProgress, SampleProgress
-from rllm.experimental.fully_async.api.trajectory import Sequence, TrajectoryStatus, VersionedTrajectory
+from rllm.experimental.fully_async.api.trajectory import TrajectoryStatus, VersionedSequence, VersionedTrajectory
 from rllm.experimental.fully_async.api.workflow import GenerationClient
 from rllm.experimental.fully_async.engines.client import EngineHTTPError, GenerationResult
 from rllm.experimental.fully_async.envs.base import EnvSpec, state_hash
@@ -406,9 +406,9 @@ class MultiTurnWorkflow:
         return trajectory
 
     @staticmethod
-    def _per_step(episode: _Episode) -> list[Sequence]:
+    def _per_step(episode: _Episode) -> list[VersionedSequence]:
         return [
-            Sequence(
+            VersionedSequence(
                 prompt_ids=episode.context[:start],
                 response_ids=list(result.output_ids),
                 response_logprobs=list(result.logprobs),
@@ -420,7 +420,7 @@ class MultiTurnWorkflow:
         ]
 
     @staticmethod
-    def _concat(episode: _Episode) -> list[Sequence]:
+    def _concat(episode: _Episode) -> list[VersionedSequence]:
         if not episode.turns:
             return []
         begin = episode.first_obs_end
@@ -435,7 +435,7 @@ class MultiTurnWorkflow:
             for j in range(start + len(result.output_ids), step["obs_end"]):
                 versions[j - begin] = version
         return [
-            Sequence(
+            VersionedSequence(
                 prompt_ids=episode.context[:begin],
                 response_ids=response,
                 response_logprobs=logprobs,

@@ -27,7 +27,7 @@ this project's workflow (`run(client, tokenizer, datum, sample_index) -> Version
 |                                        | become one row, the tokens between turns mask 0), each row's prompt   |
 |                                        | cut at data.max_prompt_length by `resize_prompt_length` (the rest     |
 |                                        | joins the response, mask 0), its response cut at                      |
-|                                        | data.max_response_length; then one `api.trajectory.Sequence` per row, |
+|                                        | data.max_response_length; then one `VersionedSequence` per row,       |
 |                                        | `response_masks` -> `loss_mask`, per-token versions from              |
 |                                        | `to_sequence()` (else `start_version` for every token). With          |
 |                                        | `metadata["step_rewards"]` (per-step credit) there is no merge: one   |
@@ -61,7 +61,7 @@ from typing import Any
 import numpy as np
 
 from rllm.experimental.fully_async.api.token_ids import token_ids
-from rllm.experimental.fully_async.api.trajectory import Sequence, TrajectoryStatus, VersionedTrajectory
+from rllm.experimental.fully_async.api.trajectory import TrajectoryStatus, VersionedSequence, VersionedTrajectory
 from rllm.experimental.fully_async.api.workflow import GenerationClient
 from rllm.experimental.fully_async.client import DEFAULT_MAX_TOKENS, SAMPLE_UID, RolloutClient
 from rllm.experimental.fully_async.protocol import Sequence as RllmSequence
@@ -117,14 +117,14 @@ def _wrapped(row: dict[str, Any]) -> dict[str, Any]:
     return wrapped
 
 
-def _to_sequence(seq: Any) -> Sequence:
+def _to_sequence(seq: Any) -> VersionedSequence:
     """One training row from an rLLM sequence (ids re-read: a user may have assigned any accepted form)."""
     response_ids = token_ids(seq.response_ids, "Sequence.response_ids")
     n = len(response_ids)
     versions = getattr(seq, "response_versions", None)
     if versions is None or len(versions) != n:
         versions = [int(seq.start_version or 0)] * n
-    return Sequence(
+    return VersionedSequence(
         prompt_ids=token_ids(seq.prompt_ids, "Sequence.prompt_ids"),
         response_ids=response_ids,
         response_logprobs=[float(x) for x in seq.response_logprobs],

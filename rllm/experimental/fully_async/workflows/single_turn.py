@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rllm.experimental.fully_async.api.progress import SampleProgress
-from rllm.experimental.fully_async.api.trajectory import Sequence, TrajectoryStatus, VersionedTrajectory
+from rllm.experimental.fully_async.api.trajectory import TrajectoryStatus, VersionedSequence, VersionedTrajectory
 from rllm.experimental.fully_async.api.workflow import BatchGenerationClient, GenerationClient
 from rllm.experimental.fully_async.workflows.base import RewardFn, score_safely
 
@@ -61,7 +61,7 @@ class SingleTurnWorkflow:
 
     async def _scored(self, tokenizer: Any, datum: Any, uid: str, result: Any) -> VersionedTrajectory:
         """The trajectory of one generation, with its reward or the reason it has none."""
-        sequence = Sequence(
+        sequence = VersionedSequence(
             prompt_ids=list(datum.prompt_ids),
             response_ids=list(result.output_ids),
             response_logprobs=list(result.logprobs),

@@ -4,7 +4,7 @@ made of these parts; each actor writes its own part with the writers here.
 
 What goes into the files is checked before anything is written: a trainer part must come back from
 torch.load(weights_only=True) (which cannot run code), a rollout/queue/meta part from JSON unchanged; either raises
-TypeError naming the offending place (e.g. ``rollout['ledger'][3]``). The queue part is TrajectoryGroups as JSON
+TypeError naming the offending place (e.g. ``rollout['ledger'][3]``). The queue part is VersionedGroups as JSON
 objects (dataclasses.asdict one way, the dataclasses rebuilt the other): a field the dataclass no longer has is an
 error, a missing one takes its default. Each part's writer returns its manifest entry ({bytes, sha256}), hashing
 what it writes rather than reading it back.
@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from rllm.experimental.fully_async.api.trajectory import (
-    Sequence,
-    TrajectoryGroup,
     TrajectoryStatus,
+    VersionedGroup,
+    VersionedSequence,
     VersionedTrajectory,
 )
 
@@ -109,30 +109,30 @@ def json_bytes(value: Any, where: str) -> bytes:
     return json.dumps(value, separators=(",", ":")).encode()
 
 
-def group_to_json(group: TrajectoryGroup) -> dict[str, Any]:
+def group_to_json(group: VersionedGroup) -> dict[str, Any]:
     """One queued group as a JSON object (dataclasses.asdict, with each status enum as its value)."""
-    if not isinstance(group, TrajectoryGroup):
-        raise TypeError(f"the queue part must hold TrajectoryGroup objects, got a {type(group).__qualname__}")
+    if not isinstance(group, VersionedGroup):
+        raise TypeError(f"the queue part must hold VersionedGroup objects, got a {type(group).__qualname__}")
     doc = dataclasses.asdict(group)
     for trajectory in doc["trajectories"]:
         trajectory["status"] = TrajectoryStatus(trajectory["status"]).value
     return doc
 
 
-def group_from_json(doc: Any, where: str) -> TrajectoryGroup:
+def group_from_json(doc: Any, where: str) -> VersionedGroup:
     """Rebuild a group from `group_to_json`'s object; a malformed one raises TypeError or ValueError."""
-    fields = _known_fields(TrajectoryGroup, doc, where)
+    fields = _known_fields(VersionedGroup, doc, where)
     fields["trajectories"] = [
         _trajectory_from_json(item, f"{where}.trajectories[{index}]")
         for index, item in enumerate(fields.get("trajectories", []))
     ]
-    return TrajectoryGroup(**fields)
+    return VersionedGroup(**fields)
 
 
 def _trajectory_from_json(doc: Any, where: str) -> VersionedTrajectory:
     fields = _known_fields(VersionedTrajectory, doc, where)
     fields["sequences"] = [
-        Sequence(**_known_fields(Sequence, item, f"{where}.sequences[{index}]"))
+        VersionedSequence(**_known_fields(VersionedSequence, item, f"{where}.sequences[{index}]"))
         for index, item in enumerate(fields.get("sequences", []))
     ]
     if "status" in fields:
@@ -197,7 +197,7 @@ def manifest_entries(directory: str | Path, *, rank: int = 0, world: int = 1) ->
     }
 
 
-def encode_rollout_part(rollout: dict[str, Any], queue: list[TrajectoryGroup]) -> dict[str, bytes]:
+def encode_rollout_part(rollout: dict[str, Any], queue: list[VersionedGroup]) -> dict[str, bytes]:
     """The rollout part's files as bytes, checked (TypeError names a value JSON would not return unchanged)."""
     return {
         ROLLOUT_FILE: json_bytes(rollout, "rollout"),
@@ -205,7 +205,7 @@ def encode_rollout_part(rollout: dict[str, Any], queue: list[TrajectoryGroup]) -
     }
 
 
-def write_rollout_part(directory: Path, rollout: dict[str, Any], queue: list[TrajectoryGroup]) -> dict[str, Any]:
+def write_rollout_part(directory: Path, rollout: dict[str, Any], queue: list[VersionedGroup]) -> dict[str, Any]:
     """Write rollout.json and queue.json (fsynced) into `directory`; returns their manifest entries."""
     return {
         name: write_bytes(Path(directory) / name, data) for name, data in encode_rollout_part(rollout, queue).items()

@@ -12,7 +12,7 @@ On-disk layout (one directory per step under `root`):
         rollout.json          the rollout part (iterator position, sample ledger, staleness counters, version, and
                               each generating sample's progress: tokens so far, an agent's episode; or, where JSON
                               cannot hold it, its token count under in_flight_unsaved; executor.py)
-        queue.json            the queued TrajectoryGroups as JSON (dataclasses.asdict), rebuilt into dataclasses
+        queue.json            the queued VersionedGroups as JSON (dataclasses.asdict), rebuilt into dataclasses
         meta.json             format_version, step, saved_at (wall time), plus the caller's meta (version,
                               config_hash, ...)
         COMPLETE              written last: the manifest {file: {bytes, sha256}} of every file above (shards as
@@ -83,7 +83,7 @@ from typing import Any, Literal
 import torch
 
 from rllm.experimental.fully_async.api.trajectory import (
-    TrajectoryGroup,
+    VersionedGroup,
 )
 from rllm.experimental.fully_async.errors import FullyAsyncError
 from rllm.experimental.fully_async.runtime.checkpoints.format import (
@@ -137,7 +137,7 @@ class Checkpoint:
     meta: dict[str, Any]  # format_version, step, saved_at and the caller's keys (version, config_hash, ...)
     trainer: dict[str, Any]  # as given to save; tensors on CPU
     rollout: dict[str, Any]
-    queue: list[TrajectoryGroup]
+    queue: list[VersionedGroup]
 
 
 class CheckpointManager:
@@ -173,7 +173,7 @@ class CheckpointManager:
         *,
         trainer: dict[str, Any],
         rollout: dict[str, Any],
-        queue: list[TrajectoryGroup],
+        queue: list[VersionedGroup],
         meta: dict[str, Any],
     ) -> Path:
         """Write one checkpoint atomically and return its directory `root/step_{step:08d}`.
@@ -431,7 +431,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     return Checkpoint(path=path, step=meta["step"], meta=meta, trainer=trainer, rollout=rollout, queue=queue)
 
 
-def _queue_from_json(doc: Any, file: Path) -> list[TrajectoryGroup]:
+def _queue_from_json(doc: Any, file: Path) -> list[VersionedGroup]:
     if not isinstance(doc, list):
         raise CheckpointError(f"{file} must hold a list of groups")
     try:

@@ -30,7 +30,7 @@ from typing import Any
 from rllm.experimental.fully_async.api.progress import (
     SampleProgress,
 )
-from rllm.experimental.fully_async.api.trajectory import TrajectoryGroup, TrajectoryStatus, VersionedTrajectory
+from rllm.experimental.fully_async.api.trajectory import TrajectoryStatus, VersionedGroup, VersionedTrajectory
 from rllm.experimental.fully_async.api.workflow import resumes_samples
 from rllm.experimental.fully_async.core.ids import SampleId
 from rllm.experimental.fully_async.core.ledger import SampleLedger
@@ -98,7 +98,7 @@ class RolloutExecutor:
         client: Any,  # client.EngineClient
         tokenizer: Any,
         queue: MessageQueue,
-        group_filter: Any | None = None,  # callable(list[TrajectoryGroup]) -> (kept, [(group, reason)])
+        group_filter: Any | None = None,  # callable(list[VersionedGroup]) -> (kept, [(group, reason)])
         ledger: SampleLedger | None = None,
         version: int = 0,
     ) -> None:
@@ -249,7 +249,7 @@ class RolloutExecutor:
             records = [self._progress[uid] for uid in uids] if self.resumable else None
             results = await self._run_samples(datum, indexes, records)
             trajectories = [self._as_trajectory(datum, i, result) for i, result in zip(indexes, results, strict=True)]
-            group = TrajectoryGroup(
+            group = VersionedGroup(
                 prompt_uid=datum.prompt_uid,
                 trajectories=trajectories,
                 data_source=getattr(datum, "data_source", ""),
@@ -319,7 +319,7 @@ class RolloutExecutor:
             uid=uid, prompt_uid=datum.prompt_uid, sequences=[], status=TrajectoryStatus.FAILED, failure_reason=reason
         )
 
-    def _accept(self, group: TrajectoryGroup) -> bool:
+    def _accept(self, group: VersionedGroup) -> bool:
         """Ledger the failures, apply the group filter, queue what is left. Returns whether a group was queued."""
         ok = []
         for trajectory in group.trajectories:
@@ -351,7 +351,7 @@ class RolloutExecutor:
 
     # ---- checkpoint ----------------------------------------------------------------------------------------
 
-    def checkpoint_state(self) -> tuple[dict[str, Any], list[TrajectoryGroup]]:
+    def checkpoint_state(self) -> tuple[dict[str, Any], list[VersionedGroup]]:
         """This executor's state and every finished, untrained group (queued or in the backlog).
 
         Taken in one synchronous call on the service's loop, so nothing moves meanwhile: the ledger's in-flight
@@ -366,7 +366,7 @@ class RolloutExecutor:
         records = list(self._progress.values()) + [r for _, _, saved in self._reissue for r in saved.values()]
         return saved_progress(records)
 
-    def load_state_dict(self, state: dict[str, Any], queued: list[TrajectoryGroup] | None = None) -> None:
+    def load_state_dict(self, state: dict[str, Any], queued: list[VersionedGroup] | None = None) -> None:
         """Restore a checkpoint. Samples in flight that are not in `queued` are run again, first, each from its saved
         progress when there is one (module docstring)."""
         self.version = int(state["version"])

@@ -1,4 +1,4 @@
-"""MessageQueue: the bounded queue of finished TrajectoryGroups inside the rollout service, with its waits.
+"""MessageQueue: the bounded queue of finished VersionedGroups inside the rollout service, with its waits.
 
 `core/buffer.GroupBuffer` is the bookkeeping (bounded FIFO, counters, statistics); this class adds what needs an
 event loop, and lives in the rollout service's process next to the executor that fills it and the `take_batch`
@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from rllm.experimental.fully_async.api.trajectory import TrajectoryGroup
+from rllm.experimental.fully_async.api.trajectory import VersionedGroup
 from rllm.experimental.fully_async.core.buffer import GroupBuffer
 
 logger = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class GetResult:
-    groups: list[TrajectoryGroup]
+    groups: list[VersionedGroup]
     status: Literal["ok", "timeout", "closed"]  # "ok" also covers a short drain after close (len < n)
 
 
@@ -43,7 +43,7 @@ class MessageQueue:
 
     def __init__(self, max_groups: int) -> None:
         self.buffer = GroupBuffer(max_groups)
-        self._backlog: deque[TrajectoryGroup] = deque()
+        self._backlog: deque[VersionedGroup] = deque()
         self._closing = False
         self._changed: asyncio.Event | None = None  # replaced at each change: every waiter of the old one wakes
         self._listeners: list[Callable[[], None]] = []
@@ -72,21 +72,21 @@ class MessageQueue:
     def subscribe(self, callback: Callable[[], None]) -> None:
         self._listeners.append(callback)
 
-    def put(self, groups: Sequence[TrajectoryGroup]) -> None:
+    def put(self, groups: Sequence[VersionedGroup]) -> None:
         if self._closing:
             self.buffer.total_rejected_closed += len(groups)
             return
         self._backlog.extend(groups)
         self._refill()
 
-    def pop(self, n: int) -> list[TrajectoryGroup]:
+    def pop(self, n: int) -> list[VersionedGroup]:
         groups = self.buffer.pop(n)
         self._refill()
         return groups
 
-    def remove_if(self, predicate: Callable[[TrajectoryGroup], bool]) -> list[TrajectoryGroup]:
+    def remove_if(self, predicate: Callable[[VersionedGroup], bool]) -> list[VersionedGroup]:
         removed = self.buffer.remove_if(predicate)
-        kept: deque[TrajectoryGroup] = deque()
+        kept: deque[VersionedGroup] = deque()
         for group in self._backlog:
             (removed if predicate(group) else kept).append(group)
         self._backlog = kept
@@ -147,7 +147,7 @@ class MessageQueue:
 
     # ---- reports ---------------------------------------------------------------------------------------------
 
-    def snapshot(self) -> list[TrajectoryGroup]:
+    def snapshot(self) -> list[VersionedGroup]:
         """Every finished, untrained group (queued, then backlog), oldest first, left in place (for a checkpoint)."""
         return self.buffer.snapshot() + list(self._backlog)
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rllm.experimental.fully_async.api.step_messages import Ack, Batch, BatchRequest
-from rllm.experimental.fully_async.api.trajectory import TrajectoryGroup
+from rllm.experimental.fully_async.api.trajectory import VersionedGroup
 from rllm.experimental.fully_async.observe.metrics_sink import prefixed
 from rllm.experimental.fully_async.runtime.checkpoints.format import write_rollout_part
 from rllm.experimental.fully_async.runtime.rollout.executor import RolloutExecutor
@@ -142,7 +142,7 @@ class RolloutService:
 
     def _drop_stale(self, version: int) -> int:
         """Remove every queued group staler at `version` than its bound; ledger it and free its budget slot."""
-        stale: list[TrajectoryGroup] = self.queue.remove_if(
+        stale: list[VersionedGroup] = self.queue.remove_if(
             lambda g: self.executor.staleness.bounds.is_too_stale(g.min_version, version)
         )
         if stale:
@@ -174,10 +174,10 @@ class RolloutService:
             | prefixed("rollout", rollout)
         )
 
-    def checkpoint_state(self) -> tuple[dict[str, Any], list[TrajectoryGroup]]:
+    def checkpoint_state(self) -> tuple[dict[str, Any], list[VersionedGroup]]:
         return self.executor.checkpoint_state()
 
-    async def collected_checkpoint_state(self) -> tuple[dict[str, Any], list[TrajectoryGroup]]:
+    async def collected_checkpoint_state(self) -> tuple[dict[str, Any], list[VersionedGroup]]:
         """`checkpoint_state` with every sample's tokens up to now in it (token-level resume).
 
         Tokens reach the rollout side when a /generate call returns, which for a long generation may be long after

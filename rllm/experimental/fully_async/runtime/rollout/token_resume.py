@@ -36,7 +36,7 @@ from rllm.experimental.fully_async.api.progress import (
     WORKFLOW_NOT_RESUMABLE,
     SampleProgress,
 )
-from rllm.experimental.fully_async.api.trajectory import TrajectoryGroup
+from rllm.experimental.fully_async.api.trajectory import VersionedGroup
 from rllm.experimental.fully_async.core.ids import SampleId, prompt_uid
 from rllm.experimental.fully_async.data.prompts import PromptDatum
 from rllm.experimental.fully_async.runtime.checkpoints.format import check_json
@@ -93,7 +93,7 @@ def restore_progress(
 def reissue_plan(
     state: dict[str, Any],
     in_flight_uids: Iterable[str],
-    queued: Sequence[TrajectoryGroup],
+    queued: Sequence[VersionedGroup],
     dataset: Iterable[Any],
     *,
     resumable: bool,

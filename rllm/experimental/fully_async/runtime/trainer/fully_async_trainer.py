@@ -36,7 +36,7 @@ import torch
 
 from rllm.experimental.fully_async.api.policy_backend import PolicyBackend
 from rllm.experimental.fully_async.api.step_messages import Ack, BatchRequest, RolloutSource
-from rllm.experimental.fully_async.api.trajectory import TrajectoryGroup, TrajectoryStatus
+from rllm.experimental.fully_async.api.trajectory import TrajectoryStatus, VersionedGroup
 from rllm.experimental.fully_async.core.adaptive_staleness import OffPolicySignals, StalenessController
 from rllm.experimental.fully_async.core.batch import PAD_VERSION, groups_to_dataproto
 from rllm.experimental.fully_async.core.versions import is_sync_step
@@ -111,7 +111,7 @@ class FullyAsyncTrainer:
 
     # ------------------------------------------------------------------------------------------------------
 
-    def take_batch(self) -> tuple[list[TrajectoryGroup], dict[str, float]]:
+    def take_batch(self) -> tuple[list[VersionedGroup], dict[str, float]]:
         """One request for `required_samples` fresh groups, acknowledging the previous batch. Returns the groups
         (fewer only when the rollouts have ended) and metrics, including the rollout side's statistics."""
         need = self.settings.required_samples
@@ -379,7 +379,7 @@ class _Stopwatch:
         return elapsed
 
 
-def _batch_metrics(groups: list[TrajectoryGroup], data: Any) -> dict[str, float]:
+def _batch_metrics(groups: list[VersionedGroup], data: Any) -> dict[str, float]:
     rewards = [t.reward for g in groups for t in g.trajectories if t.status == TrajectoryStatus.OK]
     mask = data.batch["response_mask"]
     versions = data.batch["response_versions"]

@@ -14,7 +14,7 @@ Layout, under `RUN_DIR/record/`:
                           files: {name: sha256}} for a fresh start}
     steps/00000001.pt     one file per optimizer step, torch.save of plain types (read back with weights_only):
                           {format, segment, step, version, threads, device, rng: {process, ranks},
-                          groups: [the TrajectoryGroups as the trainer received them, as JSON objects
+                          groups: [the VersionedGroups as the trainer received them, as JSON objects
                           (checkpoints/store.py group_to_json: every float kept exactly)]}
 
 A resume cuts the record at the checkpoint it resumed from (steps after it are trained again, as the ledger's
@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from rllm.experimental.fully_async.api.trajectory import TrajectoryGroup
+from rllm.experimental.fully_async.api.trajectory import VersionedGroup
 from rllm.experimental.fully_async.errors import EXIT_BAD_INPUT, FullyAsyncError
 from rllm.experimental.fully_async.runtime.checkpoints.format import file_sha256, group_from_json, group_to_json
 from rllm.experimental.fully_async.runtime.checkpoints.trainer_state import capture_rng_state, restore_rng_state
@@ -95,7 +95,7 @@ class RecordedStep:
     threads: int
     device: str
     rng: dict[str, Any]
-    groups: list[TrajectoryGroup]
+    groups: list[VersionedGroup]
 
 
 def step_file(directory: Path, step: int) -> Path:
@@ -177,7 +177,7 @@ class BatchRecorder:
         ranks = self.backend.rng_states() if hasattr(self.backend, "rng_states") else None
         return {"process": capture_rng_state(), "ranks": ranks}
 
-    def write(self, step: int, version: int, groups: list[TrajectoryGroup]) -> Path:
+    def write(self, step: int, version: int, groups: list[VersionedGroup]) -> Path:
         """One step's file (module docstring), written under a temporary name and renamed into place."""
         doc = {
             "format": RECORD_FORMAT,
