@@ -16,7 +16,7 @@ from rllm.experimental.fully_async.tasks.number_line import build_tokenizer
 from rllm.experimental.fully_async.workers import WorkerPool
 from rllm.experimental.fully_async.workflows import IsolatedReward, MultiTurnWorkflow, build_workflow, load_reward_fn
 from rllm.experimental.fully_async.workflows.rllm_compat import RllmRolloutWorkflow
-from rllm.experimental.fully_async.workflows.tools import ToolBox, ToolCall
+from rllm.experimental.fully_async.workflows.tools import ToolBox, ToolInvocation
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples" / "agents"
@@ -56,9 +56,9 @@ def test_the_example_env_and_step_reward_play_an_episode_in_the_worker_pool(in_r
 def test_the_example_tool_answers_through_the_pool(tok, pool):
     tools = ToolBox({"distance": f"{EXAMPLES / 'my_tool.py'}:distance"}, format="compact", timeout_s=10.0)
     call = tools.parse("distance[3>7]")
-    assert call == ToolCall("distance", ("3>7",))
+    assert call == ToolInvocation("distance", ("3>7",))
     assert asyncio.run(tools.run(call, pool)) == "4"
-    assert asyncio.run(tools.run(ToolCall("distance", ("x",)), pool)).startswith("error: ValueError")
+    assert asyncio.run(tools.run(ToolInvocation("distance", ("x",)), pool)).startswith("error: ValueError")
 
 
 def test_the_example_workflow_class_and_rllm_function_load_by_path(in_repo, tok):

@@ -27,7 +27,7 @@ from typing import Any, Literal
 from rllm.experimental.fully_async.tools.calculator import calculator
 from rllm.experimental.fully_async.workers.pool import IsolatedCallError, WorkerPool
 
-__all__ = ["BUILTIN_TOOLS", "ToolBox", "ToolCall", "ToolError", "calculator", "parse_tool_call"]
+__all__ = ["BUILTIN_TOOLS", "ToolBox", "ToolError", "ToolInvocation", "calculator", "parse_tool_call"]
 
 CallFormat = Literal["hermes", "compact"]
 # In a light module of their own: a worker imports the tool's module inside the call's time limit.
@@ -47,19 +47,22 @@ class ToolError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class ToolCall:
+class ToolInvocation:
+    """A call to one of this project's built-in tools, as parsed from a turn (rLLM's `ToolCall`, with a dict of
+    arguments, lives in `rllm.tools.tool_base` for rLLM programs)."""
+
     name: str
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-def parse_tool_call(text: str, fmt: CallFormat, known: set[str]) -> ToolCall | None:
+def parse_tool_call(text: str, fmt: CallFormat, known: set[str]) -> ToolInvocation | None:
     """The call a turn makes, or None when the turn is not a call to a known tool (then it is an env action)."""
     if fmt == "compact":
         match = _COMPACT.match(text)
         if match is None or match.group(1) not in known:
             return None
-        return ToolCall(match.group(1), (match.group(2),))
+        return ToolInvocation(match.group(1), (match.group(2),))
     match = _HERMES.search(text)
     if match is None:
         return None
@@ -75,7 +78,7 @@ def parse_tool_call(text: str, fmt: CallFormat, known: set[str]) -> ToolCall | N
             arguments = json.loads(arguments)
         except ValueError:
             return None
-    return ToolCall(str(body["name"]), (), dict(arguments)) if isinstance(arguments, dict) else None
+    return ToolInvocation(str(body["name"]), (), dict(arguments)) if isinstance(arguments, dict) else None
 
 
 @dataclass
@@ -93,10 +96,10 @@ class ToolBox:
             raise ValueError(f"tools.timeout_s must be > 0, got {self.timeout_s}")
         self.functions = {name: BUILTIN_TOOLS.get(ref, ref) for name, ref in self.functions.items()}
 
-    def parse(self, text: str) -> ToolCall | None:
+    def parse(self, text: str) -> ToolInvocation | None:
         return parse_tool_call(text, self.format, set(self.functions))
 
-    async def run(self, call: ToolCall, pool: WorkerPool | None) -> str:
+    async def run(self, call: ToolInvocation, pool: WorkerPool | None) -> str:
         """The tool's answer as text; "error: ..." when it raised; ToolError on a timeout or a crash."""
         reference = self.functions[call.name]
         if pool is None:
