@@ -30,6 +30,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
+import pyarrow as pa
+import pyarrow.ipc as ipc
+import pyarrow.parquet as pq
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_RLLM_HOME = "~/.rllm"
@@ -107,17 +112,10 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
         with open(path, encoding="utf-8") as f:
             return [json.loads(line) for line in f if line.strip()]
     if suffix == ".csv":
-        import pandas as pd
-
         return pd.read_csv(path).to_dict("records")
     if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
         return pq.read_table(path).to_pylist()
     if suffix == ".arrow":
-        import pyarrow as pa
-        import pyarrow.ipc as ipc
-
         with pa.OSFile(path, "rb") as f:
             return ipc.open_file(f).read_all().to_pylist()
     raise ValueError(f"Unsupported file format: {suffix} ({path}); use .parquet, .arrow, .json, .jsonl or .csv")
@@ -194,7 +192,6 @@ class DatasetRegistry:
     ) -> Dataset:
         """Store `data` (a list of dicts, or anything with `to_pandas()`, such as a Hugging Face dataset) as
         `name`'s `split`, replacing an earlier registration of that split."""
-        import pandas as pd
 
         rows = data.to_pandas().to_dict("records") if callable(getattr(data, "to_pandas", None)) else data
         folder = cls.datasets_dir() / name
@@ -332,8 +329,6 @@ def _binary_columns(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def _write_arrow(rows: list[dict[str, Any]], path: str) -> None:
-    import pyarrow as pa
-    import pyarrow.ipc as ipc
 
     table = pa.Table.from_pylist(rows) if rows else pa.table({})
     with pa.OSFile(path, "wb") as f, ipc.new_file(f, table.schema) as writer:

@@ -42,6 +42,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rllm.experimental.fully_async.api.token_ids import token_ids
+from rllm.experimental.fully_async.engines.client import EngineClient
 from rllm.experimental.fully_async.message_utils import parse_response
 from rllm.experimental.fully_async.protocol import OutputChunk, OutputWithVersion
 from rllm.parser.tool_parser import QwenToolParser, R1ToolParser, ToolParser
@@ -66,8 +67,6 @@ class RolloutClient:
         pause_timeout_s: float = 600.0,
     ) -> None:
         if isinstance(router_url, str):
-            from rllm.experimental.fully_async.engines.client import EngineClient
-
             self.router_url: str | None = router_url.rstrip("/")
             self.engine: Any = EngineClient([self.router_url], max_connections=max_concurrency)
             self._owns_engine = True

@@ -37,7 +37,13 @@ import sys
 import time
 from typing import Any
 
+import cloudpickle
+
+from rllm.experimental.fully_async.api.rollout_functions import RolloutFunctions
 from rllm.experimental.fully_async.errors import FullyAsyncError, first_line
+from rllm.experimental.fully_async.runtime.run.driver import train
+from rllm.experimental.fully_async.runtime.run.run_dir import RunFinished
+from rllm.experimental.fully_async.settings.rllm_program import program_config
 
 __all__ = ["AsyncAgentTrainer"]
 
@@ -83,12 +89,6 @@ class AsyncAgentTrainer:
     def train(self) -> Any:
         """Train to the end (`trainer.total_training_steps`, or `rollout.total_rollout_steps` prompts); returns the
         run's summary. A configuration or data error prints one line and exits with status 2, as the CLI does."""
-        import cloudpickle
-
-        from rllm.experimental.fully_async.api.rollout_functions import RolloutFunctions
-        from rllm.experimental.fully_async.runtime.run.driver import train
-        from rllm.experimental.fully_async.runtime.run.run_dir import RunFinished
-        from rllm.experimental.fully_async.settings.rllm_program import program_config
 
         if not hasattr(self.config, "async_training"):
             raise RuntimeError("must set async_training config")  # rLLM's check

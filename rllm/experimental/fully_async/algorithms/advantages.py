@@ -68,6 +68,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from omegaconf import DictConfig, OmegaConf
 from verl import DataProto
 
 from rllm.experimental.fully_async.algorithms.credit import (
@@ -178,7 +179,6 @@ _ALGORITHM_KEYS = ("adv_estimator", "gamma", "lam", "norm_adv_by_std_in_grpo", "
 
 
 def _select_algorithm(cfg: Any) -> dict[str, Any]:
-    from omegaconf import DictConfig, OmegaConf
 
     section = cfg.get("algorithm", {})
     return OmegaConf.to_container(section, resolve=True) if isinstance(section, DictConfig) else dict(section)

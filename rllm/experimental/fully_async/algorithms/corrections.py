@@ -92,7 +92,7 @@ from rllm.experimental.fully_async.algorithms.importance_weights import (
 )
 
 # The weight helpers are re-exported: callers (and tests) import them from here.
-from rllm.experimental.fully_async.algorithms.second_moment import second_moment_mask
+from rllm.experimental.fully_async.algorithms.second_moment import register_m2po_loss, second_moment_mask
 
 __all__ = [
     "BehaviourWeights",
@@ -443,8 +443,6 @@ def corrector_for(config: CorrectionConfig | None, *, compute_prox_log_prob: boo
         return None
     policy_loss_mode = None
     if config.mode == "m2po":
-        from rllm.experimental.fully_async.algorithms.second_moment import register_m2po_loss
-
         policy_loss_mode = register_m2po_loss(config.tau)
     if config.mode == "decoupled" and config.prox_log_probs == "loglinear" and config.prox_lag == 0:
         # Imported here: it registers a loss in verl's registry, which only the trainer process needs.

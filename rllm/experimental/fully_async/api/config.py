@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any, TypeVar
 
+from omegaconf import DictConfig, OmegaConf
+
 _Config = TypeVar("_Config")
 
 
@@ -18,7 +20,6 @@ def dataclass_from_config(cfg: Any, path: str, cls: type[_Config]) -> _Config | 
     Missing fields take the dataclass defaults; an unknown field raises a ValueError naming ``path.field``. `cfg` may
     also be a plain nested dict.
     """
-    from omegaconf import DictConfig, OmegaConf
 
     section = OmegaConf.select(cfg, path, default=None) if isinstance(cfg, DictConfig) else _select(cfg, path)
     if section is None:

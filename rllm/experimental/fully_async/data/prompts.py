@@ -27,6 +27,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
+import pyarrow.parquet as pq
+
+from rllm.experimental.fully_async.data import token_cache
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -133,7 +136,6 @@ class PromptDataset(Sequence[PromptRecord]):
 
 
 def _read_rows(path: Path) -> list[dict[str, Any]]:
-    import pyarrow.parquet as pq
 
     if not path.is_file():
         raise DataError(f"{path}: file not found")
@@ -191,7 +193,6 @@ def _validate_row(path: Path, row: int, data: dict[str, Any]) -> dict[str, Any]:
 
 def cached_tokenize(tokenizer: PreTrainedTokenizerBase, conversations: list[list[dict]], path: Path) -> list[list[int]]:
     """`_tokenize`, through the token cache beside `path` (data/token_cache.py): a second load calls no tokenizer."""
-    from rllm.experimental.fully_async.data import token_cache
 
     cache = token_cache.cache_path(path, tokenizer)
     ids = token_cache.load_ids(cache, len(conversations))

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rllm.data.dataset import read_rows
 from rllm.experimental.fully_async.data.prompts import PromptRecord, RejectedPrompt
 from rllm.experimental.fully_async.errors import DataError
 
@@ -26,7 +27,6 @@ class RowDataset(Sequence[PromptRecord]):
     """The rows of one or more dataset files (.parquet, .arrow, .json, .jsonl, .csv), in file order."""
 
     def __init__(self, files: str | Path | Sequence[str | Path]) -> None:
-        from rllm.data.dataset import read_rows
 
         paths = [Path(files)] if isinstance(files, (str, Path)) else [Path(f) for f in files]
         if not paths:

@@ -26,6 +26,7 @@ from omegaconf import OmegaConf
 
 from rllm.experimental.fully_async.core.addresses import is_loopback
 from rllm.experimental.fully_async.engines.launcher import EmbeddedEngineCommand, EngineLauncher
+from rllm.experimental.fully_async.engines.sglang import SGLangEngineCommand
 from rllm.experimental.fully_async.run_spec import EnginesSpec, thaw
 
 # Flags the SGLang command sets from the config itself; extra_args may not set them a second time.
@@ -95,7 +96,6 @@ def engine_command(engines: EnginesSpec, api_key: str | None = None) -> Any:
             forward_sleep_s=engines.forward_sleep_s,
             extra_args=("--api-key", api_key) if api_key else (),
         )
-    from rllm.experimental.fully_async.engines.sglang import SGLangEngineCommand
 
     return SGLangEngineCommand(
         model_path=engines.model_path,

@@ -22,6 +22,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
+from rllm.experimental.fully_async.observe.dumps import read_dump
+from rllm.experimental.fully_async.observe.progress import status_printer
 from rllm.experimental.fully_async.report.data import (
     ReportDataError,
     RunRecords,
@@ -32,6 +36,10 @@ from rllm.experimental.fully_async.report.data import (
     run_report,
     sample_generations,
 )
+from rllm.experimental.fully_async.report.html import render_html
+from rllm.experimental.fully_async.simulate.calibrate import CalibrationError
+from rllm.experimental.fully_async.simulate.from_run import predict_from_run
+from rllm.experimental.fully_async.simulate.scenarios import ScenarioError
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +68,6 @@ def _config(run_dir: Path) -> dict[str, Any] | None:
     path = run_dir / CONFIG_FILE
     if not path.is_file():
         return None
-    from omegaconf import OmegaConf
 
     return OmegaConf.to_container(OmegaConf.load(path), resolve=True)  # type: ignore[return-value]
 
@@ -78,7 +85,6 @@ def _dump_dir(run_dir: Path, config: dict[str, Any]) -> Path | None:
 
 
 def _samples(run_dir: Path, config: dict[str, Any]) -> tuple[tuple, int | None]:
-    from rllm.experimental.fully_async.observe.dumps import read_dump
 
     folder = _dump_dir(run_dir, config)
     if folder is None:
@@ -94,10 +100,6 @@ def _samples(run_dir: Path, config: dict[str, Any]) -> tuple[tuple, int | None]:
 def predict(run_dir: Path, config: dict[str, Any], records: Sequence[dict[str, Any]], quiet: bool = False):
     """(SyncPrediction or None, note) for a run: from RUN_DIR/report_prediction.json while metrics.jsonl is the one
     it was made from, else fitted now (simulate/from_run.py) and saved there."""
-    from rllm.experimental.fully_async.observe.progress import status_printer
-    from rllm.experimental.fully_async.simulate.calibrate import CalibrationError
-    from rllm.experimental.fully_async.simulate.from_run import predict_from_run
-    from rllm.experimental.fully_async.simulate.scenarios import ScenarioError
 
     stat = (run_dir / METRICS_FILE).stat()
     key = {"metrics_bytes": stat.st_size, "metrics_mtime_ns": stat.st_mtime_ns}
@@ -161,7 +163,6 @@ def write_report(
     run_dirs: Sequence[str | Path], out: str | Path | None = None, *, with_prediction: bool = True, quiet: bool = False
 ) -> Path:
     """Render the runs into one HTML page at `out` (default: `default_output`); returns its path."""
-    from rllm.experimental.fully_async.report.html import render_html
 
     reports = [load_report(d, with_prediction=with_prediction, quiet=quiet) for d in run_dirs]
     target = Path(out) if out is not None else default_output(run_dirs)

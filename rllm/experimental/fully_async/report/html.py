@@ -12,6 +12,8 @@ import html
 import re
 from collections.abc import Sequence
 
+from plotly.offline import get_plotlyjs
+
 from rllm.experimental.fully_async.observe.progress import format_duration
 from rllm.experimental.fully_async.report.data import RunReport, Sample, eta_changes
 from rllm.experimental.fully_async.report.figures import build_figures
@@ -175,7 +177,6 @@ def eta_section(reports: Sequence[RunReport]) -> str:
 
 def render_html(reports: Sequence[RunReport], title: str = "fully-async PPO run report") -> str:
     """The whole page. Runs draw side by side in every figure."""
-    from plotly.offline import get_plotlyjs
 
     sections = []
     for index, (name, fig) in enumerate(build_figures(reports)):

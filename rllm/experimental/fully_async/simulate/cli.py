@@ -38,6 +38,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from rllm.experimental.fully_async.observe.progress import status_printer
+from rllm.experimental.fully_async.settings.loader import ConfigError, load_config
 from rllm.experimental.fully_async.simulate.calibrate import CalibrationError, Simulations
 from rllm.experimental.fully_async.simulate.from_run import predict_from_run
 from rllm.experimental.fully_async.simulate.layout import (
@@ -230,7 +231,6 @@ def _inputs(args: argparse.Namespace, project_overrides: list[str], sim_layer: d
             raise ScenarioError(f"a scenario file takes only simulate.* overrides, got {extra!r}")
         sim, published = read_scenario(OmegaConf.to_container(raw))
         return Inputs([sim], published, str(raw.get("description", args.config)), None)
-    from rllm.experimental.fully_async.settings.loader import ConfigError, load_config
 
     try:
         # Planned for another machine: a GPU config loads without a GPU here (nothing of this host is checked).

@@ -29,6 +29,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pandas as pd
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from rllm.experimental.fully_async.tasks.cache import cache_key, cached_entry
 
@@ -83,8 +87,6 @@ class AdditionAssets:
 
 def build_addition_tokenizer() -> PreTrainedTokenizerFast:
     """A character-level tokenizer for the task: one token per character, pad/eos/unk set, chat template set."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     backend = Tokenizer(models.WordLevel(vocab=dict(VOCAB), unk_token=UNK_TOKEN))
     # Split every character into its own word; WordLevel then maps it to an id (unknown characters -> <unk>).
@@ -99,8 +101,6 @@ def build_addition_tokenizer() -> PreTrainedTokenizerFast:
 
 def build_addition_model(seed: int = 0) -> PreTrainedModel:
     """A random-init Qwen2 (hidden 64, 2 layers, 4 heads, 2 KV heads, MLP 256, tied embeddings; ~124k params)."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
         vocab_size=len(VOCAB),
@@ -157,7 +157,6 @@ def write_addition_parquets(
     out_dir: Path, seed: int = 0, num_train: int = NUM_TRAIN, num_val: int = NUM_VAL
 ) -> tuple[Path, Path]:
     """Write train.parquet and val.parquet in verl's RL dataset format; returns their paths."""
-    import pandas as pd
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -172,7 +171,6 @@ def write_addition_parquets(
 
 def _encode_examples(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> torch.Tensor:
     """[N, prompt + 4] token ids of prompt + answer + EOS (every prompt has the same length: no padding)."""
-    import torch
 
     ids = [[*tokenizer.encode(p + answer_for(p), add_special_tokens=False), tokenizer.eos_token_id] for p in prompts]
     return torch.tensor(ids, dtype=torch.long)
@@ -187,7 +185,6 @@ def single_torch_thread() -> Iterator[None]:
     two threads against ~6 s on one (measured). One thread also keeps the warm-up's float reductions, and so its
     result, independent of the host's core count.
     """
-    import torch
 
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -214,7 +211,6 @@ def supervised_warmup(
     lr: float = WARMUP_LR,
 ) -> WarmupResult:
     """Teacher-forced cross-entropy on the answer tokens only, for a fixed number of AdamW steps."""
-    import torch
 
     examples = _encode_examples(tokenizer, train_prompts)
     labels = examples.clone()
@@ -249,7 +245,6 @@ def greedy_complete(
     prompts take about a second. Prompts are bucketed by length so no padding (and no attention mask or
     position-id shifting) is needed. Runs on one torch thread (see single_torch_thread).
     """
-    import torch
 
     by_length: dict[int, list[int]] = {}
     for i, ids in enumerate(prompt_ids):
@@ -293,8 +288,6 @@ def exact_match_accuracy(
 
 def evaluate_accuracy(model_dir: str | Path, parquet_path: str | Path, batch_size: int = 512) -> float:
     """Held-out greedy exact-match accuracy of an HF model folder (tokenizer inside it) on a verl parquet."""
-    import pandas as pd
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa").eval()
@@ -343,8 +336,6 @@ def prepare_addition_assets(
     The entry is keyed by everything that changes the result (seed, sizes, steps, batch size, lr, model config,
     vocabulary, ASSETS_VERSION) and built at most once (tasks/cache.py).
     """
-    import pandas as pd
-    import torch
 
     key = _cache_key(seed, num_train, num_val, warmup_steps)
 

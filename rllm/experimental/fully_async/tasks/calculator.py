@@ -22,8 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import pandas as pd
+
+from rllm.experimental.fully_async.tasks import TaskAssets
 from rllm.experimental.fully_async.tasks.cache import cache_key, cached_entry
 from rllm.experimental.fully_async.tasks.imitation import imitation_warmup, pad_rows
+from rllm.experimental.fully_async.tasks.number_line import build_model as tiny_qwen2
+from rllm.experimental.fully_async.tasks.number_line import build_tokenizer as character_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerFast
@@ -65,13 +70,11 @@ class CalculatorAssets:
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
-    from rllm.experimental.fully_async.tasks.number_line import build_tokenizer as character_tokenizer
 
     return character_tokenizer(VOCAB, CHAT_TEMPLATE)
 
 
 def build_model(seed: int = 0) -> PreTrainedModel:
-    from rllm.experimental.fully_async.tasks.number_line import build_model as tiny_qwen2
 
     return tiny_qwen2(seed, VOCAB, MODEL_CONFIG)
 
@@ -83,7 +86,6 @@ def make_pairs(seed: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]
 
 
 def write_parquets(out_dir: Path, seed: int = 0) -> tuple[Path, Path]:
-    import pandas as pd
 
     train, val = make_pairs(seed)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -159,7 +161,6 @@ def prepare_calculator_assets(cache_dir: str | Path, seed: int = 0, warmup_steps
 
 def prepare_task(task_cfg: Any) -> Any:
     """The task registry's entry (tasks/__init__.py): data, warmed-up model; rewards come from the environment."""
-    from rllm.experimental.fully_async.tasks import TaskAssets
 
     cache = Path(os.path.expanduser(str(task_cfg.cache_dir)))
     assets = prepare_calculator_assets(cache, seed=int(task_cfg.seed), warmup_steps=int(task_cfg.warmup_steps))

@@ -11,12 +11,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from rllm.experimental.fully_async.tasks.addition import single_torch_thread
 
 
 def pad_rows(rows: Sequence[tuple[list[int], list[int]]], pad_id: int) -> tuple[Any, Any]:
     """[count, L] ids (padded with `pad_id`) and labels (padded with -100) from (ids, labels) rows."""
-    import torch
 
     width = max(len(ids) for ids, _ in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -31,7 +32,6 @@ def imitation_warmup(
     model: Any, ids: Any, labels: Any, *, pad_id: int, batch_size: int, lr: float, steps: int
 ) -> float:
     """`steps` AdamW steps over consecutive `batch_size` slices of (ids, labels); returns the seconds taken."""
-    import torch
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()

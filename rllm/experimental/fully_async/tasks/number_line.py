@@ -26,7 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import pandas as pd
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
 from rllm.experimental.fully_async.envs.number_line import NumberLineEnv
+from rllm.experimental.fully_async.tasks import TaskAssets
 from rllm.experimental.fully_async.tasks.addition import single_torch_thread
 from rllm.experimental.fully_async.tasks.cache import cache_key, cached_entry
 from rllm.experimental.fully_async.tasks.imitation import imitation_warmup, pad_rows
@@ -75,8 +81,6 @@ class NumberLineAssets:
 
 def build_tokenizer(vocab: dict[str, int] = VOCAB, chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
     """Character-level tokenizer over `vocab` (default VOCAB) with a verbatim chat template (as the addition task's)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     backend = Tokenizer(models.WordLevel(vocab=dict(vocab), unk_token=UNK_TOKEN))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
@@ -92,8 +96,6 @@ def build_model(
     seed: int = 0, vocab: dict[str, int] = VOCAB, model_config: dict[str, Any] = MODEL_CONFIG
 ) -> PreTrainedModel:
     """A randomly initialised tiny Qwen2 over `vocab` (the tool task reuses it with its own vocabulary)."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
         vocab_size=len(vocab),
@@ -116,7 +118,6 @@ def make_pairs(seed: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]
 
 def write_parquets(out_dir: Path, seed: int = 0, train_repeats: int = 20) -> tuple[Path, Path]:
     """train.parquet (each train pair `train_repeats` times, so an epoch is long enough) and val.parquet."""
-    import pandas as pd
 
     train, val = make_pairs(seed)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -202,7 +203,6 @@ def sampled_success(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pairs: list[tuple[int, int]], samples: int, seed: int
 ) -> float:
     """Fraction of episodes (each pair `samples` times, temperature 1) that reach the target within MAX_TURNS."""
-    import torch
 
     torch.manual_seed(seed)
     episodes = [(s, t) for s, t in pairs for _ in range(samples)]
@@ -246,7 +246,6 @@ def sampled_success(
 
 def evaluate_success(model_dir: str | Path, seed: int = 0, samples: int = 16) -> float:
     """Held-out sampled success of an HF model folder (tokenizer inside) on the held-out pairs of `seed`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa").eval()
@@ -255,7 +254,6 @@ def evaluate_success(model_dir: str | Path, seed: int = 0, samples: int = 16) ->
 
 def prepare_task(task_cfg: Any) -> Any:
     """The task registry's entry (tasks/__init__.py): data, warmed-up model; rewards come from the environment."""
-    from rllm.experimental.fully_async.tasks import TaskAssets
 
     cache = Path(os.path.expanduser(str(task_cfg.cache_dir)))
     assets = prepare_number_line_assets(cache, seed=int(task_cfg.seed), warmup_steps=int(task_cfg.warmup_steps))
@@ -270,7 +268,6 @@ def prepare_task(task_cfg: Any) -> Any:
 
 def prepare_number_line_assets(cache_dir: str | Path, seed: int = 0, warmup_steps: int = WARMUP_STEPS):
     """Build (once, cached by a key of everything that changes it) the data and the warmed-up model."""
-    import torch
 
     spec = {"v": ASSETS_VERSION, "seed": seed, "steps": warmup_steps, "model": MODEL_CONFIG, "vocab": VOCAB}
     spec |= {"batch": WARMUP_BATCH_SIZE, "lr": WARMUP_LR, "demo_p": DEMO_DIRECTION_P, "turns": MAX_TURNS}

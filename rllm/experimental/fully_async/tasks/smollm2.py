@@ -37,6 +37,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pandas as pd
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from rllm.experimental.fully_async.errors import EXIT_BAD_INPUT, FullyAsyncError
 from rllm.experimental.fully_async.tasks.cache import cache_key, cached_entry
@@ -154,8 +157,6 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     weights are moved into a fresh model built from the same config minus `quantization_config` (on the meta
     device, so nothing is initialised twice) and that model is saved.
     """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     started = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -241,7 +242,6 @@ def problem_rows(problems: list[Problem], split: str) -> list[dict[str, Any]]:
 
 def write_smollm2_parquets(out_dir: Path, seed: int = 0, num_val_pairs: int = NUM_VAL_PAIRS) -> tuple[Path, Path]:
     """Write train.parquet and val.parquet in verl's RL dataset format; returns their paths."""
-    import pandas as pd
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -267,7 +267,6 @@ def greedy_accuracy(
     batch_size: int = 64,
 ) -> float:
     """Mean `compute_score` of greedy answers, decoded without special tokens (as validation.evaluate does)."""
-    import torch
 
     if not rows:
         raise ValueError("greedy_accuracy needs at least one row")
@@ -294,8 +293,6 @@ def greedy_accuracy(
 
 def evaluate_accuracy(model_dir: str | Path, parquet_path: str | Path, max_new_tokens: int = MAX_NEW_TOKENS) -> float:
     """Greedy first-integer accuracy of an HF model folder (tokenizer inside it) on a verl parquet."""
-    import pandas as pd
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa").eval()
