@@ -4,6 +4,14 @@ The driver (`runtime/run/driver.py`) calls these from its step loop; they hold n
 folds every record it logs into a `RunTotals` (observe/summary.py), so the end-of-run summary prints the figures the
 report prints (the same wall time, idle and validation definitions), and its last lines say where the run's files
 are and which command draws them.
+
+Validations (`log_validation`) are measured on one step's weights (`val/step`) and finish some steps later, while
+training goes on. metrics.jsonl records each at the step it measured, with the step it was logged at
+(`val/logged_at_step`). A tracking backend that takes any step (`ANY_STEP_BACKENDS`: TensorBoard, MLflow, ClearML,
+verl's file logger) gets it at the step it measured too. wandb refuses a step below its current one ("Tried to log to
+step 100 that is less than the current step 200 ... this data will be ignored"), so wandb (and any backend not known
+to take earlier steps) gets it at the step it was logged, with `val/step` in the same row; for wandb `val/*` is
+plotted against `val/step` (`define_metric`), so its charts show every validation at the step it measured.
 """
 
 from __future__ import annotations
@@ -22,6 +30,11 @@ from rllm.experimental.fully_async.observe.progress import format_duration
 from rllm.experimental.fully_async.observe.summary import RunTotals
 
 PROG = "python -m rllm.experimental.fully_async"
+
+# verl Tracking backends whose log(data, step) takes a step below one already logged (TensorBoard's add_scalar,
+# mlflow.log_metrics, ClearML's report_scalar iteration, verl's FileLogger line): a validation goes there at the step
+# it measured. Every other backend gets it at the current step.
+ANY_STEP_BACKENDS = frozenset({"tensorboard", "mlflow", "clearml", "file"})
 
 
 @dataclass
@@ -58,14 +71,48 @@ class MetricsSink:
                 default_backend=backends,
                 config=OmegaConf.to_container(cfg, resolve=True),
             )
+            wandb = self.tracking.logger.get("wandb")  # verl keeps the wandb module itself, after wandb.init
+            if wandb is not None:
+                # wandb's own x-axis for validations: each is logged in the current row and drawn at `val/step`.
+                wandb.define_metric("val/step")
+                wandb.define_metric("val/*", step_metric="val/step")
+        self._last_val_row = -1  # the row the last validation went to in the current-step backends
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        self._write(step, metrics)
+        if self.tracking is not None:
+            self.tracking.log(data=metrics, step=step)
+
+    def log_validation(
+        self, step: int, result: dict[str, float], extra: dict[str, float] | None = None
+    ) -> dict[str, float]:
+        """A validation's `result` (and `extra` figures for the same line), logged now, at step `step`, for the
+        weights of step `result["val/step"]` (default: `step`). Returns the figures as logged (for the progress
+        line). Two validations logged at one step (the end of a run) take two rows in the current-step backends."""
+        measured = int(result.get("val/step", step))
+        figures = dict(result)
+        if measured != step:
+            figures["val/logged_at_step"] = float(step)
+        self._write(measured, figures | (extra or {}))
+        if self.tracking is not None and result:
+            data = figures | {"val/step": float(measured)} | (extra or {})
+            any_step = [b for b in self.tracking.logger if b in ANY_STEP_BACKENDS]
+            current = [b for b in self.tracking.logger if b not in ANY_STEP_BACKENDS]
+            if any_step:
+                self.tracking.log(data=data, step=measured, backend=any_step)
+            if current:
+                row = max(step, self._last_val_row + 1)
+                self.tracking.log(data=data, step=row, backend=current)
+                self._last_val_row = row
+        elif self.tracking is not None and extra:
+            self.tracking.log(data=extra, step=step)
+        return figures
+
+    def _write(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, "time": time.time(), **metrics}
         self.totals.observe(record)
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
-        if self.tracking is not None:
-            self.tracking.log(data=metrics, step=step)
 
     def summary(
         self,

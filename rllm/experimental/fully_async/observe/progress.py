@@ -7,7 +7,8 @@ per trainer step with that step's metrics (the names of `metrics.jsonl`).
 
 `elapsed` is the run's wall time as `observe/wall_time.py` defines it (from the start of the first trainer step),
 the same figure the end-of-run summary and the report print. Held-out accuracy is shown with the step whose weights
-it measured (`val 76.6%@400`): validation runs beside training and its result arrives steps later.
+it measured (`val 76.6%@400`): validation runs beside training, and the driver hands its result to the first
+`update` after it finished (runtime/run/driver.py), where it stays shown until the next one.
 """
 
 from __future__ import annotations

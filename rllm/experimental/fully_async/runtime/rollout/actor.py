@@ -1,8 +1,9 @@
 """Ray actor shell of the rollout service (RolloutService in service.py), plus validation through the same engines.
 
 One async actor, one process (docs/design.md#rule-one-rollout-service): the executor loop, the queue, the staleness
-budget and the ledger share its event loop. The trainer calls `take_batch` once per step; the driver starts validations,
-writes the rollout part of checkpoints, routes rollouts to restarted engines and stops the rollouts.
+budget and the ledger share its event loop. The trainer calls `take_batch` once per step; the driver polls validations
+after every step (collecting the finished ones, starting one when due), writes the rollout part of checkpoints,
+routes rollouts to restarted engines and stops the rollouts.
 """
 
 from __future__ import annotations
@@ -21,7 +22,12 @@ from rllm.experimental.fully_async.api.step_messages import Ack, Batch, BatchReq
 from rllm.experimental.fully_async.observe.dumps import write_episodes
 from rllm.experimental.fully_async.run_spec import RunSpec
 from rllm.experimental.fully_async.runtime.rollout.build import build_rollout_process
-from rllm.experimental.fully_async.runtime.rollout.validation import evaluate, evaluate_episodes, pinned_version
+from rllm.experimental.fully_async.runtime.rollout.validation import (
+    BackgroundValidation,
+    evaluate,
+    evaluate_episodes,
+    pinned_version,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -45,15 +51,14 @@ class RolloutServiceActor:
         self.pool, self.reward_fn, self.gate = process.pool, process.reward_fn, process.gate
         self.workflow, self.val_workflow, self.val = process.workflow, process.val_workflow, process.val_prompts
         self.gate_timeout_s = spec.param_sync.timeout_s
-        self._validation: asyncio.Task | None = None
-        self._finished_validations: list[dict[str, float]] = []
+        self.validations = BackgroundValidation()
 
     async def run(self) -> dict:
         return await self.service.run()
 
     async def take_batch(self, request: BatchRequest) -> Batch:
         batch = await self.service.take_batch(request)
-        if self._validation is not None and not self._validation.done():
+        if self.validations.running:
             batch = dataclasses.replace(batch, validating=True)
         return batch
 
@@ -85,23 +90,19 @@ class RolloutServiceActor:
     async def end_weight_sync(self) -> None:
         await self.gate.end_sync()
 
-    async def start_validation(self, step: int) -> tuple[bool, list[dict[str, float]]]:
-        """Start a validation of the weights the engines hold now, in the background, unless one is running.
-        Returns whether it started, and the results of validations finished since the last call."""
-        finished, self._finished_validations = self._finished_validations, []
-        if self._validation is not None and not self._validation.done():
-            return False, finished
-        self._validation = asyncio.create_task(self._validate_pinned(step))
-        return True, finished
+    async def poll_validations(self, start_step: int | None = None) -> tuple[bool, list[dict[str, float]]]:
+        """The results of validations finished since the last call, and with `start_step` a validation of the
+        weights the engines hold now started in the background unless one is running (returns whether it started).
+        The driver calls this once after every step, so a result reaches the logs at the first step after it
+        finished; it waits on nothing."""
+        start = None if start_step is None else (lambda: self._validate_pinned(start_step))
+        return self.validations.poll(start)
 
     async def finished_validations(self) -> list[dict[str, float]]:
         """Wait for a running validation, then return every result not yet returned (the end of a run)."""
-        if self._validation is not None:
-            await asyncio.gather(self._validation, return_exceptions=True)  # its own errors are in its result
-        finished, self._finished_validations = self._finished_validations, []
-        return finished
+        return await self.validations.drain()
 
-    async def _validate_pinned(self, step: int) -> None:
+    async def _validate_pinned(self, step: int) -> dict[str, float]:
         started, started_at = time.monotonic(), time.time()
         try:
             async with self.gate.validation(self.gate_timeout_s):
@@ -122,7 +123,7 @@ class RolloutServiceActor:
             "val/started_at": started_at,  # wall clock, comparable with metrics.jsonl's `time`
             "val/finished_at": time.time(),
         }
-        self._finished_validations.append(result)
+        return result
 
     async def validate(self, step: int | None = None) -> dict:
         """Held-out accuracy; `step` names the validation dump file (default: the batches taken so far)."""

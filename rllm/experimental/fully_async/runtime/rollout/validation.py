@@ -22,7 +22,10 @@ validations (whose requests are continued from their tokens at the same version)
 
 So the trainer keeps taking batches and making optimizer steps during a validation; only a weight push that falls
 inside one waits for it (`sync/wait_validation_s`). The result carries the step it was started at (`val/step`), the
-pinned version and whether every answer came from it (`val/off_version_answers`); the driver logs it at that step.
+pinned version and whether every answer came from it (`val/off_version_answers`). `BackgroundValidation` keeps the
+one running validation and the results not yet collected; the driver collects them after every step (the same Ray
+call that starts a validation when one is due), so a result is logged at the first step after it finished, as
+measuring the weights of `val/step` (observe/metrics_sink.py `log_validation`).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -202,3 +205,47 @@ def pinned_version(engine_versions: dict[str, str]) -> int:
     if len(values) != 1:
         raise ValueError(f"engines disagree on their weight version, cannot pin a validation: {engine_versions}")
     return int(next(iter(values)))
+
+
+class BackgroundValidation:
+    """At most one validation running beside training, and the results the driver has not collected yet.
+
+    One owner: the rollout service's event loop. `poll` is what the driver's per-step Ray call does: it hands over
+    every result finished since the previous poll and, when asked, starts the next validation unless one still runs
+    (then that one is skipped: two would compete for the engines and the gate).
+    """
+
+    def __init__(self) -> None:
+        self._task: asyncio.Task | None = None
+        self._finished: list[dict[str, float]] = []
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def poll(
+        self, start: Callable[[], Awaitable[dict[str, float]]] | None = None
+    ) -> tuple[bool, list[dict[str, float]]]:
+        """The results finished since the last poll, oldest first; with `start`, begin `start()` in the background
+        unless a validation runs. Returns (whether it started, the results)."""
+        finished, self._finished = self._finished, []
+        if start is None or self.running:
+            return False, finished
+        self._task = asyncio.create_task(self._keep(start))
+        return True, finished
+
+    async def _keep(self, start: Callable[[], Awaitable[dict[str, float]]]) -> None:
+        result = await start()
+        # Only now read `self._finished`: a poll meanwhile replaced the list (`append(await ...)` would bind the old
+        # one and lose the result). No await between this and the append: a poll sees the result or not at all.
+        self._finished.append(result)
+
+    async def wait(self) -> None:
+        """Until the running validation, if any, has finished (its errors are in its result, not raised here)."""
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def drain(self) -> list[dict[str, float]]:
+        """Wait for the running validation, then every result not yet collected (the end of a run)."""
+        await self.wait()
+        return self.poll()[1]
