@@ -45,6 +45,7 @@ def build_policy_backend(t: Any, correction: Any = None, ranks: dict | None = No
     actor_cfg = OmegaConf.create(thaw(t.actor))  # verl builds its own dataclasses from a mutable copy
     # prox_log_probs=previous (or its synchronous control): the backend keeps the weights of the previous version
     keep_previous = correction is not None and correction.uses_previous_weights
+    lora = t.lora.peft_kwargs() if getattr(t, "lora", None) is not None else None
     if correction is not None and correction.policy_loss_mode is not None:
         # decoupled PPO with the proximal policy from the update itself: its loss replaces verl's vanilla one
         actor_cfg.policy_loss.loss_mode = correction.policy_loss_mode
@@ -67,6 +68,7 @@ def build_policy_backend(t: Any, correction: Any = None, ranks: dict | None = No
             seed=t.seed,
             enable_gradient_checkpointing=t.enable_gradient_checkpointing,
             keep_previous_weights=keep_previous,
+            lora=lora,
             rank_options=ranks["options"] if ranks else None,
             rank_devices=ranks["devices"] if ranks else None,
         )
@@ -78,6 +80,7 @@ def build_policy_backend(t: Any, correction: Any = None, ranks: dict | None = No
         seed=t.seed,
         enable_gradient_checkpointing=t.enable_gradient_checkpointing,
         keep_previous_weights=keep_previous,
+        lora=lora,
     )
     return backend, str(next(backend.model.parameters()).dtype)
 
