@@ -142,3 +142,23 @@ def test_a_lora_batch_must_come_from_adapters_the_trainer_sent():
         with pytest.raises(AdapterProvenanceError, match=words) as info:
             adapter_provenance([batch], version=3)
         assert "\n" not in str(info.value) and "p/0" in str(info.value)
+
+
+def test_an_rllm_programs_sequences_carry_the_clients_adapter_record_to_the_check():
+    """rLLM's protocol: the client's output names its adapter, to_sequence and merge keep the record, the row the
+    trainer gets carries it; a sequence a user builds by hand has none and is refused."""
+    from rllm.experimental.fully_async.protocol import OutputChunk, OutputWithVersion
+    from rllm.experimental.fully_async.protocol import Sequence as RllmSequence
+    from rllm.experimental.fully_async.workflows.rllm_compat import _to_sequence
+
+    first = OutputWithVersion([1], [OutputChunk([2, 3], [0.0, 0.0], 1)], "stop", lora_path="policy-v1").to_sequence()
+    second = OutputWithVersion([1, 2, 3, 9], [OutputChunk([4], [0.0], 2)], "stop", lora_path="policy-v2")
+    merged = first.merge(second.to_sequence())
+    assert merged.lora_paths == ["policy-v1", "policy-v2"] and merged.response_versions == [1, 1, 1, 2]
+    row = _to_sequence(merged)
+    trajectory = VersionedTrajectory(uid="p/0", prompt_uid="p", sequences=[row])
+    assert adapter_provenance([TrajectoryGroup("p", [trajectory])], version=2)["lora/adapters_in_batch"] == 2.0
+    by_hand = _to_sequence(RllmSequence([1], [2], [0.0], [1], start_version=1))
+    trajectory = VersionedTrajectory(uid="p/1", prompt_uid="p", sequences=[by_hand])
+    with pytest.raises(AdapterProvenanceError, match="without the client's lora_paths record"):
+        adapter_provenance([TrajectoryGroup("p", [trajectory])], version=2)
