@@ -243,13 +243,15 @@ spec = json.loads(sys.argv[6])
 timeout = datetime.timedelta(seconds=60)
 dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world, timeout=timeout)
 keep = spec["keep_previous"]
-backend = FSDPPolicyBackend(model_dir, actor_cfg(**spec["cfg"]), keep_previous_weights=keep)
+backend = FSDPPolicyBackend(model_dir, actor_cfg(**spec["cfg"]), keep_previous_weights=keep, lora=spec["lora"])
 data = make_batch(seed=11)
 data.batch["response_mask"] = data.batch["response_mask"].float()
 data.batch["old_log_probs"] = torch.load(out + ".old.pt")
 shard = data[spec["rows"][rank]]  # each rank holds a different part of the batch
 log_probs = backend.compute_log_prob(shard)
 metrics = backend.update_policy(shard)
+if spec["lora"]:
+    backend.save_adapter(out + ".adapter")  # collective: the adapter's shards gathered, rank 0 writes
 if keep:  # the weights before the step (a sync after it), from this rank's shard copy, and from a checkpoint of it
     backend.weights_synced()
     torch.save(backend.compute_log_prob(shard, weights="previous"), f"{out}.prev{rank}.pt")
@@ -274,6 +276,7 @@ def _run_world(
     tmp_path: Path,
     old_log_probs: torch.Tensor,
     keep_previous: bool = False,
+    lora: dict | None = None,
     **cfg,
 ) -> tuple[dict, dict, list[torch.Tensor]]:
     """Run _FSDP2_WORKER on one process per entry of `rows` (a FileStore rendezvous: no ports).
@@ -294,7 +297,7 @@ def _run_world(
         str(store),
         str(model_dir),
         str(out),
-        json.dumps({"rows": rows, "cfg": cfg, "keep_previous": keep_previous}),
+        json.dumps({"rows": rows, "cfg": cfg, "keep_previous": keep_previous, "lora": lora}),
     ]
     procs = [
         subprocess.Popen(
@@ -322,9 +325,11 @@ def _run_world(
     return torch.load(out), json.loads(Path(f"{out}.json").read_text()), log_probs
 
 
-def _single_process_step(model_dir: Path, **cfg) -> tuple[FSDPPolicyBackend, torch.Tensor, torch.Tensor, dict]:
+def _single_process_step(
+    model_dir: Path, lora: dict | None = None, **cfg
+) -> tuple[FSDPPolicyBackend, torch.Tensor, torch.Tensor, dict]:
     """The reference: one process, the whole batch. Returns the backend, old_log_probs, log-probs, metrics."""
-    single = FSDPPolicyBackend(model_dir, actor_cfg(**cfg))
+    single = FSDPPolicyBackend(model_dir, actor_cfg(**cfg), lora=lora)
     data = make_batch(seed=11)
     data.batch["response_mask"] = data.batch["response_mask"].float()
     noise = 0.3 * torch.randn(BATCH_SIZE, RESPONSE_LEN, generator=torch.Generator().manual_seed(0))
@@ -357,6 +362,28 @@ def test_fsdp2_world_of_two_takes_the_same_step_as_one_process(model_dir, tmp_pa
         previous = torch.load(tmp_path / f"world2.pt.prev{rank}.pt")
         torch.testing.assert_close(previous, before[rank], rtol=0, atol=1e-6)
         torch.testing.assert_close(torch.load(tmp_path / f"world2.pt.prevckpt{rank}.pt"), previous, rtol=0, atol=0)
+
+
+@pytest.mark.slow  # two gloo ranks in their own processes (~40-60 s on a busy 2-core machine)
+def test_fsdp2_world_of_two_trains_the_same_lora_adapter_as_one_process(model_dir, tmp_path):
+    """LoRA at world size 2 (peft before FSDP2): the step equals one process's, only the adapter moved (the base
+    weights are bit-identical to the model folder's), and the adapter folder gathered from the shards is one
+    process's adapter."""
+    from safetensors.torch import load_file
+
+    lora = {"r": 4, "lora_alpha": 8.0, "target_modules": "all-linear", "exclude_modules": None, "bias": "none"}
+    initial = FSDPPolicyBackend(model_dir, actor_cfg(), lora=lora).state_dict()["model"]
+    single, old, _, single_metrics = _single_process_step(model_dir, lora=lora, optim={"lr": 0.05})
+    rows = [list(range(0, BATCH_SIZE, 2)), list(range(1, BATCH_SIZE, 2))]
+    sharded, report, _ = _run_world(rows, model_dir, tmp_path, old, lora=lora, optim={"lr": 0.05})
+    _assert_same_step(single, single_metrics, sharded, report["metrics"])
+    moved = {name for name, value in sharded.items() if not torch.equal(value, initial[name].float())}
+    assert moved and all(".lora_" in name for name in moved), sorted(moved)[:3]
+    adapter = load_file(tmp_path / "world2.pt.adapter" / "adapter_model.safetensors")
+    expected = single.adapter_state()
+    assert set(adapter) == set(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(adapter[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
 # Rows 0, 3, 5 hold 25 tokens, rows 1, 2, 4 hold 12 (PROMPT_LENGTHS + RESPONSE_LENGTHS): with a budget of 9 tokens

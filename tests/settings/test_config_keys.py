@@ -73,6 +73,7 @@ SHORT_SCHEDULE = (f"{ACTOR}.optim.total_training_steps=4",)
 NO_STATIC = (f"{ACTOR}.ppo_micro_batch_size_per_gpu=null",)
 DYNAMIC = (f"{ACTOR}.use_dynamic_bsz=true", *NO_STATIC)
 CLIP_COV_ALL = (CLIP_COV, f"{ACTOR}.policy_loss.clip_cov_lb=-10.0", f"{ACTOR}.policy_loss.clip_cov_ub=10.0")
+LORA = ("actor_rollout_ref.model.lora_rank=4",)
 
 POLICY_CASES: dict[str, Case] = {
     # what is built
@@ -80,6 +81,13 @@ POLICY_CASES: dict[str, Case] = {
         "actor_rollout_ref.model.enable_gradient_checkpointing=true"  # on the module, and recomputed in backward
     ),
     f"{ACTOR}.fsdp_config.model_dtype": case(f"{ACTOR}.fsdp_config.model_dtype=bf16", update=False),
+    # LoRA: the adapter peft builds (its rank, scaling and modules, in `describe`) and what a step moves
+    "actor_rollout_ref.model.lora_rank": case(*LORA),
+    "actor_rollout_ref.model.lora_alpha": case("actor_rollout_ref.model.lora_alpha=64", context=LORA),
+    "actor_rollout_ref.model.target_modules": case("actor_rollout_ref.model.target_modules=[q_proj]", context=LORA),
+    "actor_rollout_ref.model.exclude_modules": case(
+        "actor_rollout_ref.model.exclude_modules=[down_proj]", context=LORA
+    ),
     f"{ACTOR}.use_torch_compile": case(f"{ACTOR}.use_torch_compile=true", context=ENTROPY, update=False),
     f"{ACTOR}.entropy_from_logits_with_chunking": case(
         f"{ACTOR}.entropy_from_logits_with_chunking=true", context=ENTROPY, update=False
@@ -249,6 +257,9 @@ def test_keys_read_only_in_some_settings_are_refused_outside_them(user_model):
         f"{ACTOR}.entropy_checkpointing": "true",
         f"{ACTOR}.ppo_max_token_len_per_gpu": "9",  # static micro-batches
         f"{ACTOR}.fsdp_config.reshard_after_forward": "false",  # one rank, unsharded
+        "actor_rollout_ref.model.lora_alpha": "64",  # lora_rank 0: all weights train
+        "actor_rollout_ref.model.target_modules": "[q_proj]",
+        "actor_rollout_ref.model.exclude_modules": "[down_proj]",
         **GPU_ONLY,  # trainer.device=cpu
     }
     contexts = {
@@ -278,6 +289,28 @@ def test_keys_read_only_in_some_settings_are_refused_outside_them(user_model):
             [*user_model, "trainer.device=cuda", *cuda, f"{ACTOR}.fsdp_config.offload_policy=true"],
             check_host=False,
         )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (("param_sync.transport=distributed",), r"'param_sync\.transport=distributed' with .*lora_rank > 0: .*disk"),
+        (("algorithm.adv_estimator=gae",), r"'actor_rollout_ref\.model\.lora_rank' with algorithm\.adv_estimator=gae"),
+        (("actor_rollout_ref.model.lora_adapter_path=/adapter",), r"lora_adapter_path' is verl's.*fresh adapter"),
+        (("actor_rollout_ref.model.lora_rank=-1",), r"'actor_rollout_ref\.model\.lora_rank=-1'"),
+    ],
+)
+def test_lora_settings_that_cannot_run_are_refused_in_one_line(user_model, overrides, named):
+    with pytest.raises(ConfigError, match=named) as info:
+        load_config(None, [*user_model, *LORA, *overrides])
+    assert "\n" not in str(info.value)
+
+
+def test_lora_with_megatron_is_refused_in_one_line():
+    """On a GPU host being planned (the Megatron YAML needs CUDA): peft's adapter is built on FSDP2 only."""
+    with pytest.raises(ConfigError, match=r"'actor_rollout_ref\.model\.lora_rank' with .*strategy=megatron") as info:
+        load_config(REPO / "config" / "fully_async_ppo_megatron_trainer.yaml", list(LORA), check_host=False)
+    assert "\n" not in str(info.value)
 
 
 def test_gpu_only_keys_are_refused_on_cpu_saying_so(user_model, tiny_model_dir):

@@ -1,9 +1,9 @@
 """engines.lora.*: the engines' LoRA flags, derived from the trainer's LoRA rank and modules and from the largest η the
 run may reach, checked to hold every adapter version the staleness bound admits, and passed to both engine kinds.
 
-`actor_rollout_ref.model.lora_rank` is verl's key; turning it on is the trainer's side (another change). Here a
+`actor_rollout_ref.model.lora_rank` is verl's key (the trainer's side: tests/backends/test_fsdp_lora.py). Here a
 loaded config gets it set and is derived and validated again exactly as `load_config` does it (resolve_derived,
-then validate), so these tests hold once the key is accepted when loading.
+then validate).
 """
 
 from __future__ import annotations
@@ -99,9 +99,12 @@ def test_settings_the_engines_cannot_honour_are_refused_in_one_line(overrides, l
     assert "\n" not in str(refused.value)
 
 
-def test_the_distributed_transport_carries_adapters_to_the_embedded_engine():
-    """Its extension route takes them over the weight-update group (engines/embedded/lora_api.py)."""
-    lora_config("param_sync.transport=distributed")
+def test_the_distributed_transport_with_lora_is_refused_for_the_embedded_engine_too():
+    """The embedded engine's extension route could take adapters over the weight-update group
+    (engines/embedded/lora_api.py), but the trainer sends adapters by disk only: refused, naming the key."""
+    with pytest.raises(ConfigError, match=r"'param_sync\.transport=distributed' with .*lora_rank > 0.*disk") as info:
+        lora_config("param_sync.transport=distributed")
+    assert "\n" not in str(info.value)
 
 
 def test_the_lora_keys_without_lora_are_refused_when_loading():

@@ -130,7 +130,9 @@ class RolloutClient:
                     f"RolloutClient stayed paused for {self.pause_timeout_s:g}s; call client.resume()"
                 ) from None
         result = await self.engine.generate(ids, params, rid=self._rid())
-        output = OutputWithVersion(prompt_ids=ids, output_chunks=[], finish_reason=result.finish_reason)
+        output = OutputWithVersion(
+            prompt_ids=ids, output_chunks=[], finish_reason=result.finish_reason, lora_path=result.lora_path
+        )
         start = 0
         for end in range(1, len(result.output_ids) + 1):  # one chunk per run of tokens of one version
             if end == len(result.output_ids) or result.versions[end] != result.versions[start]:

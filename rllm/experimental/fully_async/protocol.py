@@ -21,6 +21,10 @@ One addition: `Sequence.response_versions` (default None). rLLM keeps only a seq
 this project needs every token's version (staleness and corrections are per token), so sequences made by
 `to_sequence()` carry them, and `merge` keeps them. A Sequence a user builds by hand has none; the adapter then
 gives every token the sequence's `start_version` (the oldest, so staleness is never under-counted).
+
+A second one, for LoRA runs: `OutputWithVersion.lora_path` (the adapter the client's request named, `policy-v<N>`)
+and `Sequence.lora_paths` (one entry per generation behind it; `to_sequence()` sets it, `merge` joins them). The
+trainer refuses a LoRA batch whose sequences carry no such record (runtime/trainer/fully_async_trainer.py).
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class OutputWithVersion:
     output_chunks: list[OutputChunk]
     finish_reason: str = "Not Finish"
     prompt_text: str = ""
+    lora_path: str | None = None  # this project's addition (module docstring)
 
     def __post_init__(self) -> None:
         self.prompt_ids = token_ids(self.prompt_ids, "OutputWithVersion.prompt_ids")
@@ -88,7 +93,14 @@ class OutputWithVersion:
             start_version=self.output_chunks[0].version if self.output_chunks else None,
             end_version=self.output_chunks[-1].version if self.output_chunks else None,
             response_versions=versions,
+            lora_paths=None if self.lora_path is None else [self.lora_path],
         )
+
+
+def _joined(first: list[str | None] | None, second: list[str | None] | None) -> list[str | None] | None:
+    """Sequence.lora_paths of two sequences merged: None when neither has one (no LoRA), else both, a missing
+    record as None."""
+    return None if first is None and second is None else [*(first or [None]), *(second or [None])]
 
 
 @dataclass
@@ -100,6 +112,7 @@ class Sequence:
     start_version: int | None = None
     end_version: int | None = None
     response_versions: list[int] | None = None  # this project's addition (module docstring)
+    lora_paths: list[str | None] | None = None  # this project's addition, LoRA runs (module docstring)
 
     def __post_init__(self) -> None:
         self.prompt_ids = token_ids(self.prompt_ids, "Sequence.prompt_ids")
@@ -135,6 +148,7 @@ class Sequence:
             start_version=self.start_version if self.start_version is not None else other.start_version,
             end_version=other.end_version if other.end_version is not None else self.end_version,
             response_versions=versions,
+            lora_paths=_joined(self.lora_paths, other.lora_paths),
         )
 
     def resize_prompt_length(self, max_prompt_length: int) -> Sequence:
@@ -154,6 +168,7 @@ class Sequence:
             start_version=self.start_version,
             end_version=self.end_version,
             response_versions=versions,
+            lora_paths=self.lora_paths,
         )
 
 

@@ -132,6 +132,29 @@ class TrainerSpec:
     advantages: AdvantageConfig
     correction: CorrectionConfig | None
     critic: Mapping[str, Any] | None  # the critic section when algorithm.adv_estimator=gae
+    lora: TrainerLoRASpec | None = None  # actor_rollout_ref.model.lora_rank > 0: the policy trains a peft adapter
+
+
+@dataclass(frozen=True)
+class TrainerLoRASpec:
+    """The policy trained as a LoRA adapter (verl 0.7.1's actor_rollout_ref.model.lora_* keys), applied with peft's
+    get_peft_model as verl's FSDP workers do (backends/fsdp.py); None in TrainerSpec.lora: all weights train."""
+
+    rank: int  # actor_rollout_ref.model.lora_rank
+    alpha: float  # actor_rollout_ref.model.lora_alpha
+    target_modules: str | tuple[str, ...]  # actor_rollout_ref.model.target_modules: all-linear or module names
+    exclude_modules: str | tuple[str, ...] | None  # actor_rollout_ref.model.exclude_modules
+
+    def peft_kwargs(self) -> dict[str, Any]:
+        """LoraConfig's arguments, as verl 0.7.1's fsdp_workers builds them (task CAUSAL_LM, bias none)."""
+        listed = lambda m: m if m is None or isinstance(m, str) else list(m)  # noqa: E731
+        return {
+            "r": self.rank,
+            "lora_alpha": self.alpha,
+            "target_modules": listed(self.target_modules),
+            "exclude_modules": listed(self.exclude_modules),
+            "bias": "none",
+        }
 
 
 @dataclass(frozen=True)
@@ -279,6 +302,7 @@ def build_run_spec(cfg: DictConfig) -> RunSpec:
         advantages=AdvantageConfig.from_config(cfg),
         correction=correction_config_from(cfg),
         critic=_frozen(cfg.critic) if gae else None,
+        lora=trainer_lora_spec(cfg),
     )
     engines = engines_spec(cfg)
     param_sync = ParamSyncSpec(
@@ -347,6 +371,23 @@ def engines_spec(cfg: DictConfig) -> EnginesSpec:
         deterministic_inference=bool(e.deterministic_inference),
         forward_sleep_s=float(e.forward_sleep_s),
         lora=engine_lora_spec(cfg),
+    )
+
+
+def trainer_lora_spec(cfg: DictConfig) -> TrainerLoRASpec | None:
+    """actor_rollout_ref.model.lora_* as the trainer's peft adapter, or None when lora_rank is 0."""
+    model = cfg.actor_rollout_ref.model
+    if not int(model.get("lora_rank", 0) or 0):
+        return None
+
+    def modules(value: Any) -> str | tuple[str, ...] | None:
+        return value if value is None or isinstance(value, str) else tuple(str(m) for m in value)
+
+    return TrainerLoRASpec(
+        rank=int(model.lora_rank),
+        alpha=float(model.lora_alpha),
+        target_modules=modules(model.target_modules),
+        exclude_modules=modules(model.get("exclude_modules")),
     )
 
 

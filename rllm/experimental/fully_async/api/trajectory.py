@@ -39,6 +39,9 @@ class VersionedSequence:
     loss_mask: list[int] | None = None
     finish_reason: str = "stop"  # stop | length (abort never survives: the client resumes it)
     num_resumes: int = 0  # how many times a weight update interrupted this generation (partial rollout)
+    # With LoRA: the adapter each model call behind these tokens named (its client's record; engines/lora.py names
+    # version v `policy-v<v>`), one entry per call; None when the calls named none (the base model).
+    lora_paths: list[str | None] | None = None
 
     def __post_init__(self) -> None:
         if self.loss_mask is None:

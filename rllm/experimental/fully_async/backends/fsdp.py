@@ -36,6 +36,14 @@ version) the backend copies each rank's own parameters to the CPU; the copy of t
 version's, and `compute_log_prob(data, weights="previous")` runs with it in place. Checkpoints hold it
 (`previous_model` beside `model`, and `published_model` when steps were taken since the last sync), so a resumed
 run's next step uses the same proximal policy as the run that was not stopped.
+
+LoRA (`lora`: peft's LoraConfig arguments, from actor_rollout_ref.model.lora_*, run_spec.TrainerLoRASpec): the HF
+model is wrapped with peft's `get_peft_model(LoraConfig(task_type=CAUSAL_LM, ...))` before FSDP2, after
+`enable_input_require_grads`, as verl 0.7.1's FSDP workers do (`target_modules: all-linear` is peft's own
+spelling). Only the adapter's parameters require gradients, and the optimizer is built over those alone: base
+weights never move, and AdamW's state is the adapter's. `save_adapter` writes what peft's `save_pretrained` writes
+(adapter_model.safetensors with peft's names, adapter_config.json), the folder the engines' `/load_lora_adapter`
+reads; checkpoints (DCP) hold the whole module, adapter included, and the adapter's optimizer state.
 """
 
 from __future__ import annotations
@@ -174,6 +182,16 @@ def _shard_fsdp2(model: nn.Module, config: FSDPActorConfig, device_type: str) ->
     return model
 
 
+def _with_lora(model: nn.Module, lora: Mapping[str, Any]) -> nn.Module:
+    """The HF model wrapped with peft's LoRA adapter, as verl 0.7.1's FSDP workers wrap it (fsdp_workers.py,
+    `_build_model_optimizer`): input embeddings' outputs require grad (so gradient checkpointing reaches the
+    adapter through a frozen embedding), then get_peft_model with task CAUSAL_LM and no bias."""
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    model.enable_input_require_grads()
+    return get_peft_model(model, LoraConfig(task_type=TaskType.CAUSAL_LM, **dict(lora)))
+
+
 def _on_every_rank(flag: bool, device: torch.device) -> bool:
     """Whether `flag` holds on every rank of the process group (an all-reduce; collective above world size 1)."""
     if dist.get_world_size() == 1:
@@ -209,6 +227,7 @@ class FSDPPolicyBackend:
         attn_implementation: str = "sdpa",
         enable_gradient_checkpointing: bool = False,
         keep_previous_weights: bool = False,
+        lora: Mapping[str, Any] | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -242,12 +261,17 @@ class FSDPPolicyBackend:
         )
         if enable_gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.lora = dict(lora) if lora is not None else None
+        if self.lora is not None:
+            model = _with_lora(model, self.lora)
         model.to(self.device)
         if self.world_size > 1 or offload_policy:
             model = _shard_fsdp2(model, self.config, self.device.type)
         self.model = model
 
-        self.optimizer = build_optimizer(self.model.parameters(), self.config.optim)
+        # all parameters train, or with LoRA only the adapter's (the frozen base has no gradient and no state)
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(trained, self.config.optim)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, self.config.optim, "actor_rollout_ref.actor.optim")
         # verl's actor prints its settings ("Actor use_remove_padding=False", ...) on construction; a Ray actor would
         # forward them between the progress lines. They go to the debug log instead.
@@ -290,6 +314,7 @@ class FSDPPolicyBackend:
             "autocast_dtype": str(self.actor.param_dtype).removeprefix("torch."),
             "entropy_fn": getattr(self.actor.compute_entropy_from_logits, "__name__", "?"),
             "entropy_compiled": hasattr(self.actor.compute_entropy_from_logits, "_torchdynamo_orig_callable"),
+            "lora": self._lora_facts(),
         }
         layers = [m for m in self.model.modules() if isinstance(m, FSDPModule) and m is not self.model]
         if layers:  # FSDP2's per-module state: private in torch, read here only to report what was applied
@@ -297,6 +322,18 @@ class FSDPPolicyBackend:
             facts["reshard_after_forward"] = group.post_forward_mesh_info is not None
             facts["offload_policy"] = isinstance(group.offload_policy, CPUOffloadPolicy)
         return facts
+
+    def _lora_facts(self) -> dict[str, Any] | None:
+        """The adapter peft built (None without LoRA): rank, alpha, the modules it wraps, trained parameter count."""
+        if self.lora is None:
+            return None
+        config = self.model.peft_config["default"]
+        return {
+            "r": int(config.r),
+            "lora_alpha": float(config.lora_alpha),
+            "wrapped": sorted({n.rsplit(".", 1)[-1] for n, m in self.model.named_modules() if hasattr(m, "lora_A")}),
+            "trained_parameters": sum(p.numel() for p in self.model.parameters() if p.requires_grad),
+        }
 
     # ------------------------------------------------------------------------------------------------------------
     # PPO
@@ -393,6 +430,39 @@ class FSDPPolicyBackend:
             copy_model_folder_files(self.model_path, out)
         if self.world_size > 1:
             dist.barrier()
+
+    @_with_resident(optimizer=False)
+    def save_adapter(self, path: str | os.PathLike[str], dtype: str | None = None) -> None:
+        """Write the LoRA adapter alone as peft's `save_pretrained` does (adapter_model.safetensors with peft's
+        tensor names `base_model.model.<module>.lora_A.weight`, and adapter_config.json), floating-point tensors cast
+        to `dtype` when given: the folder SGLang's and the embedded engine's /load_lora_adapter read.
+
+        Collective at world size > 1 (the adapter's shards are gathered); rank 0 writes.
+        """
+        from peft.utils.save_and_load import get_peft_model_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        if self.lora is None:
+            raise ValueError("save_adapter needs a LoRA policy (actor_rollout_ref.model.lora_rank > 0)")
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(self.model, options=options)
+        if self.rank == 0:
+            adapter = get_peft_model_state_dict(self.model, state_dict=state)
+            if dtype is not None:
+                target = getattr(torch, dtype)
+                adapter = {k: v.to(target) if v.is_floating_point() else v for k, v in adapter.items()}
+            out = Path(path)
+            out.mkdir(parents=True, exist_ok=True)
+            # peft filters `state_dict` to the adapter again (idempotent) and writes its config beside it
+            self.model.save_pretrained(out, state_dict=adapter, safe_serialization=True)
+        if self.world_size > 1:
+            dist.barrier()
+
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        """The adapter's tensors under peft's names, full and on the CPU (world size 1; for tests and bytes)."""
+        from peft.utils.save_and_load import get_peft_model_state_dict
+
+        return {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(self.model).items()}
 
     @_with_resident(optimizer=True)
     def state_dict(self) -> dict[str, Any]:

@@ -47,3 +47,12 @@ def is_sync_step(step: int, trigger_parameter_sync_step: int) -> bool:
     if trigger_parameter_sync_step < 1:
         raise ValueError(f"trigger_parameter_sync_step must be >= 1, got {trigger_parameter_sync_step}")
     return step > 0 and step % trigger_parameter_sync_step == 0
+
+
+def lora_versions_kept(max_staleness: int, adaptive_max: int | None = None) -> int:
+    """LoRA: the adapter versions every engine keeps loaded, η_max + 1 (the newest and the η_max before it, all the
+    staleness bound admits; η_max: adaptive staleness's max when it may rise above max_staleness)."""
+    eta_max = max(max_staleness, adaptive_max if adaptive_max is not None else 0)
+    if eta_max < 0:
+        raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+    return eta_max + 1

@@ -12,6 +12,12 @@ LoRA: `load_lora_adapter` / `unload_lora_adapter` / `lora_adapters` (SGLang's /l
 /unload_lora_adapter, /v1/models) address one engine and keep the pool's record of what it serves, so that
 `generate(..., lora_path=name)` goes to an engine serving `name`. The result records the adapter named
 (`GenerationResult.lora_path`) and, for a versioned name (`engines/lora.py`), its tokens carry that version.
+A client built with `lora_keep=N` (a LoRA run's rollout client) names the adapter of the policy version it was last
+told (`use_policy_version`) in every request that names none: each new request starts on the newest version, and
+keeps its name to its last token (docs/design.md#rule-one-version-per-lora-sample). It counts its calls per adapter,
+and unloads from every engine each version older than the N newest once none of its calls uses it (at once when
+none does): an engine's unload holds its LoRA update lock until the adapter's requests end, so unloading earlier
+would hold up the trainer's next load.
 """
 
 from __future__ import annotations
@@ -20,7 +26,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from rllm.experimental.fully_async.api.progress import GenerationProgress
@@ -30,6 +37,7 @@ from rllm.experimental.fully_async.engines.http import (
     EngineHTTPError,
     EngineTimeoutError,
 )
+from rllm.experimental.fully_async.engines.lora import adapter_name
 from rllm.experimental.fully_async.engines.pool import EnginePool, NoHealthyEngineError
 from rllm.experimental.fully_async.engines.resumable import (
     SGLANG_DEFAULT_MAX_NEW_TOKENS,
@@ -87,6 +95,7 @@ class EngineClient:
         api_key: str | None = None,
         partial_rollout: bool = True,
         sampling_seed: int | None = None,
+        lora_keep: int | None = None,
     ) -> None:
         if not urls:
             raise ValueError("EngineClient needs at least one engine URL")
@@ -106,6 +115,73 @@ class EngineClient:
         self.max_resumes = max_resumes
         self.partial_rollout = partial_rollout
         self.sampling_seed = sampling_seed
+        # LoRA: the policy version whose adapter new requests name (None: requests name none unless they say)
+        self.lora_version: int | None = 0 if lora_keep is not None else None
+        self.lora_keep = lora_keep
+        self.adapter_calls: Counter[str] = Counter()  # calls in flight per adapter name
+        self.retired: set[int] = set()  # versions older than the kept ones, unloaded or to unload when unused
+        self.unloaded: list[str] = []  # adapter names unloaded from every engine, in order
+        self._retire_from = 0  # the oldest version not yet retired
+        self._unloads: set[asyncio.Future[None]] = set()
+
+    def use_policy_version(self, version: int) -> None:
+        """The trainer's version (its adapter is on every engine by then: loaded before the version was bumped):
+        requests sent from now on name `policy-v<version>`; those in flight keep theirs. Versions older than the
+        `lora_keep` newest are unloaded once unused (the module docstring). No-op without LoRA."""
+        if self.lora_version is None or self.lora_keep is None:
+            return
+        self.lora_version = int(version)
+        oldest_kept = self.lora_version - self.lora_keep + 1
+        self.retired.update(range(self._retire_from, oldest_kept))
+        self._retire_from = max(self._retire_from, oldest_kept)
+        self._unload_unused()
+
+    def _adapter(self, lora_path: str | None) -> str | None:
+        if lora_path is not None or self.lora_version is None:
+            return lora_path
+        return adapter_name(self.lora_version)
+
+    @contextlib.contextmanager
+    def _calls_on(self, lora_path: str | None) -> Iterator[None]:
+        if lora_path is None:
+            yield
+            return
+        self.adapter_calls[lora_path] += 1
+        try:
+            yield
+        finally:
+            self.adapter_calls[lora_path] -= 1
+            if not self.adapter_calls[lora_path]:
+                del self.adapter_calls[lora_path]
+                self._unload_unused()
+
+    def _unload_unused(self) -> None:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return  # told outside the event loop (a service restoring its state): the next call sends them
+        for version in sorted(self.retired):
+            name = adapter_name(version)
+            if not self.adapter_calls.get(name):
+                self.retired.discard(version)
+                task = asyncio.ensure_future(self._unload_everywhere(name))
+                self._unloads.add(task)
+                task.add_done_callback(self._unloads.discard)
+
+    async def _unload_everywhere(self, name: str) -> None:
+        results = await asyncio.gather(
+            *(self.unload_lora_adapter(url, name) for url in self.pool.alive_urls), return_exceptions=True
+        )
+        for url, result in zip(self.pool.alive_urls, results, strict=False):
+            if isinstance(result, BaseException):  # not loaded there (a restarted engine), or the engine is gone
+                logger.debug("unloading adapter %s from %s: %s", name, url, result)
+        self.unloaded.append(name)
+        logger.debug("adapter %s unloaded: no request uses it and the staleness bound admits it no more", name)
+
+    async def adapters_retired(self, timeout_s: float) -> None:
+        """Wait for the unloads sent so far to be answered (tests; the end of a run)."""
+        if self._unloads:
+            await asyncio.wait_for(asyncio.gather(*self._unloads, return_exceptions=True), timeout_s)
 
     # ---------------------------------------------------------------- pool state
     @property
@@ -147,18 +223,20 @@ class EngineClient:
         """Generate from `input_ids`, resuming across weight updates (`resumable.generate_resumable`); `progress`
         keeps the tokens so far where a checkpoint reads them, and continues from the ones it was restored with.
         `lora_path`: the LoRA adapter (its name, e.g. `engines.lora.adapter_name(v)`) to generate with."""
-        return await generate_resumable(
-            self.pool,
-            input_ids,
-            sampling_params,
-            rid=rid,
-            request_timeout_s=self.request_timeout_s,
-            max_resumes=self.max_resumes,
-            partial_rollout=self.partial_rollout,
-            run_seed=self.sampling_seed,
-            progress=progress,
-            lora_path=lora_path,
-        )
+        lora_path = self._adapter(lora_path)
+        with self._calls_on(lora_path):
+            return await generate_resumable(
+                self.pool,
+                input_ids,
+                sampling_params,
+                rid=rid,
+                request_timeout_s=self.request_timeout_s,
+                max_resumes=self.max_resumes,
+                partial_rollout=self.partial_rollout,
+                run_seed=self.sampling_seed,
+                progress=progress,
+                lora_path=lora_path,
+            )
 
     async def generate_batch(
         self,
@@ -172,18 +250,20 @@ class EngineClient:
         """Generate from several prompts as SGLang batched requests (`resumable.generate_resumable_batch`): for
         samples consumed together, such as one prompt's GRPO group; `progress`: one record per prompt;
         `lora_path`: the LoRA adapter every prompt is generated with."""
-        return await generate_resumable_batch(
-            self.pool,
-            prompts,
-            sampling_params,
-            rids=rids,
-            request_timeout_s=self.request_timeout_s,
-            max_resumes=self.max_resumes,
-            partial_rollout=self.partial_rollout,
-            run_seed=self.sampling_seed,
-            progress=progress,
-            lora_path=lora_path,
-        )
+        lora_path = self._adapter(lora_path)
+        with self._calls_on(lora_path):
+            return await generate_resumable_batch(
+                self.pool,
+                prompts,
+                sampling_params,
+                rids=rids,
+                request_timeout_s=self.request_timeout_s,
+                max_resumes=self.max_resumes,
+                partial_rollout=self.partial_rollout,
+                run_seed=self.sampling_seed,
+                progress=progress,
+                lora_path=lora_path,
+            )
 
     @contextlib.asynccontextmanager
     async def tokens_collected(self, timeout_s: float) -> AsyncIterator[bool]:

@@ -81,7 +81,13 @@ class GenerationResult:
             response_versions=list(self.versions),
             finish_reason=self.finish_reason,
             num_resumes=self.num_resumes,
+            lora_paths=self.lora_paths,
         )
+
+    @property
+    def lora_paths(self) -> list[str | None] | None:
+        """`Sequence.lora_paths` of this one call: [its adapter], or None for the base model."""
+        return None if self.lora_path is None else [self.lora_path]
 
 
 @dataclass(frozen=True)

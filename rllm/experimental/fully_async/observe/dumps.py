@@ -10,7 +10,7 @@ One line per trajectory:
     {"step", "uid", "prompt_uid", "status", "failure_reason", "reward", "end_reason", "step_rewards",
      "state_hashes", "metadata": {...}, "sequences": [
         {"step_index", "prompt_ids", "response_ids", "loss_mask", "versions", "logprobs", "advantages",
-         "prompt_text", "response_tokens"}, ...]}
+         "prompt_text", "response_tokens", "lora_paths" (LoRA runs only)}, ...]}
 
 `advantages` is the per-token advantage over the response (null in validation dumps or for rows not trained);
 `response_tokens` is each response token as text and `prompt_text` the decoded prompt (present when a tokenizer
@@ -53,6 +53,8 @@ def trajectory_record(
             "finish_reason": seq.finish_reason,
             "num_resumes": seq.num_resumes,
         }
+        if seq.lora_paths is not None:
+            row["lora_paths"] = list(seq.lora_paths)  # LoRA: the adapter each call named (policy-v<version>)
         if tokenizer is not None:
             row["prompt_text"] = tokenizer.decode(list(seq.prompt_ids), skip_special_tokens=False)
             row["response_tokens"] = [tokenizer.decode([t], skip_special_tokens=False) for t in seq.response_ids]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from rllm.experimental.fully_async.core.versions import lora_versions_kept
 from rllm.experimental.fully_async.errors import ConfigError
 from rllm.experimental.fully_async.settings.compat import max_staleness_from_rllm
 
@@ -80,7 +81,7 @@ def _derive_engine_lora(cfg: DictConfig) -> None:
     model, lora = cfg.actor_rollout_ref.model, cfg.engines.lora
     if int(model.lora_rank or 0) <= 0:
         return  # engines.lora.* are then refused if set (settings/validate.py)
-    versions = largest_staleness(cfg.async_training) + 2
+    versions = lora_versions_kept(largest_staleness(cfg.async_training)) + 1  # and one retiring
     if lora.max_loaded_loras is None:
         lora.max_loaded_loras = versions
     if lora.max_loras_per_batch is None:

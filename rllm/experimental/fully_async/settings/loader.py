@@ -326,8 +326,12 @@ _FLOAT_KEYS_WITH_INT_DEFAULTS = frozenset(
         "actor_rollout_ref.actor.entropy_coeff",  # verl writes 0; its dataclass field is a float
         "actor_rollout_ref.rollout.val_kwargs.top_p",
         "actor_rollout_ref.rollout.val_kwargs.temperature",
+        "actor_rollout_ref.model.lora_alpha",  # peft's LoraConfig takes any number
     }
 )
+# verl defaults written as a string for settings that are a string or a list (peft's LoraConfig target_modules:
+# "all-linear" or module names).
+_STR_OR_LIST_KEYS = frozenset({"actor_rollout_ref.model.target_modules"})
 
 
 def _check_verl_leaf_type(key: str, default: Any, value: Any, origin: str) -> None:
@@ -346,7 +350,7 @@ def _check_verl_leaf_type(key: str, default: Any, value: Any, origin: str) -> No
     elif isinstance(default, float):
         expected = (int, float)
     elif isinstance(default, str):
-        expected = (str,)
+        expected = (str, list, ListConfig) if key in _STR_OR_LIST_KEYS else (str,)
     elif isinstance(default, (list, ListConfig)):
         expected = (list, ListConfig)
     else:

@@ -306,6 +306,7 @@ def _validate_cross_fields(cfg: DictConfig) -> None:
         )
     _validate_sampling_seed(cfg.engines)
     _validate_engine_lora(cfg)
+    _validate_trainer_lora(cfg)
     if cfg.engines.backend != cfg.actor_rollout_ref.rollout.name:
         raise ConfigError(
             f"'engines.backend' ({cfg.engines.backend}) and 'actor_rollout_ref.rollout.name' "
@@ -380,6 +381,30 @@ def _validate_sampling_seed(engines: DictConfig) -> None:
 # SGLang 0.5.6's --lora-target-modules choices (sglang/srt/utils/common.py SUPPORTED_LORA_TARGET_MODULES, and all).
 SGLANG_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj")
 SGLANG_LORA_TARGETS += ("gate_up_proj", "all")
+
+
+def _validate_trainer_lora(cfg: DictConfig) -> None:
+    """actor_rollout_ref.model.lora_rank > 0: what a LoRA run cannot do yet, refused in one line each."""
+    rank = int(cfg.actor_rollout_ref.model.lora_rank or 0)
+    if rank < 0:
+        raise ConfigError(f"'actor_rollout_ref.model.lora_rank={rank}': use 0 (all weights train) or a rank > 0")
+    if rank == 0:
+        return
+    if cfg.actor_rollout_ref.actor.strategy == "megatron":
+        raise ConfigError(
+            "'actor_rollout_ref.model.lora_rank' with actor_rollout_ref.actor.strategy=megatron: LoRA is built on the "
+            "FSDP2 backend only (peft over the HF model); set strategy=fsdp2 or lora_rank=0"
+        )
+    if cfg.param_sync.transport in ("distributed", "nccl"):
+        raise ConfigError(
+            f"'param_sync.transport={cfg.param_sync.transport}' with actor_rollout_ref.model.lora_rank > 0: adapters "
+            "travel by disk only (a peft folder each version, /load_lora_adapter); set param_sync.transport=disk"
+        )
+    if cfg.algorithm.adv_estimator == "gae":
+        raise ConfigError(
+            "'actor_rollout_ref.model.lora_rank' with algorithm.adv_estimator=gae: the critic trains all its "
+            "weights and the policy's LoRA has no critic counterpart here; use a critic-free estimator or lora_rank=0"
+        )
 
 
 def _validate_engine_lora(cfg: DictConfig) -> None:

@@ -34,6 +34,10 @@ VERL_KEYS_READ: dict[str, str] = {
     # model and data
     "actor_rollout_ref.model.path": "tokenizer, engines and trainer (RunSpec.trainer/engines.model_path)",
     "actor_rollout_ref.model.enable_gradient_checkpointing": "the policy module, any rank count (backends/fsdp.py)",
+    "actor_rollout_ref.model.lora_rank": "> 0: peft's LoRA adapter trains, the base is frozen (backends/fsdp.py)",
+    "actor_rollout_ref.model.lora_alpha": "the adapter's LoraConfig lora_alpha (scaling alpha / r)",
+    "actor_rollout_ref.model.target_modules": "the adapter's LoraConfig target_modules (and --lora-target-modules)",
+    "actor_rollout_ref.model.exclude_modules": "the adapter's LoraConfig exclude_modules",
     "data.train_files": "prompt dataset (RunSpec.executor.data)",
     "data.val_files": "validation prompts (RunSpec.executor.data)",
     "data.max_prompt_length": "prompt filter/truncation (RunSpec.executor.data)",
@@ -206,7 +210,9 @@ VERL_KEYS_NOT_READ: dict[str, str] = {
     f"{_FSDP}.qat.": "quantisation-aware training is not run",
     "actor_rollout_ref.model.use_remove_padding": "the padding-free path needs flash-attention; the trainer runs sdpa",
     "actor_rollout_ref.model.enable_activation_offload": "verl applies it in its Ray worker, which is not run",
-    "actor_rollout_ref.model.lora_rank": "LoRA is not supported: the trainer updates all weights",
+    "actor_rollout_ref.model.lora_adapter_path": (
+        "a LoRA run starts from a fresh adapter (peft's zero lora_B): remove it, or merge the adapter into the model"
+    ),
     "actor_rollout_ref.model.use_fused_kernels": "verl patches the model's forward for it in its Ray worker",
     "actor_rollout_ref.model.use_liger": "verl patches the model for it in its Ray worker, which is not run",
     "actor_rollout_ref.model.trust_remote_code": "models load with transformers' own classes only",
@@ -290,7 +296,18 @@ def _loss_reads(leaf: str) -> ReadOnlyWhen:
 _ENTROPY = "when the entropy is computed (actor.entropy_coeff != 0 or actor.calculate_entropy=true)"
 _CUDA = "with trainer.device=cuda"
 
+
+def _lora(cfg: DictConfig) -> bool:
+    return int(cfg.actor_rollout_ref.model.lora_rank or 0) > 0
+
+
+_LORA = "with actor_rollout_ref.model.lora_rank > 0 (the policy trains a LoRA adapter)"
+
 READ_ONLY_WHEN: dict[str, ReadOnlyWhen] = {
+    **{
+        f"actor_rollout_ref.model.{leaf}": ReadOnlyWhen(_lora, _LORA)
+        for leaf in ("lora_alpha", "target_modules", "exclude_modules")
+    },
     f"{_FSDP}.dtype": ReadOnlyWhen(_on_cuda, f"{_CUDA} (verl's autocast dtype; on CPU the trainer computes in fp32)"),
     f"{_FSDP}.offload_policy": ReadOnlyWhen(_on_cuda, f"{_CUDA} (on CPU the parameters are in CPU memory already)"),
     f"{_FSDP}.param_offload": ReadOnlyWhen(

@@ -415,6 +415,7 @@ class MultiTurnWorkflow:
                 response_versions=list(result.versions),
                 finish_reason=result.finish_reason,
                 num_resumes=result.num_resumes,
+                lora_paths=result.lora_paths,
             )
             for start, result in episode.turns
         ]
@@ -443,5 +444,12 @@ class MultiTurnWorkflow:
                 loss_mask=mask,
                 finish_reason=episode.turns[-1][1].finish_reason,
                 num_resumes=sum(r.num_resumes for _, r in episode.turns),
+                lora_paths=_turn_adapters(episode),
             )
         ]
+
+
+def _turn_adapters(episode: _Episode) -> list[str | None] | None:
+    """The adapter each turn's call named (Sequence.lora_paths of a concatenated episode); None: none named one."""
+    names = [result.lora_path for _, result in episode.turns]
+    return None if all(name is None for name in names) else names

@@ -130,6 +130,7 @@ def _to_sequence(seq: Any) -> VersionedSequence:
         response_logprobs=[float(x) for x in seq.response_logprobs],
         response_versions=[int(v) for v in versions],
         loss_mask=[int(m) for m in seq.response_masks],
+        lora_paths=getattr(seq, "lora_paths", None),  # LoRA: the client's record (protocol.py)
     )
 
 
@@ -175,6 +176,7 @@ def _cut_response(seq: RllmSequence, length: int) -> RllmSequence:
         start_version=seq.start_version,
         end_version=seq.end_version,
         response_versions=versions,
+        lora_paths=getattr(seq, "lora_paths", None),
     )
 
 

@@ -68,6 +68,7 @@ class SingleTurnWorkflow:
             response_versions=list(result.versions),
             finish_reason=result.finish_reason,
             num_resumes=result.num_resumes,
+            lora_paths=result.lora_paths,
         )
         solution = tokenizer.decode(result.output_ids, skip_special_tokens=True)
         outcome = await score_safely(

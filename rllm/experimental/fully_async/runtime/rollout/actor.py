@@ -108,7 +108,10 @@ class RolloutServiceActor:
             async with self.gate.validation(self.gate_timeout_s):
                 urls = self.client.alive_urls
                 versions = await asyncio.gather(*(self.client.get_weight_version(u) for u in urls))
-                pinned = pinned_version(dict(zip(urls, versions, strict=True)))
+                # LoRA: the base never moves; every request names the client's adapter version (engines/client.py)
+                lora_version = getattr(self.client, "lora_version", None)
+                engines = dict(zip(urls, versions, strict=True))
+                pinned = lora_version if lora_version is not None else pinned_version(engines)
                 result = await self.validate(step)
             off = result.get("val/min_version", pinned) != pinned or result.get("val/version", pinned) != pinned
             result |= {"val/pinned_version": float(pinned), "val/off_version_answers": float(off)}

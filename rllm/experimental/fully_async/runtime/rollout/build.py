@@ -20,6 +20,7 @@ from rllm.experimental.fully_async.algorithms.filters import build_group_filter
 from rllm.experimental.fully_async.api.workflow import Workflow
 from rllm.experimental.fully_async.core.ids import rejected_prompt_uid
 from rllm.experimental.fully_async.core.ledger import SampleLedger
+from rllm.experimental.fully_async.core.versions import lora_versions_kept
 from rllm.experimental.fully_async.data.datasets import load_prompt_datasets
 from rllm.experimental.fully_async.data.prompts import PromptIterator
 from rllm.experimental.fully_async.engines.client import EngineClient
@@ -124,7 +125,16 @@ def build_engine_client(spec: RunSpec, engine_urls: list[str], api_key: str) -> 
         wait_for_engine_s=spec.engines.startup_timeout_s + 30.0 if restarting else 0.0,
         api_key=api_key or None,
         sampling_seed=spec.engines.sampling_seed,
+        lora_keep=lora_keep(spec),  # LoRA: each request names the newest adapter; old unused ones are unloaded
     )
+
+
+def lora_keep(spec: RunSpec) -> int | None:
+    """LoRA: the adapter versions the engines keep, the η_max + 1 the staleness bound admits; None without LoRA."""
+    if spec.engines.lora is None:
+        return None
+    schedule = spec.schedule
+    return lora_versions_kept(schedule.max_staleness, schedule.adaptive.max if schedule.adaptive is not None else None)
 
 
 def build_ledger(spec: RunSpec) -> SampleLedger:

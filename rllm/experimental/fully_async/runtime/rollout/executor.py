@@ -143,6 +143,9 @@ class RolloutExecutor:
         tell = getattr(self.workflow, "set_version", None)
         if tell is not None:
             tell(version)
+        use = getattr(self.client, "use_policy_version", None)  # LoRA: new requests name this version's adapter
+        if use is not None:
+            use(version)
 
     def set_max_staleness(self, max_staleness: int, version: int) -> None:
         """A new η from the trainer (adaptive staleness) from `version` on: the budget follows it (a higher η lets more

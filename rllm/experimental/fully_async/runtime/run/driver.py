@@ -97,7 +97,11 @@ class Run:
             ray.get(self.trainer.sync_weights.remote(False), timeout=self.sync_timeout_s)
             version = resumed.meta.get("version")
             self.progress.message(f"resumed from {resume_path} at step {self.step_count} (version {version})")
-        elif self.spec.run.val_before_train:
+        elif self.spec.trainer.lora is not None:
+            # LoRA: version 0 is an adapter too (peft's initial one, the base model's outputs); every request names
+            # one, so it is on every engine before the first request (docs/design.md#rule-one-version-per-lora-sample)
+            ray.get(self.trainer.sync_weights.remote(False), timeout=self.sync_timeout_s)
+        if resumed is None and self.spec.run.val_before_train:
             val = ray.get(self.rollouts.validate.remote(), timeout=self.validate_timeout_s)
             self.initial_acc = val.get("val/accuracy")
             self.sink.log_validation(0, val)

@@ -29,6 +29,16 @@ Engines come and go between syncs: `remove_engine` drops one whose process died,
 restarted successor after loading the weights the others were last given, so it joins at the trainer's version.
 Both take the sync lock, so a replacement never interleaves with a sync and versions reach engines in order.
 
+LoRA (`lora_keep` set; docs/design.md#rule-one-version-per-lora-sample): the trainer writes only the adapter, a peft
+folder per version (`DiskTransport`), and every engine loads it with `/load_lora_adapter` as `policy-v<v>`
+(engines/lora.py) while it goes on generating: no pause, no abort, no `/update_weight_version` (SGLang's aborts
+every request by default), and the base weights never move. A request names its adapter when it is sent (the
+rollout client names the newest version, engines/client.py) and the engine holds that adapter until the request
+ends, so a sample's tokens come from one version. Old versions are unloaded by the side that knows when no
+request uses them any more: the rollout client (engines/client.py, `lora_keep`), not here: an engine's unload holds
+its LoRA update lock until the adapter's requests end, so one sent while they run would hold up the next load.
+`engine_versions` then holds each engine's newest adapter version.
+
 The trainer's code is synchronous (a Ray actor), so `ParamSync` runs its `EngineClient` on a private event
 loop in a daemon thread and `sync()` blocks. It knows nothing of Ray.
 """
@@ -47,6 +57,7 @@ from typing import Any, TypeVar
 
 from rllm.experimental.fully_async.api.weight_transport import CollectiveTransport, StagedWeights, WeightTransport
 from rllm.experimental.fully_async.engines.client import EngineClient, EngineConnectionError, EngineError
+from rllm.experimental.fully_async.engines.lora import adapter_name
 from rllm.experimental.fully_async.errors import FullyAsyncError
 from rllm.experimental.fully_async.runtime.sync.disk import DiskTransport
 from rllm.experimental.fully_async.runtime.sync.distributed import DistributedTransport
@@ -162,9 +173,15 @@ class ParamSync:
         connect_retries: int = 2,
         api_key: str | None = None,
         weights_dtype: str | None = None,
+        lora_keep: int | None = None,
     ) -> None:
         if not engine_urls:
             raise ValueError("ParamSync needs at least one engine URL")
+        if lora_keep is not None and (lora_keep < 1 or not isinstance(transport, DiskTransport)):
+            raise ValueError("LoRA adapters sync by disk (a DiskTransport), keeping at least one version loaded")
+        # LoRA: adapter versions each engine keeps loaded (η_max + 1); None: full weights, paused per sync
+        self.lora_keep = lora_keep
+        self.adapters: dict[str, list[int]] = {u.rstrip("/"): [] for u in engine_urls}  # versions loaded, oldest first
         self.engine_urls = [u.rstrip("/") for u in engine_urls]
         self.transport = transport
         # Passed to write_weights(path, dtype=...) when set (`resolve_sync_dtype`); None: the writer's own dtype.
@@ -209,6 +226,7 @@ class ParamSync:
                 raise ValueError(f"cannot remove {url}: it is the last engine")
             self.engine_urls = [u for u in self.engine_urls if u != url]
             self.engine_versions.pop(url, None)
+            self.adapters.pop(url, None)
         logger.warning("engine %s removed from weight syncs; %d engine(s) left", url, len(self.engine_urls))
 
     def replace_engine(self, old_url: str, new_url: str) -> int:
@@ -246,6 +264,13 @@ class ParamSync:
 
     async def _load_into(self, old_url: str, new_url: str, staged: StagedWeights | None) -> int:
         self._client.replace_engine(old_url, new_url)
+        self.adapters.pop(old_url, None)
+        if self.lora_keep is not None:
+            self.adapters[new_url] = []
+            if staged is None:
+                return int(await self._client.get_weight_version(new_url, timeout_s=self.pause_timeout_s))
+            await self._load_adapter(new_url, staged)  # the newest version only; requests name it from now on
+            return staged.version
         if staged is not None and isinstance(self.transport, CollectiveTransport):
             # Several calls (buckets) are atomic for requests only while paused; a disk load is atomic by itself.
             await self._client.pause_generation(new_url, "abort", timeout_s=self.pause_timeout_s)
@@ -308,6 +333,8 @@ class ParamSync:
         staged = self.transport.stage(write_weights, new_version)
         self._last_staged = staged
         write_s = time.perf_counter() - start
+        if self.lora_keep is not None:
+            return self._sync_adapter(staged, start, write_s)
         # Twice the update: a collective load resends once to the engines left when one fails mid-broadcast.
         guard_s = self.pause_timeout_s + 2 * self.update_timeout_s + self.continue_timeout_s + 30.0
         outcome = self._run(self._push(staged), timeout_s=guard_s, what=f"syncing weights version {new_version}")
@@ -335,6 +362,49 @@ class ParamSync:
             report.nbytes / 1e6,
         )
         return report
+
+    def _sync_adapter(self, staged: StagedWeights, start: float, write_s: float) -> SyncReport:
+        """LoRA: load the staged adapter on every engine as `policy-v<version>`, no pause (module docstring)."""
+        out = _Outcome()
+        guard_s = self.update_timeout_s + 30.0
+        out.updated = self._run(
+            self._on_all(self.engine_urls, lambda u: self._load_adapter(u, staged), out),
+            timeout_s=guard_s,
+            what=f"loading LoRA adapter version {staged.version}",
+        )
+        for url in self.engine_urls:
+            self.engine_versions[url] = staged.version if url in out.updated else None
+        self.transport.release(staged, self.engine_versions)
+        if out.failures:
+            raise SyncError(staged.version, out.failures, out.updated, sorted(out.unreachable))
+        report = SyncReport(
+            version=staged.version,
+            write_s=write_s,
+            pause_s=0.0,  # never paused
+            update_s=time.perf_counter() - start - write_s,
+            total_s=time.perf_counter() - start,
+            num_engines=len(self.engine_urls),
+            nbytes=staged.nbytes,
+            location=staged.location,
+        )
+        logger.info(
+            "adapter %s loaded on %d engine(s) without a pause: write %.3fs, load %.3fs, %.2f MB",
+            adapter_name(staged.version),
+            report.num_engines,
+            report.write_s,
+            report.update_s,
+            report.nbytes / 1e6,
+        )
+        return report
+
+    async def _load_adapter(self, url: str, staged: StagedWeights) -> None:
+        loaded = self.adapters.setdefault(url, [])
+        if staged.version in loaded:
+            return  # this engine has it already (a sync repeated after another engine failed)
+        await self._client.load_lora_adapter(
+            url, adapter_name(staged.version), staged.location, timeout_s=self.update_timeout_s
+        )
+        loaded.append(staged.version)
 
     async def _push(self, staged: StagedWeights) -> _Outcome:
         out = _Outcome()

@@ -25,7 +25,13 @@ from rllm.experimental.fully_async.core.adaptive_staleness import StalenessContr
 from rllm.experimental.fully_async.core.addresses import resolve_master_address
 from rllm.experimental.fully_async.observe.dumps import write_training_batch
 from rllm.experimental.fully_async.run_spec import RunSpec, thaw
-from rllm.experimental.fully_async.runtime.sync.param_sync import ParamSync, resolve_sync_dtype, transport_from_config
+from rllm.experimental.fully_async.runtime.rollout.build import lora_keep as rollout_lora_keep
+from rllm.experimental.fully_async.runtime.sync.param_sync import (
+    DiskTransport,
+    ParamSync,
+    resolve_sync_dtype,
+    transport_from_config,
+)
 from rllm.experimental.fully_async.runtime.trainer.fully_async_trainer import FullyAsyncTrainer, TrainerSettings
 from rllm.experimental.fully_async.runtime.trainer.ranks import DistributedPolicyBackend
 from rllm.experimental.fully_async.runtime.trainer.record import BatchRecorder
@@ -45,6 +51,7 @@ def build_policy_backend(t: Any, correction: Any = None, ranks: dict | None = No
     actor_cfg = OmegaConf.create(thaw(t.actor))  # verl builds its own dataclasses from a mutable copy
     # prox_log_probs=previous (or its synchronous control): the backend keeps the weights of the previous version
     keep_previous = correction is not None and correction.uses_previous_weights
+    lora = t.lora.peft_kwargs() if getattr(t, "lora", None) is not None else None
     if correction is not None and correction.policy_loss_mode is not None:
         # decoupled PPO with the proximal policy from the update itself: its loss replaces verl's vanilla one
         actor_cfg.policy_loss.loss_mode = correction.policy_loss_mode
@@ -67,6 +74,7 @@ def build_policy_backend(t: Any, correction: Any = None, ranks: dict | None = No
             seed=t.seed,
             enable_gradient_checkpointing=t.enable_gradient_checkpointing,
             keep_previous_weights=keep_previous,
+            lora=lora,
             rank_options=ranks["options"] if ranks else None,
             rank_devices=ranks["devices"] if ranks else None,
         )
@@ -78,6 +86,7 @@ def build_policy_backend(t: Any, correction: Any = None, ranks: dict | None = No
         seed=t.seed,
         enable_gradient_checkpointing=t.enable_gradient_checkpointing,
         keep_previous_weights=keep_previous,
+        lora=lora,
     )
     return backend, str(next(backend.model.parameters()).dtype)
 
@@ -131,6 +140,7 @@ def build_trainer(
         max_response_length=t.max_response_length,
         max_prompt_length=spec.executor.data.max_prompt_length,
         world_size=t.world_size,
+        lora=t.lora is not None,
     )
     critic = build_critic_backend(t) if t.critic is not None else None  # algorithm.adv_estimator=gae
     adaptive = spec.schedule.adaptive
@@ -167,16 +177,26 @@ def param_sync_factory(spec: RunSpec, engine_urls: list[str], api_key: str | Non
     """
     sync = spec.param_sync
 
+    # LoRA: each engine keeps the η_max + 1 adapter versions the staleness bound admits (settings/derive.py)
+    lora_keep = rollout_lora_keep(spec)
+
     def param_sync_for(backend: Any, param_dtype: str) -> ParamSync:
         dtype = resolve_sync_dtype(sync.dtype, spec.trainer.device, param_dtype)
+        transport = transport_from_config(
+            sync, backend, dtype, master_address=_master_address(sync, backend, engine_urls)
+        )
+        if lora_keep is not None:
+            # the folders of every version an engine may still load (SGLang reloads an evicted adapter by its path)
+            transport = DiskTransport(Path(sync.weights_dir), keep=lora_keep + 1)
         return ParamSync(
             engine_urls,
-            transport_from_config(sync, backend, dtype, master_address=_master_address(sync, backend, engine_urls)),
+            transport,
             pause_timeout_s=sync.timeout_s,
             update_timeout_s=sync.timeout_s,
             continue_timeout_s=sync.timeout_s,
             weights_dtype=dtype,
             api_key=api_key,
+            lora_keep=lora_keep,
         )
 
     return param_sync_for

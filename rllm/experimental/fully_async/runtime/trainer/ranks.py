@@ -94,6 +94,7 @@ class DistributedPolicyBackend:
         attn_implementation: str = "sdpa",
         enable_gradient_checkpointing: bool = False,
         keep_previous_weights: bool = False,
+        lora: Mapping[str, Any] | None = None,
         call_timeout_s: float = CALL_TIMEOUT_S,
         setup_timeout_s: float = SETUP_TIMEOUT_S,
         rank_options: list[dict[str, Any]] | None = None,
@@ -138,6 +139,7 @@ class DistributedPolicyBackend:
             "attn_implementation": attn_implementation,
             "enable_gradient_checkpointing": enable_gradient_checkpointing,
             "keep_previous_weights": keep_previous_weights,
+            "lora": dict(lora) if lora is not None else None,
         }
         started = time.monotonic()
         refs = [
@@ -182,6 +184,11 @@ class DistributedPolicyBackend:
         """Full HF weights written by rank 0 (every rank takes part in gathering them), floating-point tensors cast
         to `dtype` when given (param_sync.dtype), as FSDPPolicyBackend.save_hf."""
         self._fan_out("save_hf", [(str(path), dtype)] * self.world)
+
+    def save_adapter(self, path: str | os.PathLike[str], dtype: str | None = None) -> None:
+        """The LoRA adapter as a peft folder (every rank gathers its shards, rank 0 writes), as
+        FSDPPolicyBackend.save_adapter."""
+        self._fan_out("save_adapter", [(str(path), dtype)] * self.world)
 
     def describe(self) -> list[dict[str, Any]]:
         """Each rank's FSDPPolicyBackend.describe(), in rank order: what each rank actually built."""
