@@ -17,7 +17,7 @@ import pytest
 from engine_helpers import ENGINE_KINDS, LOGPROB_TOL, decode_hold, engine_command, max_abs_diff, reference_logprobs
 from lora_helpers import peft_reference, write_adapter
 
-from rllm.experimental.fully_async.api.trajectory import Sequence, TrajectoryGroup, VersionedTrajectory
+from rllm.experimental.fully_async.api.trajectory import VersionedGroup, VersionedSequence, VersionedTrajectory
 from rllm.experimental.fully_async.engines import EngineLauncher
 from rllm.experimental.fully_async.engines.client import EngineClient
 from rllm.experimental.fully_async.run_spec import EngineLoRASpec
@@ -116,14 +116,14 @@ def test_adapter_syncs_never_pause_and_each_request_keeps_its_version(kind, mode
 # ---- the trainer's check of where a batch's tokens came from -----------------------------------------------------
 
 
-def group(*sequences: Sequence) -> TrajectoryGroup:
+def group(*sequences: VersionedSequence) -> VersionedGroup:
     trajectories = [VersionedTrajectory(uid=f"p/{i}", prompt_uid="p", sequences=[s]) for i, s in enumerate(sequences)]
-    return TrajectoryGroup(prompt_uid="p", trajectories=trajectories)
+    return VersionedGroup(prompt_uid="p", trajectories=trajectories)
 
 
-def sequence(versions: list[int], lora_paths: list[str | None] | None) -> Sequence:
+def sequence(versions: list[int], lora_paths: list[str | None] | None) -> VersionedSequence:
     n = len(versions)
-    return Sequence([1], [2] * n, [0.0] * n, versions, lora_paths=lora_paths)
+    return VersionedSequence([1], [2] * n, [0.0] * n, versions, lora_paths=lora_paths)
 
 
 def test_a_lora_batch_must_come_from_adapters_the_trainer_sent():
@@ -159,8 +159,8 @@ def test_an_rllm_programs_sequences_carry_the_clients_adapter_record_to_the_chec
     assert merged.lora_paths == ["policy-v1", "policy-v2"] and merged.response_versions == [1, 1, 1, 2]
     row = _to_sequence(merged)
     trajectory = VersionedTrajectory(uid="p/0", prompt_uid="p", sequences=[row])
-    assert adapter_provenance([TrajectoryGroup("p", [trajectory])], version=2)["lora/adapters_in_batch"] == 2.0
+    assert adapter_provenance([VersionedGroup("p", [trajectory])], version=2)["lora/adapters_in_batch"] == 2.0
     by_hand = _to_sequence(RllmSequence([1], [2], [0.0], [1], start_version=1))
     trajectory = VersionedTrajectory(uid="p/1", prompt_uid="p", sequences=[by_hand])
     with pytest.raises(AdapterProvenanceError, match="without the client's lora_paths record"):
-        adapter_provenance([TrajectoryGroup("p", [trajectory])], version=2)
+        adapter_provenance([VersionedGroup("p", [trajectory])], version=2)

@@ -309,7 +309,7 @@ def test_lora_settings_that_cannot_run_are_refused_in_one_line(user_model, overr
 def test_lora_with_megatron_is_refused_in_one_line():
     """On a GPU host being planned (the Megatron YAML needs CUDA): peft's adapter is built on FSDP2 only."""
     with pytest.raises(ConfigError, match=r"'actor_rollout_ref\.model\.lora_rank' with .*strategy=megatron") as info:
-        load_config(REPO / "config" / "fully_async_ppo_megatron_trainer.yaml", list(LORA), check_host=False)
+        load_config(REPO / "config" / "gpu_megatron_sglang.yaml", list(LORA), check_host=False)
     assert "\n" not in str(info.value)
 
 
