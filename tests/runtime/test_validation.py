@@ -24,31 +24,48 @@ from rllm.experimental.fully_async.runtime.run.driver import log_step
 
 
 def test_a_sync_waits_for_the_running_validation_and_a_validation_for_the_running_sync():
-    waits: list[float] = []
+    """Each party acts on an event the test sets, never on a sleep: the order below cannot depend on machine load."""
 
     async def scenario() -> list[str]:
         gate, events = SyncGate(), []
+        validation_holds, release_validation = asyncio.Event(), asyncio.Event()
+        sync_holds, release_sync = asyncio.Event(), asyncio.Event()
 
         async def validation() -> None:
             async with gate.validation(timeout_s=5):
                 events.append("validation start")
-                await asyncio.sleep(0.2)
+                validation_holds.set()
+                await release_validation.wait()
                 events.append("validation end")
 
         async def sync() -> None:
-            await asyncio.sleep(0.05)  # the validation holds the gate first
-            waits.append(await gate.begin_sync(timeout_s=5))
+            await validation_holds.wait()  # the validation holds the gate first
+            await gate.begin_sync(timeout_s=5)
             events.append("sync start")
-            await asyncio.sleep(0.1)
+            sync_holds.set()
+            await release_sync.wait()
             await gate.end_sync()
             events.append("sync end")
 
         async def late_validation() -> None:
-            await asyncio.sleep(0.25)  # arrives while the sync holds the gate
+            await sync_holds.wait()  # arrives while the sync holds the gate
             async with gate.validation(timeout_s=5):
                 events.append("late validation start")
 
-        await asyncio.gather(validation(), sync(), late_validation())
+        async def settle() -> None:  # every task runs until it blocks (no wall clock involved)
+            for _ in range(20):
+                await asyncio.sleep(0)
+
+        tasks = [asyncio.create_task(c()) for c in (validation, sync, late_validation)]
+        await validation_holds.wait()
+        await settle()
+        assert events == ["validation start"]  # the sync is waiting for the validation
+        release_validation.set()
+        await sync_holds.wait()
+        await settle()
+        assert events[-1] == "sync start"  # the late validation is waiting for the sync
+        release_sync.set()
+        await asyncio.gather(*tasks)
         return events
 
     assert asyncio.run(scenario()) == [
@@ -58,7 +75,6 @@ def test_a_sync_waits_for_the_running_validation_and_a_validation_for_the_runnin
         "sync end",
         "late validation start",
     ]
-    assert waits[0] >= 0.1  # the sync asked 0.05 s in and the validation held the gate until 0.2 s
 
 
 def test_waits_are_bounded_and_name_what_they_waited_for():
