@@ -132,10 +132,12 @@ class MetricsSink:
     def close(self) -> None:
         self.file.close()
         if self.tracking is not None:
-            # verl's Tracking finishes its backends (flushes TensorBoard's event file, ends a wandb run) in __del__:
-            # drop the one reference so that happens now, once, rather than whenever the interpreter collects it.
+            # verl's Tracking finishes its backends (flushes TensorBoard's event file, ends a wandb run) only in
+            # __del__. Dropping our reference runs it only if nothing else holds the object (a traceback, a cycle),
+            # so call it now and empty its backends: the interpreter's later __del__ then finds nothing to finish.
             tracking, self.tracking = self.tracking, None
-            del tracking
+            tracking.__del__()
+            tracking.logger.clear()
 
 
 def prefixed(prefix: str, values: dict[str, Any]) -> dict[str, float]:
