@@ -56,8 +56,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
+from transformers import AutoConfig, AutoModelForTokenClassification
 from verl import DataProto
+from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.device import get_device_name
 from verl.utils.metric import reduce_metrics
 from verl.workers.config import FSDPCriticConfig
@@ -90,7 +93,6 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 
 def _section_dict(critic_cfg: Mapping[str, Any]) -> dict[str, Any]:
     """A plain, resolved copy of a `critic` section (DictConfig node, DictConfig or dict)."""
-    from omegaconf import DictConfig, OmegaConf
 
     # A node of the full run config resolves against its root (verl's `${oc.select:actor_rollout_ref...}` keys);
     # a detached section or dict resolves against itself, where those selects fall back to their defaults.
@@ -167,9 +169,6 @@ def build_critic_config(critic_cfg: Mapping[str, Any], model_path: str | os.Path
     if raw.get("forward_max_token_len_per_gpu") is None and raw.get("ppo_max_token_len_per_gpu") is not None:
         raw["forward_max_token_len_per_gpu"] = raw["ppo_max_token_len_per_gpu"]
 
-    from omegaconf import OmegaConf
-    from verl.utils.config import omega_conf_to_dataclass
-
     with warnings.catch_warnings():
         # verl's own YAML still uses `critic.model`, which CriticConfig warns is deprecated (for model_config).
         warnings.filterwarnings("ignore", message="using model in Critic Config is deprecated")
@@ -181,7 +180,6 @@ def build_critic_config(critic_cfg: Mapping[str, Any], model_path: str | os.Path
 
 def _load_value_model(model_path: Path, seed: int, attn_implementation: str) -> nn.Module:
     """The policy folder as a token classifier with one output, as verl's fsdp_workers build the critic."""
-    from transformers import AutoConfig, AutoModelForTokenClassification
 
     hf_config = AutoConfig.from_pretrained(model_path, attn_implementation=attn_implementation)
     hf_config.num_labels = 1

@@ -62,16 +62,30 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from peft import LoraConfig, TaskType, get_peft_model
+from peft.utils.save_and_load import get_peft_model_state_dict
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
+from transformers import AutoModelForCausalLM
 from verl import DataProto
-from verl.utils.device import get_device_name
+from verl.utils.device import get_device_id, get_device_name
 from verl.utils.fsdp_utils import (
+    apply_fsdp2,
     load_fsdp_model_to_gpu,
     load_fsdp_optimizer,
     offload_fsdp_model_to_cpu,
     offload_fsdp_optimizer,
 )
 from verl.utils.metric import reduce_metrics
+from verl.utils.torch_dtypes import PrecisionType
 from verl.workers.actor.dp_actor import DataParallelPPOActor
 from verl.workers.config import FSDPActorConfig
 from verl.workers.config.optimizer import build_optimizer
@@ -85,6 +99,7 @@ from rllm.experimental.fully_async.backends import (
     to_cpu,
 )
 from rllm.experimental.fully_async.backends.previous_weights import PreviousWeights, local_tensor
+from rllm.experimental.fully_async.backends.verl_patch import require_patched_verl
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +165,6 @@ def gradient_checkpointing_on(model: nn.Module) -> bool:
 
 def model_dtype(config: FSDPActorConfig) -> torch.dtype:
     """The dtype the policy's parameters are loaded in: `fsdp_config.model_dtype` (verl's default fp32)."""
-    from verl.utils.torch_dtypes import PrecisionType
 
     return PrecisionType.to_dtype(config.fsdp_config.get("model_dtype") or "fp32")
 
@@ -158,9 +172,6 @@ def model_dtype(config: FSDPActorConfig) -> torch.dtype:
 def _shard_fsdp2(model: nn.Module, config: FSDPActorConfig, device_type: str) -> nn.Module:
     """FSDP2 over every rank: decoder layers and the root are `fully_shard`-ed by verl's apply_fsdp2, with
     `fsdp_config.reshard_after_forward` and, with `fsdp_config.offload_policy`, FSDP2's CPUOffloadPolicy."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
-    from verl.utils.fsdp_utils import apply_fsdp2
 
     mesh = init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("fsdp",))
     # Gradients are reduced in fp32 so the data-parallel average is exact; parameters compute in the dtype they are
@@ -186,7 +197,6 @@ def _with_lora(model: nn.Module, lora: Mapping[str, Any]) -> nn.Module:
     """The HF model wrapped with peft's LoRA adapter, as verl 0.7.1's FSDP workers wrap it (fsdp_workers.py,
     `_build_model_optimizer`): input embeddings' outputs require grad (so gradient checkpointing reaches the
     adapter through a frozen embedding), then get_peft_model with task CAUSAL_LM and no bias."""
-    from peft import LoraConfig, TaskType, get_peft_model
 
     model.enable_input_require_grads()
     return get_peft_model(model, LoraConfig(task_type=TaskType.CAUSAL_LM, **dict(lora)))
@@ -229,9 +239,6 @@ class FSDPPolicyBackend:
         keep_previous_weights: bool = False,
         lora: Mapping[str, Any] | None = None,
     ) -> None:
-        from transformers import AutoModelForCausalLM
-
-        from rllm.experimental.fully_async.backends.verl_patch import require_patched_verl
 
         require_patched_verl()  # unpatched verl would train, silently, on the wrong numbers
         self.model_path = Path(model_path)
@@ -301,7 +308,6 @@ class FSDPPolicyBackend:
         """What was built, read off the objects themselves (for the log line and for tests that check a key's
         effect): parameter dtype and device, gradient checkpointing, FSDP2 sharding and its options, the optimizer,
         verl's autocast dtype and entropy function."""
-        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
         param = next(self.model.parameters())
         local = local_tensor(param)
@@ -416,7 +422,6 @@ class FSDPPolicyBackend:
 
         Collective at world size > 1 (every rank must call it); rank 0 writes.
         """
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(self.model, options=options)
@@ -439,8 +444,6 @@ class FSDPPolicyBackend:
 
         Collective at world size > 1 (the adapter's shards are gathered); rank 0 writes.
         """
-        from peft.utils.save_and_load import get_peft_model_state_dict
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         if self.lora is None:
             raise ValueError("save_adapter needs a LoRA policy (actor_rollout_ref.model.lora_rank > 0)")
@@ -460,7 +463,6 @@ class FSDPPolicyBackend:
 
     def adapter_state(self) -> dict[str, torch.Tensor]:
         """The adapter's tensors under peft's names, full and on the CPU (world size 1; for tests and bytes)."""
-        from peft.utils.save_and_load import get_peft_model_state_dict
 
         return {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(self.model).items()}
 
@@ -473,7 +475,6 @@ class FSDPPolicyBackend:
         rank 0, empty elsewhere, without the previous weights (the run's checkpoints, `save_checkpoint`, hold them);
         collective.
         """
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
         if self.world_size == 1:
             model_state = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
@@ -495,7 +496,6 @@ class FSDPPolicyBackend:
     @_with_resident(optimizer=True)
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what `state_dict` returned (at world size > 1, rank 0's copy is broadcast; collective)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         if self.world_size == 1:
             self.model.load_state_dict(state["model"])
@@ -527,8 +527,6 @@ class FSDPPolicyBackend:
         at any world size (DCP reshards on load). When it returns, on any rank, every rank's files are on disk: the
         checkpoint's manifest (runtime/checkpoints/) hashes them then, each rank its share with several ranks.
         """
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         state = {"model": model_state, "optimizer": optim_state}
@@ -563,8 +561,6 @@ class FSDPPolicyBackend:
     @_with_resident(optimizer=True)
     def load_checkpoint(self, directory: str | os.PathLike[str]) -> None:
         """Restore what `save_checkpoint` wrote (possibly by another world size); collective."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         # get_state_dict initialises AdamW's lazy state (a zero-lr step), so the moments have tensors to load into
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
@@ -599,7 +595,6 @@ class FSDPPolicyBackend:
     def _resident(self, optimizer: bool) -> Iterator[None]:
         """With param_offload (optimizer_offload), the parameters (optimizer state) on the GPU for the block and back
         on the CPU after, as verl's FSDP workers do around each call."""
-        from verl.utils.device import get_device_id
 
         if self.offload_params:
             load_fsdp_model_to_gpu(self.model)

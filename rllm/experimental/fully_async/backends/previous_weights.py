@@ -23,6 +23,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 __all__ = ["PreviousWeights", "local_tensor"]
 
@@ -76,7 +77,6 @@ class PreviousWeights:
         """The previous (or the published) version's weights, the current ones if there is none, as a state dict of
         copies sharded as the parameters: what a torch.distributed.checkpoint save writes, and the template a load
         reads into."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         tensors = self.tensors if which == "previous" else self.published
         with self.in_place(tensors):

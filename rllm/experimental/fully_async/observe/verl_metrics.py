@@ -23,6 +23,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from verl import DataProto
+from verl.trainer.ppo.metric_utils import (
+    compute_data_metrics,
+    compute_throughout_metrics,
+    compute_timing_metrics,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -53,12 +59,6 @@ def verl_named_metrics(
 ) -> dict[str, float]:
     """verl's names for one trained batch (`data`: the DataProto after advantages, `metrics`: this step's metrics
     with its `timing/*`). A batch verl's functions cannot take (every response empty) gives {} and a debug line."""
-    from verl import DataProto
-    from verl.trainer.ppo.metric_utils import (
-        compute_data_metrics,
-        compute_throughout_metrics,
-        compute_timing_metrics,
-    )
 
     batch = data.batch
     tensors = {k: batch[k] for k in ("responses", "attention_mask", "response_mask", "advantages", "returns")}

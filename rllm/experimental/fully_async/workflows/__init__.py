@@ -18,13 +18,20 @@ import dataclasses
 import inspect
 from typing import TYPE_CHECKING, Any
 
+import cloudpickle
+from transformers import AutoConfig
+from verl.utils.import_utils import load_extern_object
+
 from rllm.experimental.fully_async.api.rollout_functions import RUNNER_WORKFLOW
 from rllm.experimental.fully_async.api.workflow import Workflow
 from rllm.experimental.fully_async.envs.base import EnvSpec
+from rllm.experimental.fully_async.errors import ConfigError
 from rllm.experimental.fully_async.run_spec import thaw
 from rllm.experimental.fully_async.workflows.base import IsolatedReward, load_reward_fn, score_safely
 from rllm.experimental.fully_async.workflows.multi_turn import MultiTurnWorkflow
+from rllm.experimental.fully_async.workflows.rllm_compat import RllmRolloutWorkflow
 from rllm.experimental.fully_async.workflows.single_turn import SingleTurnWorkflow
+from rllm.experimental.fully_async.workflows.tools import ToolBox
 
 if TYPE_CHECKING:
     from rllm.experimental.fully_async.run_spec import AgentSpec, ExecutorSpec, SamplingSpec
@@ -56,8 +63,6 @@ def build_workflow(executor: ExecutorSpec, reward_fn: Any, pool: Any = None, *, 
     if executor.workflow_name == RUNNER_WORKFLOW and executor.workflow_path is None:
         return runner_workflow(executor, held_out)
     if executor.workflow_path:
-        from verl.utils.import_utils import load_extern_object
-
         obj = load_extern_object(module_path=executor.workflow_path, object_name=executor.workflow_name)
         if inspect.iscoroutinefunction(obj):
             return rllm_rollout_workflow(obj, executor)
@@ -75,7 +80,6 @@ def rllm_rollout_workflow(rollout_fn: Any, executor: ExecutorSpec) -> Workflow:
     """An rLLM rollout function as a workflow (workflows/rllm_compat.py), its client's `max_tokens` the run's
     prompt + response budget, as rLLM's executor sets it (data.max_prompt_length + data.max_response_length), its
     rows made as rLLM's batch makes them (merged, prompts and responses held to those lengths)."""
-    from rllm.experimental.fully_async.workflows.rllm_compat import RllmRolloutWorkflow
 
     max_prompt, max_response = executor.data.max_prompt_length, executor.sampling.max_new_tokens
     return RllmRolloutWorkflow(
@@ -90,9 +94,6 @@ def rllm_rollout_workflow(rollout_fn: Any, executor: ExecutorSpec) -> Workflow:
 def runner_workflow(executor: ExecutorSpec, held_out: bool = False) -> Workflow:
     """The rollout function AsyncAgentTrainer was given (its val_rollout_fn for `held_out`, when it has one; else
     rollout_fn validates too, rLLM's rule), unpickled in this process."""
-    import cloudpickle
-
-    from rllm.experimental.fully_async.errors import ConfigError
 
     functions = executor.rllm_functions
     if functions is None:
@@ -107,7 +108,6 @@ def runner_workflow(executor: ExecutorSpec, held_out: bool = False) -> Workflow:
 def build_multi_turn(
     executor: ExecutorSpec, reward_fn: Any, pool: Any, sampling_params: dict[str, Any]
 ) -> MultiTurnWorkflow:
-    from rllm.experimental.fully_async.workflows.tools import ToolBox
 
     agent = executor.agent
     assert agent is not None, "build_multi_turn needs a multi_turn spec (ExecutorSpec.agent)"
@@ -140,9 +140,6 @@ def check_agent_fits_model(cfg: Any) -> None:
     max_position_embeddings (ConfigError otherwise, one line). Run before any process starts."""
     if cfg.workflow.path is not None or cfg.workflow.name != "multi_turn":
         return
-    from transformers import AutoConfig
-
-    from rllm.experimental.fully_async.errors import ConfigError
 
     context = getattr(AutoConfig.from_pretrained(cfg.actor_rollout_ref.model.path), "max_position_embeddings", None)
     if context is not None and int(cfg.env.max_total_tokens) > int(context):

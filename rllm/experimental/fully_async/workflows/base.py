@@ -29,6 +29,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from verl.utils.import_utils import load_extern_object
+from verl.utils.reward_score import default_compute_score
+
+from rllm.experimental.fully_async.workers.pool import IsolatedCallError, resolve_reference
 
 if TYPE_CHECKING:
     from rllm.experimental.fully_async.run_spec import ExecutorSpec
@@ -50,7 +54,6 @@ class IsolatedReward:
     pool: Any  # workers.pool.WorkerPool
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from rllm.experimental.fully_async.workers.pool import resolve_reference
 
         return resolve_reference(self.reference)(*args, **kwargs)
 
@@ -81,8 +84,6 @@ async def score_safely(
     verl reward functions may return a float or a dict with a "score" key (the rest is kept as extra metrics).
     """
     if isinstance(reward_fn, IsolatedReward):
-        from rllm.experimental.fully_async.workers.pool import IsolatedCallError
-
         try:
             raw = await reward_fn.pool.call(
                 reward_fn.reference, data_source, solution_str, ground_truth, extra_info, timeout_s=timeout_s
@@ -214,8 +215,6 @@ def load_reward_fn(executor: ExecutorSpec, pool: Any = None) -> RewardFn:
 
 
 def _load_reward_fn(path: str | None, name: str) -> RewardFn:
-    from verl.utils.import_utils import load_extern_object
-    from verl.utils.reward_score import default_compute_score
 
     if not path:
         return default_compute_score

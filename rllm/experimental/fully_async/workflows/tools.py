@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rllm.experimental.fully_async.tools.calculator import calculator
-from rllm.experimental.fully_async.workers.pool import IsolatedCallError, WorkerPool
+from rllm.experimental.fully_async.workers.pool import IsolatedCallError, WorkerPool, resolve_reference
 
 __all__ = ["BUILTIN_TOOLS", "ToolBox", "ToolError", "ToolInvocation", "calculator", "parse_tool_call"]
 
@@ -103,8 +103,6 @@ class ToolBox:
         """The tool's answer as text; "error: ..." when it raised; ToolError on a timeout or a crash."""
         reference = self.functions[call.name]
         if pool is None:
-            from rllm.experimental.fully_async.workers.pool import resolve_reference
-
             try:
                 return str(resolve_reference(reference)(*call.args, **call.kwargs))
             except Exception as exc:  # the model sees the error, as from a real tool API
