@@ -68,6 +68,25 @@ def resolve_derived(cfg: DictConfig) -> None:
         cfg.param_sync.weights_dir = str(Path(cfg.run.dir) / "weights")
 
 
+def synchronous_notice(cfg: DictConfig) -> str | None:
+    """One line for a run that trains synchronously without saying so: η = 0 with K = 1 (and no adaptive staleness)
+    is on-policy training, every rollout waiting for the last weights. rLLM's default staleness_threshold 0.1
+    derives η = 0 (settings/compat.py), so an rLLM script run unchanged gets it; s = 1.0 derives η = 1."""
+    at = cfg.async_training
+    if at.max_staleness != 0 or int(at.trigger_parameter_sync_step) != 1 or at.adaptive_staleness.enable:
+        return None
+    if at.staleness_threshold is not None:
+        cause = f"async_training.staleness_threshold={at.staleness_threshold} derives max_staleness η=0"
+        fix = "set async_training.staleness_threshold=1.0 (η=1) or async_training.max_staleness=1"
+    else:
+        cause = "async_training.max_staleness=0 (set, or derived from rLLM's default staleness_threshold 0.1)"
+        fix = "set async_training.max_staleness=1 (or staleness_threshold=1.0) for η=1"
+    return (
+        f"training synchronously (on-policy, no overlap of generation and training): {cause} with "
+        f"trigger_parameter_sync_step=1; {fix}"
+    )
+
+
 def largest_staleness(at: DictConfig) -> int:
     """η_max: the largest η the run may reach (adaptive staleness: its max; else async_training.max_staleness)."""
     eta_max = at.adaptive_staleness.max if at.adaptive_staleness.enable else at.max_staleness
