@@ -429,3 +429,23 @@ def test_every_refused_key_of_a_config_is_named_in_one_error(capsys):
     assert len(err) == 4 and err[0].startswith("config error: ")
     assert err[0].endswith("[and 3 more keys refused, listed below]")
     assert all(line.startswith("  '") or line.startswith("  unknown key") for line in err[1:])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (["actor_rollout_ref.rollout.n=-3"], "'actor_rollout_ref.rollout.n' must be an integer >= 1, got -3"),
+        (["actor_rollout_ref.rollout.n=0"], "'actor_rollout_ref.rollout.n' must be an integer >= 1, got 0"),
+        (["async_training.required_samples=-2"], "'async_training.required_samples' must be an integer >= 1"),
+        (
+            ["async_training.required_samples=null", "data.train_batch_size=-4"],
+            "'data.train_batch_size' must be an integer >= 0, got -4",
+        ),
+        (["async_training.max_staleness=-2"], "'async_training.max_staleness' must be an integer >= 0"),
+    ],
+)
+def test_a_bad_input_of_a_derived_value_is_named_by_the_key_the_user_set(overrides, named):
+    # before: rollout.n=-3 was "'async_training.max_concurrent_rollouts' must be >= 1, got -384"
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, overrides)
+    assert str(caught.value) == named or str(caught.value).startswith(named), str(caught.value)
