@@ -10,7 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rllm.experimental.fully_async.data.prompts import DataError, PromptDataset, PromptIterator
-from rllm.experimental.fully_async.tasks.addition import build_addition_tokenizer, write_addition_parquets
+from rllm.experimental.fully_async.tasks.addition import (
+    build_addition_model,
+    build_addition_tokenizer,
+    write_addition_parquets,
+)
 
 
 @pytest.fixture(scope="module")
@@ -257,6 +261,7 @@ def test_a_validation_file_with_no_prompt_left_is_refused_before_anything_starts
     from rllm.experimental.fully_async.settings.loader import load_config
 
     tokenizer.save_pretrained(tmp_path / "tok")
+    build_addition_model().config.save_pretrained(tmp_path / "tok")  # a model folder: the start-up check wants one
     train = write(tmp_path, [row("1+1="), row("2+2=")], "train.parquet")
     val = write(tmp_path, [row("1234567890+1=")], "val.parquet")
     overrides = [

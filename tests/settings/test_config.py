@@ -391,3 +391,61 @@ def test_known_failures_print_one_line_and_exit_by_kind(monkeypatch, capsys):
     monkeypatch.setitem(cli.COMMANDS, "boom", raising(ZeroDivisionError("a bug")))
     with pytest.raises(ZeroDivisionError):  # an unknown failure keeps its traceback
         cli.main(["boom"])
+
+
+def test_a_derived_synchronous_run_says_so_naming_the_key_and_the_value_for_eta_1():
+    from rllm.experimental.fully_async.settings.derive import synchronous_notice
+
+    sync = ["async_training.max_staleness=null", "async_training.trigger_parameter_sync_step=1"]
+    threshold = load_config(None, [*sync, "async_training.staleness_threshold=0.1"])  # rLLM's default, written
+    assert threshold.async_training.max_staleness == 0
+    notice = synchronous_notice(threshold)
+    assert notice is not None and "\n" not in notice and "training synchronously" in notice
+    assert "async_training.staleness_threshold=0.1" in notice and "staleness_threshold=1.0 (η=1)" in notice
+    # the value named gives η=1, and then nothing is said
+    eta_1 = load_config(None, [*sync, "async_training.staleness_threshold=1.0"])
+    assert eta_1.async_training.max_staleness == 1 and synchronous_notice(eta_1) is None
+    unset = synchronous_notice(load_config(None, sync))  # both null: rLLM's default 0.1 derives η=0
+    assert unset is not None and "async_training.max_staleness=1" in unset
+    assert "default staleness_threshold 0.1" in unset
+    assert synchronous_notice(load_config(None, [*sync, "async_training.trigger_parameter_sync_step=2"])) is None
+
+
+def test_every_refused_key_of_a_config_is_named_in_one_error(capsys):
+    from rllm.experimental.fully_async.__main__ import main
+
+    bad = [
+        "actor_rollout_ref.actor.optim.lrr=1",  # unknown
+        "actor_rollout_ref.rollout.n=two",  # wrong type
+        "algorithm.kl_ctrl.kl_coef=0.1",  # verl's, not read
+        "trainer.default_local_dir=/x",  # verl's, not read
+    ]
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, bad)
+    keys = [error.key for error in caught.value.refusals]
+    assert sorted(keys) == sorted(item.split("=")[0] for item in bad)
+    assert main(["config", *bad]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 4 and err[0].startswith("config error: ")
+    assert err[0].endswith("[and 3 more keys refused, listed below]")
+    assert all(line.startswith("  '") or line.startswith("  unknown key") for line in err[1:])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (["actor_rollout_ref.rollout.n=-3"], "'actor_rollout_ref.rollout.n' must be an integer >= 1, got -3"),
+        (["actor_rollout_ref.rollout.n=0"], "'actor_rollout_ref.rollout.n' must be an integer >= 1, got 0"),
+        (["async_training.required_samples=-2"], "'async_training.required_samples' must be an integer >= 1"),
+        (
+            ["async_training.required_samples=null", "data.train_batch_size=-4"],
+            "'data.train_batch_size' must be an integer >= 0, got -4",
+        ),
+        (["async_training.max_staleness=-2"], "'async_training.max_staleness' must be an integer >= 0"),
+    ],
+)
+def test_a_bad_input_of_a_derived_value_is_named_by_the_key_the_user_set(overrides, named):
+    # before: rollout.n=-3 was "'async_training.max_concurrent_rollouts' must be >= 1, got -384"
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, overrides)
+    assert str(caught.value) == named or str(caught.value).startswith(named), str(caught.value)

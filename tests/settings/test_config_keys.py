@@ -743,21 +743,25 @@ RLLM_EXAMPLE_KEYS = [
 ]
 
 
-def test_an_rllm_programs_refused_verl_keys_are_each_named_with_why_in_one_line(user_model):
-    """Load the example's keys, drop each refused one and load again: what is left runs (on a GPU host), and every
-    refusal is one line that names the key (also as ConfigError.key, for the runner to report) and the reason."""
+def test_an_rllm_programs_refused_verl_keys_are_all_named_at_once_each_with_why_in_one_line(user_model):
+    """Load the example's keys: one ConfigError names every refused key (before, one per load: an edit-and-run
+    per key), each refusal one line that names the key (also as its ConfigError.key, for the runner to report) and
+    the reason; drop them and load again: what is left runs (on a GPU host)."""
     overrides = [*user_model, *RLLM_EXAMPLE_KEYS]
+    with pytest.raises(ConfigError) as caught:
+        load_config(REPO / "config" / "gpu_fsdp_sglang.yaml", overrides, check_host=False)
     refused = {}
-    for _ in range(len(overrides)):
-        try:
-            cfg = load_config(REPO / "config" / "gpu_fsdp_sglang.yaml", overrides, check_host=False)
-            break
-        except ConfigError as exc:
-            assert exc.key is not None and f"'{exc.key}'" in str(exc) and "\n" not in str(exc), str(exc)
-            assert "(" in str(exc) or "read only" in str(exc), f"no reason given: {exc}"
-            assert any(o.startswith(f"{exc.key}=") for o in overrides), f"refused a key the program did not set: {exc}"
-            refused[exc.key] = str(exc)
-            overrides = [o for o in overrides if not o.startswith(f"{exc.key}=")]
+    lines = str(caught.value).splitlines()
+    assert len(lines) == len(caught.value.refusals) and caught.value.key == caught.value.refusals[0].key
+    assert lines[0].endswith(f"[and {len(lines) - 1} more keys refused, listed below]")  # the first line says so
+    for exc, line in zip(caught.value.refusals, lines, strict=True):
+        assert exc.key is not None and f"'{exc.key}'" in str(exc) and "\n" not in str(exc), str(exc)
+        assert line.startswith(str(exc))
+        assert "(" in str(exc) or "read only" in str(exc), f"no reason given: {exc}"
+        assert any(o.startswith(f"{exc.key}=") for o in overrides), f"refused a key the program did not set: {exc}"
+        refused[exc.key] = str(exc)
+    overrides = [o for o in overrides if o.split("=")[0] not in refused]
+    cfg = load_config(REPO / "config" / "gpu_fsdp_sglang.yaml", overrides, check_host=False)
     assert set(refused) == {
         "algorithm.kl_ctrl.kl_coef",  # no KL in the reward
         f"{ACTOR}.kl_loss_coef",  # no reference model

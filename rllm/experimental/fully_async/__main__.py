@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rllm.experimental.fully_async.errors import EXIT_BAD_INPUT, FullyAsyncError, first_line
+from rllm.experimental.fully_async.errors import EXIT_BAD_INPUT, FullyAsyncError, error_lines
 from rllm.experimental.fully_async.settings.loader import DEFAULT_CONFIG, load_config
 
 EXIT_BAD_CONFIG = EXIT_BAD_INPUT  # kept for callers of the old name
@@ -137,7 +137,8 @@ def _fail(exc: BaseException, code: int, line: CommandLine) -> int:
     if logging.getLogger().isEnabledFor(logging.DEBUG) or "run.log_level=DEBUG" in line.overrides:
         traceback.print_exception(exc, file=sys.stderr)
     kind = "config error" if code == EXIT_BAD_INPUT and type(exc).__name__ == "ConfigError" else "error"
-    print(f"{kind}: {first_line(exc)}", file=sys.stderr)
+    first, *others = error_lines(exc)  # others: the further keys of a config with several refused (ConfigError)
+    print("\n".join([f"{kind}: {first}", *(f"  {line}" for line in others)]), file=sys.stderr)
     return code
 
 

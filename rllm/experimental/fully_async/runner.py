@@ -40,7 +40,7 @@ from typing import Any
 import cloudpickle
 
 from rllm.experimental.fully_async.api.rollout_functions import RolloutFunctions
-from rllm.experimental.fully_async.errors import FullyAsyncError, first_line
+from rllm.experimental.fully_async.errors import FullyAsyncError, error_lines
 from rllm.experimental.fully_async.runtime.run.driver import train
 from rllm.experimental.fully_async.runtime.run.run_dir import RunFinished
 from rllm.experimental.fully_async.settings.rllm_program import program_config
@@ -106,7 +106,8 @@ class AsyncAgentTrainer:
             print(exc)
             return None
         except FullyAsyncError as exc:
-            print(f"error: {first_line(exc)}", file=sys.stderr)
+            first, *others = error_lines(exc)  # others: further refused keys of the config
+            print("\n".join([f"error: {first}", *(f"  {line}" for line in others)]), file=sys.stderr)
             raise SystemExit(exc.exit_code) from exc
         logger.info("total time: %.2f seconds", time.time() - started)
         return summary

@@ -22,6 +22,12 @@ def resolve_derived(cfg: DictConfig) -> None:
             "'async_training.staleness_threshold' (rLLM's) only derives max_staleness when that is null, and "
             f"async_training.max_staleness={at.max_staleness} is set; remove one"
         )
+    # The inputs of the derivations below are checked first, so a bad value is named by the key the user set, not by
+    # the derived key it would make out of range (rollout.n=-3 gave "max_concurrent_rollouts must be >= 1, got -384").
+    _at_least("actor_rollout_ref.rollout.n", cfg.actor_rollout_ref.rollout.n, 1)
+    _at_least("async_training.required_samples", at.required_samples, 1)
+    _at_least("async_training.max_staleness", at.max_staleness, 0)
+    _at_least("data.train_batch_size", cfg.data.train_batch_size, 0)  # 0: rLLM's "batches come from the queue"
     if at.required_samples is None:
         if int(cfg.data.train_batch_size) < 1:
             raise ConfigError(
@@ -67,6 +73,33 @@ def resolve_derived(cfg: DictConfig) -> None:
         cfg.run.dir = str(Path("runs") / str(cfg.trainer.experiment_name))
     if cfg.param_sync.weights_dir is None:
         cfg.param_sync.weights_dir = str(Path(cfg.run.dir) / "weights")
+
+
+def _at_least(key: str, value: object, minimum: int) -> None:
+    """A user's integer input to a derivation: null (derived itself) or an integer >= minimum."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"'{key}' must be an integer >= {minimum}, got {value!r}", key=key)
+
+
+def synchronous_notice(cfg: DictConfig) -> str | None:
+    """One line for a run that trains synchronously without saying so: η = 0 with K = 1 (and no adaptive staleness)
+    is on-policy training, every rollout waiting for the last weights. rLLM's default staleness_threshold 0.1
+    derives η = 0 (settings/compat.py), so an rLLM script run unchanged gets it; s = 1.0 derives η = 1."""
+    at = cfg.async_training
+    if at.max_staleness != 0 or int(at.trigger_parameter_sync_step) != 1 or at.adaptive_staleness.enable:
+        return None
+    if at.staleness_threshold is not None:
+        cause = f"async_training.staleness_threshold={at.staleness_threshold} derives max_staleness η=0"
+        fix = "set async_training.staleness_threshold=1.0 (η=1) or async_training.max_staleness=1"
+    else:
+        cause = "async_training.max_staleness=0 (set, or derived from rLLM's default staleness_threshold 0.1)"
+        fix = "set async_training.max_staleness=1 (or staleness_threshold=1.0) for η=1"
+    return (
+        f"training synchronously (on-policy, no overlap of generation and training): {cause} with "
+        f"trigger_parameter_sync_step=1; {fix}"
+    )
 
 
 def largest_staleness(at: DictConfig) -> int:

@@ -138,7 +138,7 @@ def load_config(
     from rllm.experimental.fully_async.settings.paths import expand_config_paths
     from rllm.experimental.fully_async.settings.rllm_yaml import apply_rllm_keys, extract_rllm_keys
     from rllm.experimental.fully_async.settings.validate import validate
-    from rllm.experimental.fully_async.settings.verl_keys import refuse_unread_verl_keys
+    from rllm.experimental.fully_async.settings.verl_keys import unread_verl_key_refusals
     from rllm.experimental.fully_async.tasks import refuse_user_assets
 
     path = Path(config_file) if config_file is not None else DEFAULT_CONFIG
@@ -150,25 +150,35 @@ def load_config(
         refuse_unusable_megatron()  # first: on this machine nothing else about the config matters
     cfg = base_config(megatron)
     rllm_keys: dict[str, Any] = {}  # keys of rLLM's fully-async YAML that verl's tree lacks (settings/rllm_yaml.py)
+    # Every refused key of the config, named at once: an rLLM launch script sets ~10 (one edit-and-run per key else).
+    refused: list[ConfigError] = []
     for layer_path in chain:
         layer = _read_yaml(layer_path)
         extract_rllm_keys(layer, rllm_keys)
-        _merge_strict(cfg, layer, origin=str(layer_path))
+        _merge_strict(cfg, layer, origin=str(layer_path), refused=refused)
     if program_layer is not None:
         layer = program_layer.copy()
         extract_rllm_keys(layer, rllm_keys)
-        _merge_strict(cfg, layer, origin="the program's config")
+        _merge_strict(cfg, layer, origin="the program's config", refused=refused)
     if overrides:
         layer = _parse_overrides(overrides)
         extract_rllm_keys(layer, rllm_keys)
-        _merge_strict(cfg, layer, origin="the command line")
+        _merge_strict(cfg, layer, origin="the command line", refused=refused)
     base = base_config(megatron)
     # rLLM's require_batches sizes the step from actor.ppo_mini_batch_size only when required_samples is null
     step_from_mini_batch = "async_training.require_batches" in rllm_keys and cfg.async_training.required_samples is None
-    apply_rllm_keys(cfg, rllm_keys, base)
+    try:
+        apply_rllm_keys(cfg, rllm_keys, base)
+    except ConfigError as error:  # the mapping stops at its first refusal: the checks below would read half of it
+        raise ConfigError.combined([*refused, error]) from error
     # Before derived values: those write verl keys (optim.total_training_steps) the user did not set.
-    refuse_unread_verl_keys(cfg, base, step_from_mini_batch=step_from_mini_batch)
-    refuse_user_assets(cfg, base)  # a task would replace the user's data or model: refused, never replaced
+    refused += unread_verl_key_refusals(cfg, base, step_from_mini_batch=step_from_mini_batch)
+    try:
+        refuse_user_assets(cfg, base)  # a task would replace the user's data or model: refused, never replaced
+    except ConfigError as error:
+        refused.append(error)
+    if refused:
+        raise ConfigError.combined(refused)
     expand_config_paths(cfg)  # `~` once, here, so the launcher, the trainer and `plan` read one path
     resolve_derived(cfg)
     validate(cfg, check_host=check_host)
@@ -266,42 +276,60 @@ def _parse_overrides(overrides: list[str]) -> DictConfig:
         raise ConfigError(f"overrides could not be parsed: {str(exc).splitlines()[0]}") from exc
 
 
-def _merge_strict(cfg: DictConfig, layer: DictConfig, origin: str) -> None:
+def _merge_strict(cfg: DictConfig, layer: DictConfig, origin: str, refused: list[ConfigError] | None = None) -> None:
     """Merge `layer` into `cfg` in place, refusing keys `cfg` does not have and values of the wrong type.
 
     The types come from `cfg` as it stands: verl's YAML values (untyped, so checked here by their default's
-    type) and this project's dataclass sections (checked by OmegaConf).
+    type) and this project's dataclass sections (checked by OmegaConf). With `refused`, every refused key is
+    appended there and left out of the merge, so the caller names them all at once; else the first one raises.
     """
     # Unknown keys are refused by the walk; struct mode is not used for that because it also refuses keys in the
     # free-form sections (engines.extra_args, verl's engine_kwargs), which the walk admits.
-    _check_keys_and_types(cfg, layer, cfg, prefix="", origin=origin)
+    found: list[tuple[DictConfig, str, ConfigError]] = []
+    _check_keys_and_types(cfg, layer, cfg, prefix="", origin=origin, found=found)
+    if found and refused is None:
+        raise found[0][2]
+    for node, key, error in found:
+        node.pop(key)
+        refused.append(error)  # type: ignore[union-attr]  # None raised above
     try:
         cfg.merge_with(layer)  # in place: OmegaConf.merge deep-copies the 700-key tree (~0.2 s) per layer
     except ValidationError as exc:
         key = getattr(exc, "full_key", None) or "?"
-        raise ConfigError(f"{key}: {_first_line(exc)} (set in {origin})") from exc
+        error = ConfigError(f"{key}: {_first_line(exc)} (set in {origin})")
+        raise ConfigError.combined([*(refused or []), error]) from exc
     except ConfigKeyError as exc:  # kept as a safety net: _check_keys_and_types should have caught it
         raise ConfigError(f"unknown key in {origin}: {_first_line(exc)}") from exc
 
 
-def _check_keys_and_types(cfg: Any, layer: Any, verl_defaults: Any, prefix: str, origin: str) -> None:
+def _check_keys_and_types(
+    cfg: Any, layer: Any, verl_defaults: Any, prefix: str, origin: str, found: list[tuple[DictConfig, str, ConfigError]]
+) -> None:
+    """Append (the layer's node, its key, the refusal) to `found` for each key of `layer` that `cfg` lacks or whose
+    value has the wrong type."""
     for key, value in layer.items_ex(resolve=False) if isinstance(layer, DictConfig) else []:
         full = f"{prefix}{key}"
         if key not in cfg:
             # Free-form dicts in verl (e.g. engine_kwargs, override_config) accept any key.
             if isinstance(cfg, DictConfig) and len(cfg) == 0:
                 continue
-            raise ConfigError(f"unknown key '{full}' in {origin}{_suggest(str(key), cfg, prefix)}")
+            message = f"unknown key '{full}' in {origin}{_suggest(str(key), cfg, prefix)}"
+            found.append((layer, str(key), ConfigError(message, key=full)))
+            continue
         current = cfg[key] if not OmegaConf.is_missing(cfg, key) else None
         default = _lookup(verl_defaults, full)
         if isinstance(value, DictConfig):
             if current is not None and not isinstance(current, DictConfig):
-                raise ConfigError(f"'{full}' is a single value, not a section (set in {origin})")
-            if isinstance(current, DictConfig):
-                _check_keys_and_types(current, value, verl_defaults, prefix=f"{full}.", origin=origin)
+                message = f"'{full}' is a single value, not a section (set in {origin})"
+                found.append((layer, str(key), ConfigError(message, key=full)))
+            elif isinstance(current, DictConfig):
+                _check_keys_and_types(current, value, verl_defaults, f"{full}.", origin, found)
             continue
         if default is not _ABSENT:
-            _check_verl_leaf_type(full, default, value, origin)
+            try:
+                _check_verl_leaf_type(full, default, value, origin)
+            except ConfigError as error:
+                found.append((layer, str(key), error))
 
 
 _ABSENT = object()
@@ -357,7 +385,9 @@ def _check_verl_leaf_type(key: str, default: Any, value: Any, origin: str) -> No
         return
     ok = isinstance(value, expected) and not (isinstance(value, bool) and bool not in expected)
     if not ok:
-        raise ConfigError(f"'{key}' must be {_type_name(expected)}, got {value!r} ({type(value).__name__}) in {origin}")
+        raise ConfigError(
+            f"'{key}' must be {_type_name(expected)}, got {value!r} ({type(value).__name__}) in {origin}", key=key
+        )
 
 
 def _type_name(expected: tuple[type, ...]) -> str:

@@ -11,9 +11,10 @@ run that silently does something else. The tables:
 - `READ_ONLY_WHEN`: read keys that have an effect only in some settings (a CUDA device, dynamic micro-batches, a
   loss mode that reads them, the entropy being computed); set outside them they are refused, naming the setting.
 
-`refuse_unread_verl_keys` compares the merged config with the defaults (verl's plus `FULLY_ASYNC_VERL_DEFAULTS`)
-and refuses the first key that differs and is not read, in one line. Each read key's effect is observed in
-tests/settings/test_config_keys.py (on CPU) or tests/gpu/test_config_keys_gpu.py (the CUDA-only ones).
+`unread_verl_key_refusals` compares the merged config with the defaults (verl's plus `FULLY_ASYNC_VERL_DEFAULTS`)
+and refuses every key that differs and is not read, each in one line (`load_config` raises them together). Each
+read key's effect is observed in tests/settings/test_config_keys.py (on CPU) or tests/gpu/test_config_keys_gpu.py
+(the CUDA-only ones).
 """
 
 from __future__ import annotations
@@ -445,38 +446,54 @@ def _raw(node: Any) -> Any:
     return node._value() if hasattr(node, "_value") else node
 
 
-def refuse_unread_verl_keys(cfg: DictConfig, base: DictConfig, *, step_from_mini_batch: bool = False) -> None:
-    """Raise ConfigError (one line) for the first verl key set to a non-default value that nothing reads, or that
-    is read only in a setting this config is not in (READ_ONLY_WHEN). `step_from_mini_batch`: rLLM's
-    require_batches sized the step from actor.ppo_mini_batch_size (settings/rllm_yaml.py), which is then read."""
+def unread_verl_key_refusals(
+    cfg: DictConfig, base: DictConfig, *, step_from_mini_batch: bool = False
+) -> list[ConfigError]:
+    """A ConfigError (one line, naming the key) for each verl key set to a non-default value that nothing reads, or
+    that is read only in a setting this config is not in (READ_ONLY_WHEN): all of them, so that `load_config`
+    names every refused key at once. `step_from_mini_batch`: rLLM's require_batches sized the step from
+    actor.ppo_mini_batch_size (settings/rllm_yaml.py), which is then read."""
     gae = cfg.algorithm.adv_estimator == "gae"
     megatron = cfg.actor_rollout_ref.actor.strategy == "megatron"
+    refused: list[ConfigError] = []
     for key in changed_verl_leaves(cfg, base):
         if megatron and _matches(key, "actor_rollout_ref.actor.megatron."):
             continue  # verl's Megatron worker reads the section (backends/megatron.py)
         if key.startswith("critic.") and not gae:
-            raise ConfigError(f"'{key}' is read only with algorithm.adv_estimator=gae (the critic); remove it", key=key)
+            refused.append(
+                ConfigError(f"'{key}' is read only with algorithm.adv_estimator=gae (the critic); remove it", key=key)
+            )
+            continue
         if key == "data.train_batch_size" and cfg.async_training.required_samples is not None:
             value, samples = cfg.data.train_batch_size, cfg.async_training.required_samples
             if value not in (0, samples):  # 0: rLLM's "batches come from the queue"
-                raise ConfigError(
-                    f"'data.train_batch_size' ({value}) is read only when async_training.required_samples is null, "
-                    f"and that is {samples}; remove one"
+                refused.append(
+                    ConfigError(
+                        f"'data.train_batch_size' ({value}) is read only when async_training.required_samples is "
+                        f"null, and that is {samples}; remove one",
+                        key=key,
+                    )
                 )
             continue
         if key == f"{_ACTOR}.ppo_mini_batch_size":
             if not step_from_mini_batch:
-                _check_mini_batch(cfg)
+                try:
+                    _check_mini_batch(cfg)
+                except ConfigError as error:
+                    refused.append(error)
             continue
         if not is_read(key):
             why = refusal_reason(key)
-            raise ConfigError(f"'{key}' is verl's, not used by the fully-async trainer ({why}); remove it", key=key)
+            refused.append(
+                ConfigError(f"'{key}' is verl's, not used by the fully-async trainer ({why}); remove it", key=key)
+            )
+            continue
         rule = READ_ONLY_WHEN.get(key)
         # null asks for nothing (verl's "unset"): it is how an override clears a value a composed YAML sets
         if rule is not None and not rule.holds(cfg) and OmegaConf.select(cfg, key) is not None:
-            raise ConfigError(
-                f"'{key}' is read only {rule.condition}; remove it (or set it to null over a YAML)", key=key
-            )
+            message = f"'{key}' is read only {rule.condition}; remove it (or set it to null over a YAML)"
+            refused.append(ConfigError(message, key=key))
+    return refused
 
 
 def _check_mini_batch(cfg: DictConfig) -> None:

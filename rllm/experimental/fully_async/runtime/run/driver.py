@@ -40,6 +40,7 @@ from rllm.experimental.fully_async.runtime.checkpoints.store import (
 )
 from rllm.experimental.fully_async.runtime.run.build import prepare_run, start_processes
 from rllm.experimental.fully_async.runtime.run.run_dir import mark_finished
+from rllm.experimental.fully_async.settings.derive import synchronous_notice
 
 __all__ = ["Run", "RunFailedError", "log_step", "train"]
 
@@ -86,6 +87,10 @@ class Run:
         # A rich bar on a terminal, plain lines in logs (observe/progress.py); closed before anything else prints.
         self.progress = Progress(self.total)
         self._stack.callback(self.progress.close)
+        notice = synchronous_notice(cfg)
+        if notice is not None:  # an rLLM script's default staleness_threshold: said at start, not left to find
+            logger.warning(notice)
+            self.progress.message(notice)
         self.step_count = resumed.step if resumed is not None else 0
         processes = start_processes(self.spec, self._stack, self.run_dir, resumed, self.container, phase=self._phase)
         self.supervisor, self.rollouts, self.trainer = processes.supervisor, processes.rollouts, processes.trainer

@@ -17,6 +17,7 @@ from rllm.experimental.fully_async.data.datasets import load_prompt_datasets
 from rllm.experimental.fully_async.data.prompts import DataError
 from rllm.experimental.fully_async.run_spec import data_spec
 from rllm.experimental.fully_async.settings.loader import verl_base_config
+from rllm.experimental.fully_async.settings.model_source import check_model_source
 from rllm.experimental.fully_async.tasks import apply_task
 from rllm.experimental.fully_async.workflows import check_agent_fits_model
 
@@ -54,8 +55,10 @@ def _prepare_task(cfg: DictConfig) -> None:
 
 def check_data(cfg: DictConfig) -> int:
     """Read and validate the prompt data before any process starts, so a bad file or row is a one-line error
-    (data.DataError) rather than an actor that dies during start-up. Returns the number of training prompts."""
+    (data.DataError) rather than an actor that dies during start-up. Returns the number of training prompts. The
+    user's model is checked first (a missing folder, an unreachable Hub id: one ConfigError line, in well under 5 s)."""
 
+    check_model_source(cfg)
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.path)
     train, val = load_prompt_datasets(data_spec(cfg), tokenizer)
 
