@@ -157,6 +157,15 @@ def tensorboard_dir(cfg: DictConfig) -> str:
 def run_outputs(cfg: DictConfig, run_dir: Path, checkpoints: Path) -> list[tuple[str, str]]:
     """(what, where) for each file or folder the run wrote, and the command that draws it."""
     outputs = [("metrics", str(run_dir / "metrics.jsonl")), ("checkpoints", str(checkpoints))]
+    weights_dir = cfg.get("param_sync", {}).get("weights_dir")
+    model = trained_model_folder(Path(weights_dir)) if weights_dir else None
+    if model is not None:
+        kind = (
+            "a peft LoRA adapter over actor_rollout_ref.model.path"
+            if (model / "adapter_config.json").exists()
+            else "Hugging Face format: from_pretrained() loads it"
+        )
+        outputs.append(("trained model", f"{model}  ({kind})"))
     dumps = cfg.trainer.get("rollout_data_dir")
     outputs.append(
         (
@@ -172,6 +181,13 @@ def run_outputs(cfg: DictConfig, run_dir: Path, checkpoints: Path) -> list[tuple
         outputs.append(("tensorboard", tensorboard_dir(cfg)))
     outputs.append(("report", f"{PROG} report {run_dir}  (writes {run_dir / 'report.html'})"))
     return outputs
+
+
+def trained_model_folder(weights_dir: Path) -> Path | None:
+    """The newest `vN` folder the disk transport wrote (runtime/sync/disk.py), the weights the run ended with; None
+    when it wrote none (the distributed transport moves weights without a folder)."""
+    versions = [(int(p.name[1:]), p) for p in weights_dir.glob("v*") if p.name[1:].isdigit() and p.is_dir()]
+    return max(versions)[1] if versions else None
 
 
 def _pct(value: float | None) -> str:
