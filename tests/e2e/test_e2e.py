@@ -85,10 +85,11 @@ def test_verl_metric_names_are_logged_beside_ours(short_run):
 
 def test_the_end_says_where_the_files_are_and_how_to_draw_them(short_run):
     _, output, rows, run_dir = short_run
-    tail = output.strip().splitlines()[-8:]
+    tail = output.strip().splitlines()[-9:]
     assert any(line.startswith("metrics:") and line.endswith(f"{run_dir}/metrics.jsonl") for line in tail), tail
     assert any(line.startswith("checkpoints:") and f"{run_dir}/checkpoints" in line for line in tail), tail
     assert any(line.startswith("trajectory dumps:") and "off" in line for line in tail), tail
+    assert any(line.startswith("trained model:") and "/weights/v" in line for line in tail), tail
     assert any(f"python -m rllm.experimental.fully_async report {run_dir}" in line for line in tail), tail
     wall = re.search(r"run finished: \d+ steps, wall time (\d+):(\d\d)", output)
     assert wall, output[-2000:]
