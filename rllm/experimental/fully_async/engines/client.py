@@ -230,13 +230,19 @@ class EngineClient:
                 input_ids,
                 sampling_params,
                 rid=rid,
-                request_timeout_s=self.request_timeout_s,
-                max_resumes=self.max_resumes,
-                partial_rollout=self.partial_rollout,
-                run_seed=self.sampling_seed,
                 progress=progress,
                 lora_path=lora_path,
+                **self._resume_options(),
             )
+
+    def _resume_options(self) -> dict[str, Any]:
+        """How a generation is resumed across weight updates: the same for one prompt and for a batch."""
+        return {
+            "request_timeout_s": self.request_timeout_s,
+            "max_resumes": self.max_resumes,
+            "partial_rollout": self.partial_rollout,
+            "run_seed": self.sampling_seed,
+        }
 
     async def generate_batch(
         self,
@@ -257,12 +263,9 @@ class EngineClient:
                 prompts,
                 sampling_params,
                 rids=rids,
-                request_timeout_s=self.request_timeout_s,
-                max_resumes=self.max_resumes,
-                partial_rollout=self.partial_rollout,
-                run_seed=self.sampling_seed,
                 progress=progress,
                 lora_path=lora_path,
+                **self._resume_options(),
             )
 
     @contextlib.asynccontextmanager
