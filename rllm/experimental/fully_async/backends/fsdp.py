@@ -225,6 +225,15 @@ def _with_resident(optimizer: bool) -> Any:
     return decorate
 
 
+def cast_floating(state: dict[str, torch.Tensor], dtype: str | None) -> dict[str, torch.Tensor]:
+    """`state` with its floating-point tensors cast to `dtype` (a torch dtype's name, e.g. param_sync.dtype
+    "bfloat16"); integer tensors and `dtype=None` leave it as it is."""
+    if dtype is None:
+        return state
+    target = getattr(torch, dtype)
+    return {k: v.to(target) if v.is_floating_point() else v for k, v in state.items()}
+
+
 class FSDPPolicyBackend:
     """The policy model, its AdamW optimizer and LR schedule, and verl's patched PPO actor around them."""
 
@@ -426,9 +435,7 @@ class FSDPPolicyBackend:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(self.model, options=options)
         if self.rank == 0:
-            if dtype is not None:
-                target = getattr(torch, dtype)
-                state = {k: v.to(target) if v.is_floating_point() else v for k, v in state.items()}
+            state = cast_floating(state, dtype)
             out = Path(path)
             out.mkdir(parents=True, exist_ok=True)
             self.model.save_pretrained(out, state_dict=state, safe_serialization=True)
@@ -451,9 +458,7 @@ class FSDPPolicyBackend:
         state = get_model_state_dict(self.model, options=options)
         if self.rank == 0:
             adapter = get_peft_model_state_dict(self.model, state_dict=state)
-            if dtype is not None:
-                target = getattr(torch, dtype)
-                adapter = {k: v.to(target) if v.is_floating_point() else v for k, v in adapter.items()}
+            adapter = cast_floating(adapter, dtype)
             out = Path(path)
             out.mkdir(parents=True, exist_ok=True)
             # peft filters `state_dict` to the adapter again (idempotent) and writes its config beside it
