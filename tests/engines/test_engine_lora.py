@@ -25,27 +25,17 @@ from engine_helpers import (
     reference_logprobs,
     wait_for_idle,
 )
-from lora_helpers import peft_reference, write_adapter
+from lora_helpers import LORA, peft_reference, write_adapter
 from peft.utils import load_peft_weights
 from transformers import AutoModelForCausalLM
 
 from rllm.experimental.fully_async.engines import EngineLauncher
 from rllm.experimental.fully_async.engines.client import EngineClient, EngineHTTPError
 from rllm.experimental.fully_async.engines.lora import adapter_name, adapter_version
-from rllm.experimental.fully_async.run_spec import EngineLoRASpec
 from rllm.experimental.fully_async.runtime.sync.sender import LocalSender
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
 
-# As settings/derive.py would give it for η_max = 1 (3 versions: 2 admitted, 1 retiring), rank 8, all-linear.
-LORA = EngineLoRASpec(
-    max_lora_rank=8,
-    target_modules=("all",),
-    max_loras_per_batch=3,
-    max_loaded_loras=3,
-    eviction_policy="lru",
-    backend="csgmv",
-)
 LONG = {"temperature": 1.0, "max_new_tokens": 200, "ignore_eos": True}
 
 

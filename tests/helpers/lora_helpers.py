@@ -10,6 +10,19 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from rllm.experimental.fully_async.run_spec import EngineLoRASpec
+
+# engines.lora as settings/derive.py gives it for η_max = 1 (3 versions loaded: 2 admitted, 1 retiring), rank 8,
+# all-linear: what the engine and sync tests serve.
+LORA = EngineLoRASpec(
+    max_lora_rank=8,
+    target_modules=("all",),
+    max_loras_per_batch=3,
+    max_loaded_loras=3,
+    eviction_policy="lru",
+    backend="csgmv",
+)
+
 # verl 0.7.1's FSDP workers wrap the actor with these LoraConfig fields (target_modules defaults to all-linear).
 DEFAULT_TARGETS: Any = "all-linear"
 

@@ -15,12 +15,11 @@ from pathlib import Path
 import httpx
 import pytest
 from engine_helpers import ENGINE_KINDS, LOGPROB_TOL, decode_hold, engine_command, max_abs_diff, reference_logprobs
-from lora_helpers import peft_reference, write_adapter
+from lora_helpers import LORA, peft_reference, write_adapter
 
 from rllm.experimental.fully_async.api.trajectory import VersionedGroup, VersionedSequence, VersionedTrajectory
 from rllm.experimental.fully_async.engines import EngineLauncher
 from rllm.experimental.fully_async.engines.client import EngineClient
-from rllm.experimental.fully_async.run_spec import EngineLoRASpec
 from rllm.experimental.fully_async.runtime.sync.param_sync import DiskTransport, ParamSync
 from rllm.experimental.fully_async.runtime.trainer.fully_async_trainer import (
     AdapterProvenanceError,
@@ -29,15 +28,6 @@ from rllm.experimental.fully_async.runtime.trainer.fully_async_trainer import (
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
 
-# as settings/derive.py gives it for η_max = 1: 2 versions kept, 1 retiring
-LORA = EngineLoRASpec(
-    max_lora_rank=8,
-    target_modules=("all",),
-    max_loras_per_batch=3,
-    max_loaded_loras=3,
-    eviction_policy="lru",
-    backend="csgmv",
-)
 KEEP = 2
 LONG = {"temperature": 1.0, "max_new_tokens": 120, "ignore_eos": True}
 
