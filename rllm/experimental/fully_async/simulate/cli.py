@@ -28,6 +28,7 @@ checked before anything is simulated. Exit 0, or 2 with one line on a bad key, f
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -52,9 +53,9 @@ from rllm.experimental.fully_async.simulate.layout import (
     modes,
     sweep_splits,
 )
-from rllm.experimental.fully_async.simulate.model import SimConfig
+from rllm.experimental.fully_async.simulate.model import SimConfig, schedule_entries
 from rllm.experimental.fully_async.simulate.published import predict_published
-from rllm.experimental.fully_async.simulate.result import SimResult
+from rllm.experimental.fully_async.simulate.result import Segment, SimResult
 from rllm.experimental.fully_async.simulate.scenarios import (
     SCENARIO_KEYS,
     ScenarioError,
@@ -115,7 +116,11 @@ def _run(args: argparse.Namespace) -> int:
     sim_overrides = [o for o in args.overrides if o.startswith("simulate.")]
     project_overrides = [o for o in args.overrides if not o.startswith("simulate.")]
     sim_layer = parse_overrides(sim_overrides)  # a bad simulate key fails here, before any config file is read
-    build_config(SimConfig(), [sim_layer])
+    _check_early(sim_layer)
+    if args.gpus is not None and "engine_schedule" in sim_layer:
+        raise ScenarioError(
+            f"--gpus {args.gpus} sweeps fixed rollout:trainer splits: leave out simulate.engine_schedule"
+        )
     if args.run_dir is not None:
         if args.config or args.timing:
             raise ScenarioError("--from takes the run's own config and fits its timing: leave out --config/--timing")
@@ -123,6 +128,9 @@ def _run(args: argparse.Namespace) -> int:
         return _run_from(Path(args.run_dir), project_overrides, sim_layer, args.gpus)
     inputs = _inputs(args, project_overrides, sim_layer)
     cfg = apply_layout(build_config(SimConfig(), [*inputs.layers, sim_layer]), inputs.layout)
+    if cfg.engine_schedule and (inputs.published or args.gpus is not None):
+        what = "a published block's rows" if inputs.published else f"--gpus {args.gpus}"
+        raise ScenarioError(f"simulate.engine_schedule: {what} are fixed GPU splits; leave out the schedule")
     if args.gpus is not None:
         check_gpus(args.gpus, cfg.engine.gpus_per_engine)
     _print_header(inputs.source, cfg, inputs.layout)
@@ -131,11 +139,26 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     print(f"  timing models: {timing_models(cfg)}")
     sims = Simulations()  # the sweep's row for the config's own split is the modes' simulation again
-    _print_modes(modes(cfg, inputs.layout, run=sims), 0.0, baseline_name(inputs.layout))
+    results = modes(cfg, inputs.layout, run=sims)
+    _print_modes(results, 0.0, baseline_name(inputs.layout))
+    _print_schedule(cfg, results, inputs.layout)
     _print_host(cfg)
     if args.gpus is not None:
         _print_sweep(cfg, args.gpus, inputs.layout, sims)
     return 0
+
+
+def _check_early(sim_layer: dict[str, Any]) -> None:
+    """The simulate.* overrides on their own, before any file is read. The engine schedule's entries only: its
+    count at 0 s and its timeout are checked with the whole config (model.check_schedule)."""
+    layer = dict(sim_layer)
+    schedule = layer.pop("engine_schedule", None)
+    build_config(SimConfig(), [layer])
+    if schedule is not None:
+        try:
+            schedule_entries(schedule)
+        except ValueError as exc:
+            raise ScenarioError(f"simulate.{exc}") from exc
 
 
 def _refuse_layout_keys(sim_layer: dict[str, Any], why: str) -> None:
@@ -170,6 +193,7 @@ def _run_from(run: Path, project_overrides: list[str], sim_layer: dict[str, Any]
         note = f" (CPU run: {cfg.host.cores:g} cores {where})"
     _print_header(f"fitted to {run}{note}", cfg, result.layout)
     _print_modes(result.results, result.startup_s, baseline_name(result.layout))
+    _print_schedule(cfg, result.results, result.layout)
     _print_host(cfg)
     m, predicted = fit.measured, result.predicted_self_s
     print(
@@ -211,6 +235,75 @@ def _scenario_layout(cfg: SimConfig) -> str:
         f"as the scenario sets it: {cfg.pipeline.num_engines} engine(s) x {cfg.engine.gpus_per_engine} GPU(s), "
         f"{trainer}{where}{shared}"
     )
+
+
+def _print_schedule(cfg: SimConfig, results: dict[str, SimResult], layout: Layout | None) -> None:
+    """With an engine schedule: the configured mode's segments (one row per engine count the run reached), then a
+    line per change with the throughput and staleness before and after it."""
+    if not cfg.engine_schedule:
+        return
+    name, result = list(results.items())[-1]
+    where = "; the synchronous row keeps its GPUs" if layout is not None and layout.device == "gpu" else ""
+    print(
+        f"  engine schedule ({name}): {_schedule_text(cfg.schedule())}, engines join after {cfg.engine.join_s:g}s"
+        f"{where}"
+    )
+    for line in segment_table(result.segments):
+        print(f"    {line}")
+    for before, after in itertools.pairwise(result.segments):
+        print(f"  at {after.start_s:g}s {change_label(after)}: {_before_after(before, after)}")
+    missed = [(at, n) for at, n in cfg.schedule() if at >= result.wall_s]
+    if missed:
+        print(f"  not reached (the run ended at {result.wall_s:.1f}s): {_schedule_text(missed)}")
+    if result.stopped:
+        print(f"  the run stopped after {result.steps} of {cfg.steps} steps: {result.stopped}")
+
+
+def _schedule_text(entries: list[tuple[float, int]]) -> str:
+    return ", ".join(f"{n} engine(s) at {at:g}s" for at, n in entries)
+
+
+def change_label(segment: Segment) -> str:
+    """'+4 engines', '-1 engine, 3 samples moved' (the report's labels for the run's own events read alike)."""
+    plural = "s" if abs(segment.change) != 1 else ""
+    label = f"{segment.change:+d} engine{plural}"
+    if segment.samples_moved:
+        label += f", {segment.samples_moved} samples moved"
+        if segment.tokens_regenerated:
+            label += f" ({segment.tokens_regenerated} tokens regenerated)"
+    return label
+
+
+def _before_after(before: Segment, after: Segment) -> str:
+    def rate(a: float, b: float) -> str:
+        return f"{a:,.0f} -> {b:,.0f}" + (f" ({b / a - 1:+.0%})" if a > 0 else "")
+
+    def stale(segment: Segment) -> str:
+        mean = segment.mean_staleness
+        return "-" if mean is None else f"{mean:.2f}/{segment.max_staleness}"
+
+    return (
+        f"generated tokens/s {rate(before.generated_tokens_per_s, after.generated_tokens_per_s)}, trained "
+        f"{rate(before.trained_tokens_per_s, after.trained_tokens_per_s)}, staleness mean/max {stale(before)} -> "
+        f"{stale(after)} (eta {after.eta})"
+    )
+
+
+def segment_table(segments: list[Segment]) -> list[str]:
+    """The segments as aligned text rows, a header first."""
+    rows = [
+        f"{'from s':>9}{'to s':>9}{'engines':>9}{'change':>8}{'moved':>7}{'regen tok':>11}{'steps':>7}"
+        f"{'gen tok/s':>11}{'train tok/s':>13}{'stale mean':>12}{'stale max':>11}{'eta':>5}"
+    ]
+    for seg in segments:
+        mean, top = seg.mean_staleness, seg.max_staleness
+        rows.append(
+            f"{seg.start_s:>9.1f}{seg.end_s:>9.1f}{seg.engines:>9}{seg.change:>+8d}{seg.samples_moved:>7}"
+            f"{seg.tokens_regenerated:>11}{seg.steps:>7}{seg.generated_tokens_per_s:>11,.0f}"
+            f"{seg.trained_tokens_per_s:>13,.0f}{'-' if mean is None else f'{mean:.2f}':>12}"
+            f"{'-' if top is None else top:>11}{seg.eta:>5}"
+        )
+    return rows
 
 
 def _print_host(cfg: SimConfig) -> None:

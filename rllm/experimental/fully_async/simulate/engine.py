@@ -18,6 +18,9 @@ it the sync waits until the running requests have finished and no new group star
 partial rollout). Generation itself is modelled in `model.py`. Host sharing (`host.cores`): one speed factor
 (HostModel.speed) multiplies every engine's decoding rate and the trainer's progress through its step's work; it
 is re-evaluated after every event that starts or stops a component (`_reshare`).
+An engine schedule (`engine_schedule`, model.py) changes the engine set at its times (`_on_schedule`): engines are
+never deleted, a leaving one is marked inactive (pending events name engines by index); new groups go to the ready
+engines only; each stretch of one count is a `Segment` of the result.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from rllm.experimental.fully_async.core.adaptive_staleness import StalenessContr
 from rllm.experimental.fully_async.core.staleness import StalenessManager
 from rllm.experimental.fully_async.core.versions import groups_per_version, is_sync_step
 from rllm.experimental.fully_async.simulate.model import SimConfig, check
-from rllm.experimental.fully_async.simulate.result import SimResult
+from rllm.experimental.fully_async.simulate.result import Segment, SimResult
 
 _EPS = 1e-9
 
@@ -48,11 +51,12 @@ class _Group:
 
 
 class _Request:
-    __slots__ = ("group", "length", "start", "target", "version")
+    __slots__ = ("done", "group", "length", "start", "target", "version")
 
     def __init__(self, group: _Group, length: int) -> None:
         self.group, self.length = group, length
         self.target = self.start = 0.0
+        self.done = 0.0  # tokens it had when admitted (moved from a removed engine with its tokens)
         self.version: int | None = None  # version of its first token
 
 
@@ -70,6 +74,10 @@ class _Engine:
         self.busy_s = 0.0
         self.paused_s = 0.0
         self.version = 0
+        self.active = True  # False once the schedule removed it
+        self.ready = True  # False from its join until engine.join_s later
+        self.joined_at = 0.0
+        self.left_at: float | None = None
 
 
 class Simulation:
@@ -91,6 +99,12 @@ class Simulation:
         self.rng = random.Random(cfg.seed)
         self.sample_length = cfg.lengths.sampler()
         self.engines = [_Engine() for _ in range(p.num_engines)]
+        self.ready_engines = list(range(p.num_engines))  # active and ready: where new work goes, in index order
+        self.engine_version = 0  # the version the engines hold (a joining engine gets it)
+        self.engines_paused = False  # a sync's pause is on
+        self.orphans: deque[_Request] = deque()  # samples in flight with no engine (the schedule at 0)
+        self.empty_since: float | None = None  # when the engine count last fell to 0
+        self.decoded = 0.0  # tokens decoded so far, over all engines
         self.events: list[tuple[float, int, str, Any]] = []
         self.seq = 0
         self.t = 0.0
@@ -115,6 +129,11 @@ class Simulation:
         self.train_epoch = 0
         self.trace: list[tuple[Any, ...]] | None = [] if trace else None
         self.result = SimResult(0.0, 0, 0, 0.0, 0.0, 0.0, 0.0, p.num_engines, 0, 0, {}, 0, 0)
+        self.segment = Segment(0.0, p.num_engines, eta=self.eta)
+        self.result.segments.append(self.segment)
+        for at, count in cfg.schedule():
+            if at > 0:  # the count at 0 s is the run's own (model.check_schedule)
+                self._push(at, "schedule", count)
 
     # ---- clock ------------------------------------------------------------------------------------------
 
@@ -137,8 +156,10 @@ class Simulation:
             self._advance(engine)
             self.result.engine_busy_s += engine.busy_s
             self.result.engine_paused_s += engine.paused_s
+        self._close_segment()
         r = self.result
         r.wall_s, r.steps = self.t, self.step
+        r.engine_s = sum((self.t if e.left_at is None else e.left_at) - e.joined_at for e in self.engines)
         r.final_eta = self.eta if self.controller is not None else None
         r.trace = self.trace or []
         return r
@@ -154,7 +175,9 @@ class Simulation:
         if engine.paused:
             engine.paused_s += dt
         elif engine.running:
-            engine.progress += dt * self.cfg.engine.per_request_rate(len(engine.running)) * self.speed
+            advanced = dt * self.cfg.engine.per_request_rate(len(engine.running)) * self.speed
+            engine.progress += advanced
+            self.decoded += advanced * len(engine.running)
             engine.busy_s += dt
         engine.last_t = self.t
 
@@ -167,9 +190,10 @@ class Simulation:
         self._push(self.t + max(engine.heap[0][0] - engine.progress, 0.0) / rate, "engine", (index, engine.epoch))
 
     def _admit(self, engine: _Engine, rid: int, request: _Request) -> None:
-        request.start = engine.progress
-        request.target = engine.progress + request.length
-        request.version = engine.version
+        request.start = engine.progress - request.done  # a moved sample continues from its tokens
+        request.target = request.start + request.length
+        if not request.done:
+            request.version = engine.version
         engine.running[rid] = request
         heapq.heappush(engine.heap, (request.target, rid))
 
@@ -214,7 +238,7 @@ class Simulation:
     def _try_start(self) -> None:
         """RolloutExecutor._can_start, then start, until it says no."""
         cap = self.cfg.pipeline.max_concurrent_rollouts
-        while not self.draining and (cap is None or self.running_samples + self.n <= cap):
+        while not self.draining and self.ready_engines and (cap is None or self.running_samples + self.n <= cap):
             capacity = self.manager.capacity(self.version)
             self._note("capacity", self.version, capacity)
             if capacity <= 0:
@@ -229,8 +253,7 @@ class Simulation:
         group = _Group(self.n, accept=self.rng.random() >= self.cfg.pipeline.reject_fraction)
         self.running_samples += self.n
         limit = self.cfg.engine.max_running_requests
-        loads = [len(e.running) + len(e.waiting) for e in self.engines]
-        index = loads.index(min(loads))
+        index = self._least_loaded()
         engine = self.engines[index]
         self._advance(engine)
         sample, rng, running, waiting = self.sample_length, self.rng, engine.running, engine.waiting
@@ -242,6 +265,11 @@ class Simulation:
                 waiting.append((rid, request))
         self.next_rid += self.n
         self._schedule(index)
+
+    def _least_loaded(self) -> int:
+        """The ready engine with the fewest requests (running + waiting), the lowest index among equals."""
+        engines = self.engines
+        return min(self.ready_engines, key=lambda i: len(engines[i].running) + len(engines[i].waiting))
 
     def _flush(self) -> None:
         self._move_outbox()
@@ -312,6 +340,11 @@ class Simulation:
             r.staleness[staleness] = r.staleness.get(staleness, 0) + 1
             r.mixed_version_samples += group.mixed
         r.step_wait_s.append(self.step_wait)
+        seg = self.segment
+        seg.steps += 1
+        seg.tokens_trained += tokens
+        for staleness in batch_staleness:
+            seg.staleness[staleness] = seg.staleness.get(staleness, 0) + 1
         if self.controller is not None:
             signals = self.cfg.adaptive.signals(sum(batch_staleness) / max(1, len(batch_staleness)))
             step_s = self.step_wait + (self.t - self.train_started)
@@ -368,19 +401,22 @@ class Simulation:
             self._begin_pause()
 
     def _begin_pause(self) -> None:
+        self.engines_paused = True
         for engine in self.engines:
             self._advance(engine)
-            engine.paused = True
+            engine.paused = engine.active
         for index in range(len(self.engines)):
             self._schedule(index)  # cancels pending completions
         self._push(self.t + self.cfg.sync.pause_s, "pause_end")
         self._push(self.t + self.cfg.sync.total_s, "sync_done")
 
     def _on_pause_end(self, _: Any) -> None:
+        self.engines_paused = False
+        self.engine_version = self.version + 1
         for index, engine in enumerate(self.engines):
             self._advance(engine)
             engine.paused = False
-            engine.version = self.version + 1
+            engine.version = self.engine_version
             for request in engine.running.values():
                 if request.start == engine.progress:  # no token yet: its first token has the new version
                     request.version = engine.version
@@ -396,6 +432,113 @@ class Simulation:
         self.draining = False
         self._try_start()
         self._step_done()
+
+    # ---- the engine schedule ---------------------------------------------------------------------------------
+
+    def _on_schedule(self, count: int) -> None:
+        """The engine count becomes `count` (model.py's engine_schedule): engines join, or the last joined leave
+        and their samples move to the others."""
+        active = [i for i, e in enumerate(self.engines) if e.active]
+        if count == len(active):
+            return  # no change: the stretch goes on
+        for engine in self.engines:
+            self._advance(engine)
+        self._close_segment()
+        self.segment = Segment(self.t, count, change=count - len(active), eta=self.eta)
+        self.result.segments.append(self.segment)
+        moved: list[_Request] = []
+        for index in active[count:]:
+            moved += self._remove(index)
+        for _ in range(count - len(active)):
+            self._join()
+        self.segment.samples_moved = len(moved)
+        self.result.samples_moved += len(moved)
+        self.orphans.extend(moved)
+        if count == 0:
+            self.empty_since = self.t
+            timeout = self.cfg.pipeline.no_engine_timeout_s
+            if timeout is not None:
+                self._push(self.t + timeout, "no_engine", self.t)
+        else:
+            self.empty_since = None
+        self._place_orphans()
+        self._try_start()
+
+    def _remove(self, index: int) -> list[_Request]:
+        """Take engine `index` out; its samples in flight, with the tokens each has (running ones)."""
+        engine = self.engines[index]
+        engine.active = engine.ready = engine.paused = False
+        engine.left_at = self.t
+        if index in self.ready_engines:
+            self.ready_engines.remove(index)
+        out = []
+        for request in engine.running.values():
+            request.done = min(max(engine.progress - request.start, 0.0), float(request.length))
+            out.append(request)
+        out += [request for _, request in engine.waiting]
+        engine.running.clear()
+        engine.heap.clear()
+        engine.waiting.clear()
+        self._schedule(index)  # cancels its pending completion
+        return out
+
+    def _join(self) -> None:
+        engine = _Engine()
+        engine.last_t = engine.joined_at = self.t
+        engine.version, engine.paused = self.engine_version, self.engines_paused
+        self.engines.append(engine)
+        index = len(self.engines) - 1
+        if self.cfg.engine.join_s > 0:
+            engine.ready = False
+            self._push(self.t + self.cfg.engine.join_s, "ready", index)
+        else:
+            self.ready_engines.append(index)
+
+    def _on_ready(self, index: int) -> None:
+        engine = self.engines[index]
+        if not engine.active:
+            return  # removed while it was still starting
+        engine.ready = True
+        engine.last_t = self.t
+        self.ready_engines.append(index)
+        self.ready_engines.sort()
+        self._place_orphans()
+        self._try_start()
+
+    def _place_orphans(self) -> None:
+        """Samples without an engine go to the ready ones, the fewest requests first: with partial rollout from
+        their tokens (token-level resume), without it from their prompts (their tokens so far counted again)."""
+        if not self.ready_engines or not self.orphans:
+            return
+        limit, touched = self.cfg.engine.max_running_requests, set()
+        while self.orphans:
+            request = self.orphans.popleft()
+            if request.done and not self.cfg.pipeline.partial_rollout:
+                regenerated = round(request.done)
+                self.segment.tokens_regenerated += regenerated
+                self.result.tokens_regenerated += regenerated
+                request.done, request.version = 0.0, None
+            index = self._least_loaded()
+            engine = self.engines[index]
+            rid = self.next_rid
+            self.next_rid += 1
+            if len(engine.running) < limit and not engine.waiting:
+                self._admit(engine, rid, request)
+            else:
+                engine.waiting.append((rid, request))
+            touched.add(index)
+        for index in touched:
+            self._schedule(index)
+
+    def _on_no_engine(self, since: float) -> None:
+        if self.empty_since == since:  # no engine joined since the count fell to 0
+            self.result.stopped = f"no engine for {self.cfg.pipeline.no_engine_timeout_s:g}s from {since:g}s"
+            self.trainer_state = "done"
+
+    def _close_segment(self) -> None:
+        seg = self.segment
+        seg.end_s, seg.eta = self.t, self.eta
+        seg.tokens_decoded = self.decoded - sum(s.tokens_decoded for s in self.result.segments[:-1])
 
 
 def simulate(cfg: SimConfig, *, trace: bool = False) -> SimResult:

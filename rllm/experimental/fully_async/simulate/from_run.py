@@ -85,10 +85,11 @@ def predict_from_run(
     progress: Progress | None = None,
 ) -> FromRun:
     """Fit to the run with its own pipeline (model overrides in `sim_layer`, such as lengths.sigma, take part in
-    the fit), then apply `sim_layer`'s pipeline part as a what-if ("had this run used eta=2") and simulate both
-    modes. `progress` gets a line per simulation of the fit (10-20 of the whole run)."""
+    the fit), then apply `sim_layer`'s pipeline part and engine schedule as a what-if ("had this run used eta=2",
+    "had it added 2 engines at 60 s") and simulate both modes. `progress` gets a line per simulation of the fit
+    (10-20 of the whole run)."""
     layer = dict(sim_layer or {})
-    what_if = {"pipeline": layer.pop("pipeline")} if "pipeline" in layer else {}
+    what_if = {key: layer.pop(key) for key in ("pipeline", "engine_schedule") if key in layer}
     layers, layout, recorded = run_layers(project, records, cores)
     sims = Simulations()  # the fitted run is simulated once, for the fit and for its own mode's row
     base = apply_layout(build_config(SimConfig(), [*layers, layer]), layout)

@@ -7,10 +7,11 @@ of the `--gpus N` sweep. Both simulate the configured mode with `with_gpus` and 
 - GPU (engines.backend=sglang, trainer.device=cuda): E engines of tp GPUs each and T trainer GPUs, never sharing a
   GPU (the placement rule, core/placement.py). The trainer's step time scales from the timing models' reference
   GPU count to T (TrainerModel.step_s). The synchronous baseline is verl's: colocated, engines and trainer taking
-  turns on all E·tp + T GPUs (η = 0, K = 1), the best a synchronous run does with the same GPUs.
+  turns on all E·tp + T GPUs (η = 0, K = 1), the best a synchronous run does with the same GPUs; it keeps them
+  throughout (an engine schedule is the configured mode's).
 - CPU (engines.backend=embedded, trainer.device=cpu): E engine processes and W = n_gpus_per_node x nnodes trainer
   ranks sharing the machine's cores (HostModel): each rank keeps one core busy and does 1/W of the step (the ranks'
-  all-reduce is not modelled). The baseline is the same processes at η = 0, K = 1.
+  all-reduce is not modelled). The baseline is the same processes at η = 0, K = 1 (with the engine schedule too).
 - A scenario file (no project config): its own settings; the baseline is the same settings at η = 0, K = 1.
 GPU engines beside a CPU trainer, or the reverse, are refused in one line: not modelled.
 
@@ -134,8 +135,10 @@ def synchronous(cfg: SimConfig) -> SimConfig:
 def baseline(cfg: SimConfig, layout: Layout | None) -> SimConfig:
     """The synchronous baseline of the configured mode `cfg` on `layout` (module docstring)."""
     if layout is None or layout.device == "cpu":
-        return synchronous(cfg)
-    return with_gpus(synchronous(cfg), layout.total_gpus, layout.total_gpus, separated=False)
+        return synchronous(cfg)  # the same processes: an engine schedule too (this trainer's η = 0)
+    out = synchronous(cfg)
+    out.engine_schedule = []  # verl's colocated trainer keeps its GPUs: no engine schedule
+    return with_gpus(out, layout.total_gpus, layout.total_gpus, separated=False)
 
 
 def asynchronous(cfg: SimConfig) -> tuple[str, SimConfig]:

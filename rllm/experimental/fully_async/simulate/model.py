@@ -30,6 +30,15 @@ Models, each written once here:
 
   (log-normal importance weights w: KL(pi_behav || pi_theta) = σ²/2 and ESS/N = 1/E[w²] = exp(−σ²)); the runtime's
   rule (`core/adaptive_staleness.StalenessController`) reads them exactly as it reads the trainer's measurements.
+- an engine schedule (`engine_schedule`: [[time_s, engines], ...], a what-if of elastic rollout capacity, the
+  runtime's `engines add/remove`): at each time the engine count becomes the given one. A joining engine takes work
+  `engine.join_s` later (its start-up and weight load), at the version the others hold; a leaving engine (the last
+  joined first) stops taking work and its samples in flight, running or waiting, move to the engines left (the
+  fewest requests first), with partial rollout from their tokens (token-level resume: nothing regenerated, their
+  tokens keep their versions), without it from their prompts (their tokens so far are regenerated and counted).
+  With no engine, generation pauses: samples wait for one to join, and after `pipeline.no_engine_timeout_s` without
+  one the run stops (null: it waits for the schedule's next join; a schedule ending at 0 needs the timeout). The
+  concurrency cap (`pipeline.max_concurrent_rollouts`) stays as configured, as the runtime keeps it.
 GPU scaling (for `--gpus`): engine throughput scales with rollout GPUs (engines = rollout GPUs / gpus_per_engine);
 trainer time scales as (reference_gpus / T) ** scaling_exponent, divided by `separated_speedup` when the trainer
 has GPUs of its own (see the verl scenario for why that factor exists).
@@ -39,8 +48,9 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from rllm.experimental.fully_async.core.adaptive_staleness import AdaptiveStalenessRule, OffPolicySignals
 
@@ -53,6 +63,7 @@ class EngineModel:
     single_tokens_per_s: float = 200.0  # one engine, one running request
     max_running_requests: int = 256  # per engine: decoded together at most (SGLang --max-running-requests)
     gpus_per_engine: int = 1  # tensor-parallel size: rollout GPUs / gpus_per_engine = engines (--gpus sweeps)
+    join_s: float = 0.0  # engine_schedule: from a join to the engine's first request (start-up, weight load)
 
     def per_request_rate(self, running: int) -> float:
         """Tokens/s each of `running` requests advances at: throughput(r) / r = peak / (r + r½)."""
@@ -140,6 +151,7 @@ class Pipeline:
     queue_max_groups: int | None = None  # finished groups the queue holds; null: no cap
     num_engines: int = 2
     reject_fraction: float = 0.0  # groups the workflow/filter rejects at finish (e.g. DAPO's zero-variance)
+    no_engine_timeout_s: float | None = None  # engine_schedule at 0 engines: the run stops after this; null: waits
 
 
 @dataclass
@@ -184,6 +196,57 @@ class SimConfig:
     async_staleness: int = 2  # η of the fully-async row the CLI prints when the config itself is synchronous (η=0)
     trainer_gpus: int | None = None  # null: trainer step times as given (no GPU scaling)
     separated: bool = False  # trainer on GPUs of its own (applies trainer.separated_speedup)
+    engine_schedule: list[Any] = field(default_factory=list)  # [[time_s, engines], ...]: the count from each time on
+
+    def schedule(self) -> list[tuple[float, int]]:
+        """`engine_schedule` as checked (time, engine count) pairs, in time order."""
+        return check_schedule(self.engine_schedule, self.pipeline.num_engines, self.pipeline.no_engine_timeout_s)
+
+
+SCHEDULE_EXAMPLE = "e.g. simulate.engine_schedule=[[0,4],[600,8],[1800,2]]"
+
+
+def schedule_entries(schedule: Sequence[Any]) -> list[tuple[float, int]]:
+    """The schedule's (time, count) pairs, or ValueError with one line naming the first bad entry: each entry is
+    [time_s, engines] with time >= 0 and strictly later than the one before, and a whole count >= 0."""
+    out: list[tuple[float, int]] = []
+    for i, entry in enumerate(schedule):
+        where = f"engine_schedule[{i}]"
+        if not isinstance(entry, Sequence) or isinstance(entry, str) or len(entry) != 2:
+            raise ValueError(f"{where} = {entry!r}: each entry is [time_s, engines], {SCHEDULE_EXAMPLE}")
+        at, count = entry
+        if not _is_real(at) or not math.isfinite(at) or at < 0:
+            raise ValueError(f"{where}: time {at!r} must be a number of seconds >= 0")
+        if out and at <= out[-1][0]:
+            raise ValueError(
+                f"{where}: time {at:g}s is not after the entry before it ({out[-1][0]:g}s): times increase"
+            )
+        if not _is_real(count) or count != int(count) or count < 0:
+            raise ValueError(f"{where}: engine count {count!r} must be a whole number >= 0")
+        out.append((float(at), int(count)))
+    return out
+
+
+def check_schedule(schedule: Sequence[Any], start: int, timeout_s: float | None) -> list[tuple[float, int]]:
+    """`schedule_entries`, and what the rest of the config decides: the count at 0 s is the run's own starting
+    count (one owner: the layout, or pipeline.num_engines), and a schedule ending at 0 engines needs
+    `pipeline.no_engine_timeout_s` (else the simulated run would wait for an engine forever)."""
+    out = schedule_entries(schedule)
+    if out and out[0][0] == 0 and out[0][1] != start:
+        raise ValueError(
+            f"engine_schedule[0]: {out[0][1]} engines at 0s, but the run starts with {start} (engines.num_engines, "
+            "or simulate.pipeline.num_engines for a scenario): set that, or start the schedule after 0s"
+        )
+    if out and out[-1][1] == 0 and timeout_s is None:
+        raise ValueError(
+            f"engine_schedule ends at 0 engines ({out[-1][0]:g}s) and pipeline.no_engine_timeout_s is null: the run "
+            "would wait for an engine forever; set simulate.pipeline.no_engine_timeout_s or end with an engine"
+        )
+    return out
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def check(cfg: SimConfig) -> None:
@@ -195,6 +258,11 @@ def check(cfg: SimConfig) -> None:
         (p.max_staleness >= 0, "pipeline.max_staleness must be >= 0"),
         (p.trigger_parameter_sync_step >= 1, "pipeline.trigger_parameter_sync_step must be >= 1"),
         (p.num_engines >= 1, "pipeline.num_engines must be >= 1"),
+        (e.join_s >= 0, "engine.join_s must be >= 0"),
+        (
+            p.no_engine_timeout_s is None or p.no_engine_timeout_s >= 0,
+            "pipeline.no_engine_timeout_s must be >= 0 (or null: wait for the schedule's next join)",
+        ),
         (0.0 <= p.reject_fraction < 1.0, "pipeline.reject_fraction must be in [0, 1)"),
         (
             p.max_concurrent_rollouts is None or p.max_concurrent_rollouts >= p.samples_per_prompt,
@@ -225,6 +293,7 @@ def check(cfg: SimConfig) -> None:
     for ok, message in rules:
         if not ok:
             raise ValueError(message)
+    cfg.schedule()  # its own checks, naming the entry
     if cfg.adaptive.enable:
         rule = cfg.adaptive.rule()  # its own checks, with the key in the message
         if not rule.min <= p.max_staleness <= rule.max:

@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from rllm.experimental.fully_async.errors import EXIT_BAD_INPUT, FullyAsyncError
-from rllm.experimental.fully_async.simulate.model import LengthModel, SimConfig, check
+from rllm.experimental.fully_async.simulate.model import SCHEDULE_EXAMPLE, LengthModel, SimConfig, check
 
 SCENARIO_KEYS = frozenset({"description", "simulate", "published"})
 # The embedded default on CPU, fitted to tests/fixtures/report_run (60 steps of config/tiny_cpu.yaml, 2 cores):
@@ -97,6 +97,8 @@ def check_keys(layer: Mapping[str, Any], schema: type = SimConfig, prefix: str =
             hint = f"; did you mean {prefix}.{close[0]}?" if close else f" (known: {', '.join(fields)})"
             raise ScenarioError(f"unknown key {path}{hint}")
         section = fields[key].default_factory  # a nested dataclass section (its default factory is the class)
+        if section is list and not isinstance(value, list):  # OmegaConf's own message names no key
+            raise ScenarioError(f"{path} = {value!r}: expected a list, {SCHEDULE_EXAMPLE.removeprefix('e.g. ')}")
         if isinstance(value, Mapping) and dataclasses.is_dataclass(section):
             check_keys(value, section, path)  # type: ignore[arg-type]
 
