@@ -1,9 +1,10 @@
 """`python -m rllm.experimental.fully_async report RUN_DIR [RUN_DIR ...] [--out FILE] [--no-predict]`: one HTML page.
 
 The one place the report touches files: it reads each `RUN_DIR/metrics.jsonl`, the run's saved `config.yaml` (its
-mode, model and limits), the last step of its trajectory dump (`trainer.rollout_data_dir`, when the run wrote one)
-and, unless `--no-predict`, fits the simulator to the run (`simulate --from`, simulate/from_run.py) for the summary
-block's "a synchronous run of the same config would take X". The fit simulates the whole run 10-20 times (15 s of
+mode, model and limits), `engine_events.jsonl` when the run's engine set changed, the last step of its trajectory
+dump (`trainer.rollout_data_dir`, when the run wrote one) and, unless `--no-predict`, fits the simulator to the run
+(`simulate --from`, simulate/from_run.py) for the summary block's "a synchronous run of the same config would take
+X". The fit simulates the whole run 10-20 times (15 s of
 CPU for the default 500-step run on a loaded development machine; tests/bench/bench_report_fit.py): it shows its
 progress on stderr and is kept in `RUN_DIR/report_prediction.json`, reused while metrics.jsonl is unchanged.
 `html.render_html` (pure) draws the page. Several run directories draw side by side, e.g. an async run against a
@@ -27,10 +28,12 @@ from omegaconf import OmegaConf
 from rllm.experimental.fully_async.observe.dumps import read_dump
 from rllm.experimental.fully_async.observe.progress import status_printer
 from rllm.experimental.fully_async.report.data import (
+    EngineEvent,
     ReportDataError,
     RunRecords,
     RunReport,
     SyncPrediction,
+    parse_engine_events,
     parse_metrics,
     run_info,
     run_report,
@@ -44,6 +47,7 @@ from rllm.experimental.fully_async.simulate.scenarios import ScenarioError
 logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
+ENGINE_EVENTS_FILE = "engine_events.jsonl"
 CONFIG_FILE = "config.yaml"
 REPORT_FILE = "report.html"
 PREDICTION_FILE = "report_prediction.json"
@@ -62,6 +66,15 @@ def load_run(run_dir: str | Path) -> RunRecords:
     if not records:
         raise ReportDataError(f"{metrics}: no records (the run stopped before its first step?)")
     return RunRecords.of(str(run_dir), records)
+
+
+def load_engine_events(run_dir: Path) -> tuple[EngineEvent, ...]:
+    """RUN_DIR/engine_events.jsonl's events; none when the run never changed its engine set (no file)."""
+    path = run_dir / ENGINE_EVENTS_FILE
+    if not path.is_file():
+        return ()
+    with path.open(encoding="utf-8") as handle:
+        return tuple(parse_engine_events(handle, str(path)))
 
 
 def _config(run_dir: Path) -> dict[str, Any] | None:
@@ -136,8 +149,10 @@ def load_report(run_dir: str | Path, *, with_prediction: bool = True, quiet: boo
     run = load_run(run_dir)
     path = Path(run_dir)
     config = _config(path) if path.is_dir() else None
+    events = load_engine_events(path) if path.is_dir() else ()
     if config is None:
-        return run_report(run, prediction_note=f"no {CONFIG_FILE} beside the metrics: mode and prediction unknown")
+        note = f"no {CONFIG_FILE} beside the metrics: mode and prediction unknown"
+        return run_report(run, prediction_note=note, engine_events=events)
     samples, samples_step = _samples(path, config)
     prediction, note = None, "not predicted (--no-predict)"
     if with_prediction:
@@ -149,6 +164,7 @@ def load_report(run_dir: str | Path, *, with_prediction: bool = True, quiet: boo
         samples_step=samples_step,
         prediction=prediction,
         prediction_note=note,
+        engine_events=events,
     )
 
 

@@ -5,9 +5,11 @@ plotting).
 and every metric the run logged that step); `report.py` is the one place that reads the files. The functions here
 derive what the report shows: series against step or wall time (and their smoothed form), trained tokens per
 second, the staleness distribution per step range, validation and sync moments, the run's mode from its saved
-config (`RunInfo`), sample generations from a trajectory dump, and the summary (`observe/summary.py`, which the
-end-of-run summary shares). A metric a run did not record gives an empty series, never an error, so old runs and
-runs of other configurations still draw.
+config (`RunInfo`), sample generations from a trajectory dump, the summary (`observe/summary.py`, which the
+end-of-run summary shares) and the engine set's changes (`parse_engine_events`, `engine_marks`: the lines of
+`RUN_DIR/engine_events.jsonl`, which a run writes when engines join, leave, are lost, restart or hand samples on). A
+metric a run did not record gives an empty series, never an error, so old runs and runs of other configurations
+still draw; a run without engine events draws as before.
 """
 
 from __future__ import annotations
@@ -91,6 +93,11 @@ def _is_number(value: Any) -> bool:
 def parse_metrics(lines: Iterable[str], source: str) -> list[dict[str, Any]]:
     """Records from the lines of a metrics.jsonl. Blank lines are skipped; a cut-off LAST line (a run killed while
     writing) is skipped with a warning; any other line that is not a JSON object raises ReportDataError."""
+    return _json_lines(lines, source)
+
+
+def _json_lines(lines: Iterable[str], source: str) -> list[dict[str, Any]]:
+    """One JSON object per line (parse_metrics' rules: blank lines skipped, a cut-off last line skipped)."""
     records: list[dict[str, Any]] = []
     pending_error: str | None = None
     for number, raw in enumerate(lines, start=1):
@@ -356,6 +363,7 @@ class RunReport:
     samples_step: int | None = None
     prediction: SyncPrediction | None = None
     prediction_note: str = "not predicted"  # why there is no prediction, or how it was made
+    engine_events: tuple[EngineEvent, ...] = ()  # RUN_DIR/engine_events.jsonl; empty: the engine set never changed
 
     @property
     def label(self) -> str:
@@ -395,6 +403,111 @@ def eta_changes(run: RunRecords) -> list[EtaChange]:
         }
         changes.append(EtaChange(int(r["step"]), int(eta - change), int(eta), **stats))
     return changes
+
+
+ENGINE_EVENT_KINDS = ("join", "leave", "lost", "restart", "move")
+
+
+@dataclass(frozen=True)
+class EngineEvent:
+    """One change of the engine set, a line of `RUN_DIR/engine_events.jsonl`: when (unix time, trainer step), what
+    (`ENGINE_EVENT_KINDS`), which engine (its id and URL), the samples it handed on, the engines active after it,
+    and whether the run launched the engine or a user registered it by URL."""
+
+    event: str
+    engine: str
+    step: int | None = None
+    time: float | None = None
+    url: str = ""
+    samples_moved: int = 0
+    engines_active: int | None = None
+    source: str = ""
+
+    def detail(self) -> str:
+        """One line for the hover: '<event> <engine> (<url>, <source>): N samples moved, M active'."""
+        where = ", ".join(part for part in (self.url, self.source) if part)
+        moved = f", {self.samples_moved} samples moved" if self.samples_moved else ""
+        active = f", {self.engines_active} active" if self.engines_active is not None else ""
+        return f"{self.event} {self.engine}" + (f" ({where})" if where else "") + moved + active
+
+
+def parse_engine_events(lines: Iterable[str], source: str) -> list[EngineEvent]:
+    """The events of an engine_events.jsonl (parse_metrics' rules for its lines); a line without `event` and
+    `engine`, or with neither `step` nor `time`, raises ReportDataError naming it. A kind this report does not know
+    is kept and drawn under its own name (a newer run's events still draw)."""
+    events = []
+    for number, record in enumerate(_json_lines(lines, source), start=1):
+        if not isinstance(record.get("event"), str) or "engine" not in record:
+            raise ReportDataError(f"{source}: event {number} lacks `event` or `engine`: {json.dumps(record)[:120]}")
+        step, time = record.get("step"), record.get("time")
+        if not (_is_number(step) or _is_number(time)):
+            raise ReportDataError(f"{source}: event {number} has neither `step` nor `time`: placed nowhere")
+        moved, active = record.get("samples_moved"), record.get("engines_active")
+        events.append(
+            EngineEvent(
+                event=record["event"],
+                engine=str(record["engine"]),
+                step=int(step) if _is_number(step) else None,
+                time=float(time) if _is_number(time) else None,
+                url=str(record.get("url") or ""),
+                samples_moved=int(moved) if _is_number(moved) else 0,
+                engines_active=int(active) if _is_number(active) else None,
+                source=str(record.get("source") or ""),
+            )
+        )
+    return events
+
+
+@dataclass(frozen=True)
+class EngineMark:
+    """The engine events at one step of the timeline: the step, their label
+    ('+1 engine (registered)', '-1 engine, 3 samples moved') and one hover line per event."""
+
+    x: float
+    label: str
+    details: tuple[str, ...]
+
+
+def engine_marks(run: RunRecords, events: Iterable[EngineEvent]) -> list[EngineMark]:
+    """The events grouped by the trainer step they happened at, in step order. An event without a step is placed at
+    the first step logged at or after its time; one that cannot be placed (no step, a time after the last step's)
+    is left out."""
+    start = run.start_time()
+    times = sorted(step_times(run).items())
+    grouped: dict[float, list[EngineEvent]] = {}
+    for event in events:
+        at: float | None = float(event.step) if event.step is not None else None
+        if at is None and event.time is not None and start is not None:
+            later = [step for step, t in times if t >= event.time - start]
+            at = float(later[0]) if later else None
+        if at is not None:
+            grouped.setdefault(at, []).append(event)
+    return [
+        EngineMark(x, _events_label(group), tuple(e.detail() for e in group)) for x, group in sorted(grouped.items())
+    ]
+
+
+def _events_label(events: list[EngineEvent]) -> str:
+    def engines(n: int) -> str:
+        return f"{n} engine{'s' if n != 1 else ''}"
+
+    parts = []
+    joins: dict[str, int] = {}
+    for event in events:
+        if event.event == "join":
+            joins[event.source] = joins.get(event.source, 0) + 1
+    parts += [f"+{engines(n)}" + (f" ({source})" if source else "") for source, n in joins.items()]
+    counts = {kind: sum(e.event == kind for e in events) for kind in ENGINE_EVENT_KINDS}
+    removed, lost = counts["leave"] + counts["lost"], counts["lost"]
+    if removed:
+        parts.append(f"-{engines(removed)}" + ((f" ({lost} lost)" if counts["leave"] else " lost") if lost else ""))
+    if counts["restart"]:
+        parts.append(f"{engines(counts['restart'])} restarted")
+    parts += sorted({e.event for e in events} - set(ENGINE_EVENT_KINDS))
+    moved = sum(e.samples_moved for e in events)
+    if moved:
+        parts.append(f"{moved} samples moved")
+    return ", ".join(parts)
 
 
 def run_report(run: RunRecords, **parts: Any) -> RunReport:

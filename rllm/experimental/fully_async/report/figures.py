@@ -40,6 +40,7 @@ from rllm.experimental.fully_async.report.plot import (
     add_lines,
     column,
     layout,
+    mark_engine_events,
     mark_syncs,
     mark_validations,
     note_missing,
@@ -108,11 +109,52 @@ def idle_figure(reports: Sequence[RunReport]) -> go.Figure:
 
 
 def throughput_figure(reports: Sequence[RunReport]) -> go.Figure:
+    """Generated and trained tokens/s, with the engine set's changes marked (the throughput before and after)."""
     lines = [
         Line("generated tokens/s", column("rollout/tokens_per_s"), GENERATED),
         Line("trained tokens/s", lambda run, x: trained_tokens_per_s(run, x), TRAINED),
     ]
-    return series_figure(reports, "Throughput", lines, "tokens / s", syncs=True)
+    fig = series_figure(reports, "Throughput", lines, "tokens / s", syncs=True)
+    mark_engine_events(fig, reports)
+    return fig
+
+
+def has_engine_changes(reports: Sequence[RunReport]) -> bool:
+    """Whether any run changed its engine set (engine_events.jsonl) or logged `engines/active`."""
+    return any(report.engine_events or report.run.has("engines/active") for report in reports)
+
+
+def engines_figure(reports: Sequence[RunReport]) -> go.Figure:
+    """The engines active at each step (a step line: the count holds until the next change) and every join, leave,
+    loss, restart and move of the engine set, labelled."""
+    fig = go.Figure()
+    missing = []
+    for i, report in enumerate(reports):
+        xs, ys = report.run.series("engines/active")
+        name = "engines active" if len(reports) == 1 else f"{report.label}: engines active"
+        if not xs:
+            missing.append(name)
+            continue
+        fig.add_trace(
+            go.Scatter(
+                x=xs,
+                y=ys,
+                mode="lines",
+                line={"color": ENGINES if len(reports) == 1 else RUN_COLOURS[i % len(RUN_COLOURS)], "width": 2.2},
+                line_shape="hv",
+                name=name,
+                hovertemplate="%{y:.0f} engines",
+            )
+        )
+    note_missing(fig, [f"engines/active ({name})" for name in missing], drew=len(missing) < len(reports))
+    marked = mark_engine_events(fig, reports)
+    counts = [y for t in fig.data if t.name and t.name.endswith("engines active") for y in t.y]
+    counts += [e.engines_active for r in reports for e in r.engine_events if e.engines_active is not None]
+    top = max(counts, default=1)
+    # the primary axis only (update_yaxes would move the events' overlay axis too); room for the labels above
+    fig.layout.yaxis.update(range=[0, top + 0.9], tick0=0, dtick=max(1, math.ceil(top / 8)))
+    said = f"{marked} change(s) marked" if marked else "no engine_events.jsonl"
+    return layout(fig, f"Engines: how many were active, and each change of the set ({said})", "trainer step", "engines")
 
 
 def pipeline_figure(reports: Sequence[RunReport]) -> go.Figure:
@@ -313,11 +355,12 @@ def ledger_figure(reports: Sequence[RunReport]) -> go.Figure:
 
 
 def build_figures(reports: Sequence[RunReport]) -> list[tuple[str, go.Figure]]:
-    """(section title, figure) in page order."""
+    """(section title, figure) in page order; "Engines" only for runs whose engine set changed."""
     return [
         ("Reward and held-out accuracy", learning_figure(reports)),
         ("Who waited", idle_figure(reports)),
         ("Throughput", throughput_figure(reports)),
+        *([("Engines", engines_figure(reports))] if has_engine_changes(reports) else []),
         ("Staleness", staleness_figure(reports)),
         ("Rollout pipeline", pipeline_figure(reports)),
         ("Weight syncs", sync_figure(reports)),

@@ -108,7 +108,29 @@ def summary_rows(report: RunReport) -> list[tuple[str, str]]:
     ]
     ledger = ", ".join(f"{k} {v:,.0f}" + (f" ({s:.2%})" if s is not None else "") for k, v, s in t.ledger_shares())
     rows.append(("ledger", f"issued {t.ledger['issued']:,.0f}: {ledger}" if "issued" in t.ledger else ledger or "-"))
+    if report.engine_events:
+        rows.append(("engine changes", _engine_changes(report)))
     return rows
+
+
+def _engine_changes(report: RunReport) -> str:
+    """The engine set's changes in one line: counts by kind (joins by source), samples moved, engines at the end."""
+    events = report.engine_events
+    sources: dict[str, int] = {}
+    for e in events:
+        if e.event == "join":
+            sources[e.source or "?"] = sources.get(e.source or "?", 0) + 1
+    joined = sum(sources.values())
+    parts = [f"{joined} joined ({', '.join(f'{n} {s}' for s, n in sources.items())})"] if joined else []
+    past = {"leave": "left", "lost": "lost", "restart": "restarted", "move": "moves"}
+    for kind in (*past, *sorted({e.event for e in events} - {"join", *past})):
+        if n := sum(e.event == kind for e in events):
+            parts.append(f"{n} {past.get(kind, kind)}")
+    said = ", ".join(parts)
+    moved = sum(e.samples_moved for e in events)
+    active = [e.engines_active for e in events if e.engines_active is not None]
+    end = f"; {active[-1]} active after the last" if active else ""
+    return f"{said}; {moved} samples moved{end} (engine_events.jsonl)"
 
 
 def summary_block(report: RunReport, index: int) -> str:

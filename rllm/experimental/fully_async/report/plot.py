@@ -9,7 +9,9 @@ Conventions every figure of the report follows (figures.py builds the figures wi
 - validation moments are dotted vertical lines; weight syncs a rug of ticks along the bottom while there are few
   (`SPARSE_SYNCS`), else said in the title when they come every K steps, else one mark per stretch of steps
   with its count (a tick per sync at K=1 over 500 steps is a solid bar); limits (the queue's capacity, the
-  staleness budget, η) dashed red horizontal lines with their name;
+  staleness budget, η) dashed red horizontal lines with their name; changes of the engine set (engine_events.jsonl)
+  dash-dotted vertical lines labelled with what changed ("+1 engine (registered)", "-1 engine, 3 samples moved"),
+  a triangle at their top carrying one hover line per event;
 - a metric a run did not record is said on the plot ("not recorded by this run: ..."), never an error.
 """
 
@@ -23,6 +25,7 @@ import plotly.graph_objects as go
 from rllm.experimental.fully_async.report.data import (
     RunRecords,
     RunReport,
+    engine_marks,
     smooth,
     step_times,
     sync_steps,
@@ -216,6 +219,43 @@ def _rug(fig: go.Figure, xs: Sequence[float], texts: list[str], name: str, opaci
         )
     )
     fig.update_layout(yaxis9={"overlaying": "y", "range": [0, 1], "visible": False, "fixedrange": True})
+
+
+def mark_engine_events(fig: go.Figure, reports: Sequence[RunReport]) -> int:
+    """Each run's engine events as labelled vertical lines at their steps (module docstring) on a one-panel figure
+    against the trainer step; returns how many steps were marked."""
+    marked = 0
+    for i, report in enumerate(reports):
+        marks = engine_marks(report.run, report.engine_events)
+        if not marks:
+            continue
+        colour = ENGINES if len(reports) == 1 else RUN_COLOURS[i % len(RUN_COLOURS)]
+        prefix = "" if len(reports) == 1 else f"{report.label}: "
+        for mark in marks:
+            fig.add_vline(
+                x=mark.x,
+                line={"dash": "dashdot", "color": colour, "width": 1.3},
+                annotation_text=prefix + mark.label,
+                annotation_position="top right",
+                annotation_font={"color": colour, "size": 10},
+                annotation_xshift=7,  # clear of the hover triangle on the line
+            )
+        fig.add_trace(
+            go.Scatter(
+                x=[mark.x for mark in marks],
+                y=[1.0] * len(marks),
+                yaxis="y8",
+                mode="markers",
+                name=f"{prefix}engine events",
+                marker={"symbol": "triangle-down", "size": 9, "color": colour},
+                hovertext=["<br>".join(mark.details) for mark in marks],
+                hovertemplate="%{hovertext}<extra></extra>",
+            )
+        )
+        marked += len(marks)
+    if marked:
+        fig.update_layout(yaxis8={"overlaying": "y", "range": [0, 1.05], "visible": False, "fixedrange": True})
+    return marked
 
 
 def add_limit(fig: go.Figure, value: float | None, label: str, **where) -> None:
