@@ -5,11 +5,13 @@ refused in one line."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 
 from rllm.experimental.fully_async.__main__ import main
 from rllm.experimental.fully_async.simulate.engine import Simulation, simulate
+from rllm.experimental.fully_async.simulate.layout import Layout, baseline
 from rllm.experimental.fully_async.simulate.model import (
     EngineModel,
     LengthModel,
@@ -19,6 +21,8 @@ from rllm.experimental.fully_async.simulate.model import (
     TrainerModel,
 )
 from rllm.experimental.fully_async.simulate.scenarios import ScenarioError, build_config, parse_overrides
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "report_run"  # a real 60-step run of 2 engines
 
 
 def generation_bound(schedule: list, *, engines: int = 1, partial: bool = True, eta: int = 1) -> SimConfig:
@@ -198,3 +202,31 @@ def test_cli_prints_each_segment_and_the_change_before_and_after(capsys: pytest.
     )
     assert after > before
     assert "not reached (the run ended at" in out and "2 engine(s) at 99999s" in out
+
+
+def test_from_a_run_the_schedule_is_a_what_if_after_the_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--from RUN_DIR simulate.engine_schedule=...`: the fit is the run's own (the same predicted wall time for
+    it as without the schedule), the schedule changes only the prediction (tests/fixtures/report_run: 2 engines)."""
+
+    def predicted_for_it(out: str) -> str:
+        return next(line for line in out.splitlines() if "measured run:" in line).split("predicted for it ")[1]
+
+    assert main(["simulate", "--from", str(FIXTURE)]) == 0
+    plain = capsys.readouterr().out
+    assert main(["simulate", "--from", str(FIXTURE), "simulate.engine_schedule=[[0,2],[30,4]]"]) == 0
+    out = capsys.readouterr().out
+    assert predicted_for_it(out) == predicted_for_it(plain)
+    assert "engine schedule (configured): 2 engine(s) at 0s, 4 engine(s) at 30s" in out
+    assert any(line.startswith("  at 30s +2 engines:") for line in out.splitlines())
+    assert main(["simulate", "--from", str(FIXTURE), "simulate.engine_schedule=[[0,1]]"]) == 2
+    assert "the run starts with 2" in capsys.readouterr().err
+
+
+def test_the_synchronous_baseline_follows_the_schedule_on_cpu_and_keeps_its_gpus_on_gpus() -> None:
+    cfg = generation_bound([[5.0, 3]])
+    assert baseline(cfg, None).engine_schedule == [[5.0, 3]]  # the same processes at η = 0
+    cpu = Layout("cpu", engines=1, gpus_per_engine=1, trainer=1, cores=2.0)
+    assert baseline(cfg, cpu).engine_schedule == [[5.0, 3]]
+    gpu = Layout("gpu", engines=1, gpus_per_engine=1, trainer=1)
+    assert baseline(cfg, gpu).engine_schedule == []  # verl's colocated trainer keeps its GPUs
+    assert cfg.engine_schedule == [[5.0, 3]]  # the configured mode's own is untouched

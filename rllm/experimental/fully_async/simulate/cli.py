@@ -21,8 +21,11 @@ K = 1; on GPUs colocated on all the layout's GPUs, as verl runs it; on CPU the s
 `simulate.async_staleness`), so `--from` one mode's run predicts the other mode's wall time too; with `--gpus N`
 every rollout:trainer split of N GPUs against the same baseline (the config's own split, when N is its GPU count,
 is the same simulation as its modes' row, marked) and the split that minimises wall time; with a `published:`
-block, predicted vs published for the scenario as written and for each of its `published.variants`. Arguments are
-checked before anything is simulated. Exit 0, or 2 with one line on a bad key, file or value.
+block, predicted vs published for the scenario as written and for each of its `published.variants`; with
+`simulate.engine_schedule=[[t, n], ...]` (engines joining and leaving, model.py) a row per stretch of one engine
+count and a line per change with throughput and staleness before and after it (`--gpus` and published rows are
+fixed splits: refused with a schedule). Arguments are checked before anything is simulated. Exit 0, or 2 with one
+line on a bad key, file or value.
 """
 
 from __future__ import annotations
