@@ -5,6 +5,7 @@ refused in one line."""
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -88,20 +89,27 @@ def test_a_joining_engine_takes_no_work_before_its_join_time() -> None:
 
 
 def _in_flight_tokens(sim: Simulation) -> float:
-    running = sum(e.progress - r.start for e in sim.engines if e.active for r in e.running.values())
-    return running + sum(r.done for r in sim.orphans)
+    """Tokens held by samples not finished: decoding, waiting on an engine after a move, or without an engine."""
+    live = [e for e in sim.engines if e.active]
+    running = sum(e.progress - r.start for e in live for r in e.running.values())
+    return running + sum(r.done for e in live for _, r in e.waiting) + sum(r.done for r in sim.orphans)
 
 
+@pytest.mark.parametrize("limit", [64, 6])  # 6 running per engine: moved samples also wait in an engine's queue
 @pytest.mark.parametrize("partial", [True, False])
-def test_removed_engines_samples_move_with_their_tokens(partial: bool) -> None:
+def test_removed_engines_samples_move_with_their_tokens(partial: bool, limit: int) -> None:
     """Engines join after the first groups started (work stays where it was sent, so a join takes new groups).
     Every token decoded is accounted for: in a finished sample, in a sample still in flight, or (partial
     rollout off: a moved sample restarts from its prompt) counted as regenerated. With token-level resume nothing
     is regenerated."""
-    sim = Simulation(generation_bound([[60.0, 4], [120.0, 1], [150.0, 3], [180.0, 2]], partial=partial))
+    cfg = generation_bound([[60.0, 4], [120.0, 1], [150.0, 3], [180.0, 2]], partial=partial)
+    cfg.engine.max_running_requests = limit
+    sim = Simulation(cfg)
     result = sim.run()
     moved = [s.samples_moved for s in result.segments]
-    assert moved[2] > 0 and moved[4] > 0 and sum(moved) == result.samples_moved
+    assert moved[2] > 0 and sum(moved) == result.samples_moved
+    if limit == 6:
+        assert moved[2] > limit  # 3 engines' samples onto 1: some wait in its queue with their tokens
     decoded = sum(s.tokens_decoded for s in result.segments)
     accounted = result.tokens_generated + _in_flight_tokens(sim) + result.tokens_regenerated
     if partial:
@@ -181,8 +189,12 @@ def test_a_misspelt_schedule_key_gets_the_nearest_one() -> None:
         parse_overrides(["simulate.engine_schedul=[[5,2]]"])
 
 
-def test_cli_prints_each_segment_and_the_change_before_and_after(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_prints_each_segment_and_the_change_before_and_after(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     overrides = [
+        "--json",
+        str(tmp_path / "sim.json"),
         "--config",
         "config/gpu_fsdp_sglang.yaml",
         "engines.num_engines=1",
@@ -202,6 +214,13 @@ def test_cli_prints_each_segment_and_the_change_before_and_after(capsys: pytest.
     )
     assert after > before
     assert "not reached (the run ended at" in out and "2 engine(s) at 99999s" in out
+    saved = json.loads((tmp_path / "sim.json").read_text())["modes"]
+    assert set(saved) == {"synchronous", "configured"}
+    segments = saved["configured"]["segments"]
+    assert [(s["start_s"], s["engines"], s["change"]) for s in segments] == [(0.0, 1, 0), (300.0, 4, 3)]
+    assert segments[1]["generated_tokens_per_s"] == pytest.approx(after, abs=0.5)  # the printed figure, unrounded
+    assert all(s["max_staleness"] <= 2 for s in segments)  # η of gpu_fsdp_sglang.yaml
+    assert len(saved["synchronous"]["segments"]) == 1  # verl's colocated baseline keeps its GPUs
 
 
 def test_from_a_run_the_schedule_is_a_what_if_after_the_fit(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,4 +1,5 @@
-"""`python -m rllm.experimental.fully_async simulate [--config FILE] [--timing FILE] [--from RUN_DIR] [--gpus N] [k=v]`.
+"""`python -m rllm.experimental.fully_async simulate [--config FILE] [--timing FILE] [--from RUN_DIR] [--gpus N]
+[--json FILE] [k=v]`.
 
 Inputs (one of):
 - `--config FILE` a project config (loaded with `settings.load_config` as for another machine, so a GPU config
@@ -24,8 +25,8 @@ is the same simulation as its modes' row, marked) and the split that minimises w
 block, predicted vs published for the scenario as written and for each of its `published.variants`; with
 `simulate.engine_schedule=[[t, n], ...]` (engines joining and leaving, model.py) a row per stretch of one engine
 count and a line per change with throughput and staleness before and after it (`--gpus` and published rows are
-fixed splits: refused with a schedule). Arguments are checked before anything is simulated. Exit 0, or 2 with one
-line on a bad key, file or value.
+fixed splits: refused with a schedule); `--json FILE` also writes both modes' results, segments included.
+Arguments are checked before anything is simulated. Exit 0, or 2 with one line on a bad key, file or value.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--timing", default=None, help="scenario file whose simulate block gives the timing models")
     parser.add_argument("--from", dest="run_dir", default=None, help="fit the timing models to this run directory")
     parser.add_argument("--gpus", type=int, default=None, help="total GPUs: find the best rollout:trainer split")
+    parser.add_argument("--json", dest="json_out", default=None, help="also write both modes' results to this file")
     parser.add_argument("overrides", nargs="*", help="simulate.KEY=VALUE (timing models) or project KEY=VALUE")
     return parser
 
@@ -128,7 +130,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.config or args.timing:
             raise ScenarioError("--from takes the run's own config and fits its timing: leave out --config/--timing")
         _refuse_layout_keys(sim_layer, "--from RUN_DIR models the run's own layout")
-        return _run_from(Path(args.run_dir), project_overrides, sim_layer, args.gpus)
+        return _run_from(Path(args.run_dir), project_overrides, sim_layer, args.gpus, args.json_out)
     inputs = _inputs(args, project_overrides, sim_layer)
     cfg = apply_layout(build_config(SimConfig(), [*inputs.layers, sim_layer]), inputs.layout)
     if cfg.engine_schedule and (inputs.published or args.gpus is not None):
@@ -145,6 +147,7 @@ def _run(args: argparse.Namespace) -> int:
     results = modes(cfg, inputs.layout, run=sims)
     _print_modes(results, 0.0, baseline_name(inputs.layout))
     _print_schedule(cfg, results, inputs.layout)
+    _write_json(args.json_out, results, 0.0)
     _print_host(cfg)
     if args.gpus is not None:
         _print_sweep(cfg, args.gpus, inputs.layout, sims)
@@ -170,7 +173,9 @@ def _refuse_layout_keys(sim_layer: dict[str, Any], why: str) -> None:
             raise ScenarioError(f"simulate.{dotted}: {why}; set {project_key} instead")
 
 
-def _run_from(run: Path, project_overrides: list[str], sim_layer: dict[str, Any], gpus: int | None) -> int:
+def _run_from(
+    run: Path, project_overrides: list[str], sim_layer: dict[str, Any], gpus: int | None, json_out: str | None
+) -> int:
     """`--from RUN_DIR`: fit to the run (progress on stderr), print both modes and the measured wall time."""
     config, metrics = run / "config.yaml", run / "metrics.jsonl"
     for path in (config, metrics):
@@ -197,6 +202,7 @@ def _run_from(run: Path, project_overrides: list[str], sim_layer: dict[str, Any]
     _print_header(f"fitted to {run}{note}", cfg, result.layout)
     _print_modes(result.results, result.startup_s, baseline_name(result.layout))
     _print_schedule(cfg, result.results, result.layout)
+    _write_json(json_out, result.results, result.startup_s)
     _print_host(cfg)
     m, predicted = fit.measured, result.predicted_self_s
     print(
@@ -238,6 +244,14 @@ def _scenario_layout(cfg: SimConfig) -> str:
         f"as the scenario sets it: {cfg.pipeline.num_engines} engine(s) x {cfg.engine.gpus_per_engine} GPU(s), "
         f"{trainer}{where}{shared}"
     )
+
+
+def _write_json(path: str | None, results: dict[str, SimResult], startup_s: float) -> None:
+    """`--json FILE`: both modes' results (SimResult.as_dict: the printed figures and each engine-count segment);
+    `wall_s` is the simulated time, `startup_s` the measured start-up the printed wall time adds (`--from`)."""
+    if path is not None:
+        body = {"startup_s": startup_s, "modes": {name: r.as_dict() for name, r in results.items()}}
+        Path(path).write_text(json.dumps(body, indent=1) + "\n", encoding="utf-8")
 
 
 def _print_schedule(cfg: SimConfig, results: dict[str, SimResult], layout: Layout | None) -> None:

@@ -87,6 +87,25 @@ class SimResult:
     tokens_regenerated: int = 0  # tokens generated again after a move (0 with token-level resume)
     stopped: str | None = None  # why the run ended before its steps (no engine for no_engine_timeout_s)
 
+    def as_dict(self) -> dict[str, Any]:
+        """The figures the CLI prints and every segment, as plain JSON-able values (`simulate --json FILE`)."""
+        return {
+            "wall_s": self.wall_s,
+            "steps": self.steps,
+            "syncs": self.syncs,
+            "trainer_idle_frac": self.trainer_idle_frac,
+            "engine_idle_frac": self.engine_idle_frac,
+            "generated_tokens_per_s": self.generated_tokens_per_s,
+            "trained_tokens_per_s": self.trained_tokens_per_s,
+            "mean_staleness": self.mean_staleness,
+            "staleness": {str(k): v for k, v in sorted(self.staleness.items())},
+            "dropped_stale_groups": self.dropped_stale_groups,
+            "samples_moved": self.samples_moved,
+            "tokens_regenerated": self.tokens_regenerated,
+            "stopped": self.stopped,
+            "segments": [segment.as_dict() for segment in self.segments],
+        }
+
     @property
     def trainer_idle_frac(self) -> float:
         return self.trainer_wait_s / self.wall_s if self.wall_s > 0 else 0.0
