@@ -249,3 +249,23 @@ def test_the_synchronous_baseline_follows_the_schedule_on_cpu_and_keeps_its_gpus
     gpu = Layout("gpu", engines=1, gpus_per_engine=1, trainer=1)
     assert baseline(cfg, gpu).engine_schedule == []  # verl's colocated trainer keeps its GPUs
     assert cfg.engine_schedule == [[5.0, 3]]  # the configured mode's own is untouched
+
+
+def test_a_scenario_file_takes_a_schedule_and_fixed_split_rows_refuse_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    scenario = tmp_path / "s.yaml"
+    body = (
+        "description: elastic\nsimulate:\n  steps: 6\n  engine_schedule: [[0, 1], [2, 3]]\n"
+        "  pipeline: {required_samples: 4, samples_per_prompt: 2, num_engines: 1}\n"
+    )
+    scenario.write_text(body)
+    assert main(["simulate", "--config", str(scenario)]) == 0
+    assert "engine schedule (configured): 1 engine(s) at 0s, 3 engine(s) at 2s" in capsys.readouterr().out
+    assert main(["simulate", "--config", str(scenario), "--gpus", "4"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "simulate: simulate.engine_schedule: --gpus 4's rows are fixed GPU splits; leave out the schedule"
+    )
+    scenario.write_text(body + "published: {source: x, rows: []}\n")
+    assert main(["simulate", "--config", str(scenario)]) == 2
+    assert "a published block's rows are fixed GPU splits" in capsys.readouterr().err

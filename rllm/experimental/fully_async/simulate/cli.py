@@ -134,7 +134,7 @@ def _run(args: argparse.Namespace) -> int:
     inputs = _inputs(args, project_overrides, sim_layer)
     cfg = apply_layout(build_config(SimConfig(), [*inputs.layers, sim_layer]), inputs.layout)
     if cfg.engine_schedule and (inputs.published or args.gpus is not None):
-        what = "a published block's rows" if inputs.published else f"--gpus {args.gpus}"
+        what = "a published block's rows" if inputs.published else f"--gpus {args.gpus}'s rows"
         raise ScenarioError(f"simulate.engine_schedule: {what} are fixed GPU splits; leave out the schedule")
     if args.gpus is not None:
         check_gpus(args.gpus, cfg.engine.gpus_per_engine)
