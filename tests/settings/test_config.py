@@ -489,6 +489,7 @@ def test_every_key_of_our_sections_is_explained_with_its_comment_and_value():
     assert not uncommented, f"write a comment beside or above these fields (or a docstring entry): {uncommented}"
 
 
+@pytest.mark.slow  # two `config` CLI calls (~7 s each quiet, 20-40 s at load 5-10)
 def test_config_explain_reads_nested_and_algorithm_sections_from_the_cli():
     proc = _cli(
         "config",
@@ -508,3 +509,19 @@ def test_config_explain_reads_nested_and_algorithm_sections_from_the_cli():
     assert "  now:      null (algorithm.gigpo is null: off)" in explain("algorithm.gigpo.omega", load_config())
     section = explain("algorithm.group_filter")
     assert "  algorithm.group_filter.reward_tol: rewards within this distance count as equal." in section
+
+
+@pytest.mark.slow  # two `config` CLI calls (~7 s each quiet, 20-40 s at load 5-10)
+def test_config_on_a_task_shows_the_task_model_and_data_not_verls_placeholders(addition_cache, tmp_path):
+    cached = _cli("config", f"task.cache_dir={addition_cache}", "task.warmup_steps=60")
+    assert cached.returncode == 0, cached.stderr
+    assert "deepseek" not in cached.stdout and "gsm8k" not in cached.stdout
+    model = re.search(r"^    path: (\S+)  # \[task addition\] path to the huggingface model$", cached.stdout, re.M)
+    train = re.search(r"^  train_files: (\S+)  # \[task addition\] Training set parquet", cached.stdout, re.M)
+    assert model and train, cached.stdout
+    assert (Path(model.group(1)) / "config.json").is_file() and Path(train.group(1)).is_file()
+    assert Path(model.group(1)).parent.parent == addition_cache
+    fresh = _cli("config", "--explain", "data.val_files", f"task.cache_dir={tmp_path}")
+    assert re.search(
+        rf"now:      {tmp_path}/addition-\w+/val.parquet \(set in task addition, built at its first run\)", fresh.stdout
+    ), fresh.stdout

@@ -34,6 +34,7 @@ from rllm.experimental.fully_async.algorithms.gigpo import GiGPOConfig
 from rllm.experimental.fully_async.errors import ConfigError
 from rllm.experimental.fully_async.settings.loader import base_config, verl_base_config
 from rllm.experimental.fully_async.settings.schema import FULLY_ASYNC_VERL_DEFAULTS, PROJECT_SECTIONS
+from rllm.experimental.fully_async.tasks import TASK_ASSET_KEYS, task_asset_paths
 
 PACKAGE = Path(__file__).resolve().parents[1]
 _KEY_LINE = re.compile(r"^(\s*)([A-Za-z_][\w\-]*)\s*:")
@@ -363,7 +364,8 @@ def explain(key: str, cfg: DictConfig | None = None, origin: str | None = None) 
         lines.append(f"  default:  {_yaml(raw)}")
     lines.append(f"  allowed:  {allowed(key, raw)}")
     if cfg is not None:
-        lines.append(f"  now:      {_now(key, cfg, raw, origin)}")
+        cfg, task_origins = with_task_assets(cfg)
+        lines.append(f"  now:      {_now(key, cfg, raw, task_origins.get(key, origin))}")
     where = readers(key)
     lines += [f"  read by:  {where[0]}", *(f"            {w}" for w in where[1:])] if where else []
     lines.append(f"  documented in {_documented_in(section)}")
@@ -444,10 +446,31 @@ def changed_leaves(cfg: DictConfig, base: DictConfig, prefix: str = "") -> list[
     return out
 
 
+def with_task_assets(cfg: DictConfig) -> tuple[DictConfig, dict[str, str]]:
+    """The config as the run will use it: with a built-in task, its data and model in place of verl's placeholder
+    defaults (which the task replaces when the run starts: tasks.apply_task), found without building anything
+    (tasks.task_asset_paths). Returns the copy and, per replaced key, where its value comes from (`task addition`,
+    `task addition, built at its first run` while its cache entry does not exist yet)."""
+    name = cfg.task.name
+    if name is None:
+        return cfg, {}
+    paths = task_asset_paths(cfg)
+    shown = cfg.copy()
+    origins: dict[str, str] = {}
+    for key in TASK_ASSET_KEYS:
+        value = paths[key] if paths is not None else f"made by task {name} when the run starts"
+        OmegaConf.update(shown, key, value, merge=False)
+        built = paths is not None and Path(value).exists()
+        origins[key] = f"task {name}" + ("" if built else ", built at its first run")
+    return shown, origins
+
+
 def diff_lines(cfg: DictConfig, layers: list[tuple[str, DictConfig]]) -> list[str]:
     """The config's keys that differ from the defaults (verl 0.7.1's plus this project's) as YAML, each with its
-    meaning and where it was set in a comment: what `config` prints."""
+    meaning and where it was set in a comment: what `config` prints. A built-in task's data and model are shown as
+    the run will use them (`with_task_assets`)."""
     megatron = cfg.actor_rollout_ref.actor.strategy == "megatron"
+    cfg, task_origins = with_task_assets(cfg)
     keys = changed_leaves(cfg, base_config(megatron))
     lines: list[str] = []
     opened: list[str] = []
@@ -466,7 +489,7 @@ def diff_lines(cfg: DictConfig, layers: list[tuple[str, DictConfig]]) -> list[st
         text = _flow(value)
         note = meaning(key, megatron)
         note = note if len(note) <= 90 else note[:87] + "..."
-        comment = f"[{origin_of(key, layers)}] {note}".rstrip()
+        comment = f"[{task_origins.get(key) or origin_of(key, layers)}] {note}".rstrip()
         lines.append(f"{'  ' * (len(parts) - 1)}{parts[-1]}: {text}  # {comment}")
     return lines
 
