@@ -354,6 +354,14 @@ def test_a_metric_a_run_lacks_is_said_on_its_panel():
     actor = rf.actor_figure([sync])
     notes = [a.text for a in actor.layout.annotations if NOT_RECORDED in (a.text or "")]
     assert len(notes) == 6 and any("calculate_entropy=true" in n for n in notes)
+    # Two runs that both lack entropy: each named on a line of its own, so the note keeps inside its panel
+    other = rd.run_report(rd.RunRecords.of("other_sync_run", _sync_records()))
+    both = rf.actor_figure([sync, other])
+    entropy = next(a for a in both.layout.annotations if "calculate_entropy=true" in (a.text or ""))
+    assert entropy.text.split("<br>")[:3] == [f"{NOT_RECORDED}:", "sync_run: entropy", "other_sync_run: entropy"]
+    # centred on its panel (entropy: the left column), not left-anchored there by plotly's "auto" (x < 1/3)
+    panel = both.layout.xaxis4.domain
+    assert (entropy.x, entropy.xanchor, entropy.yanchor) == ((panel[0] + panel[1]) / 2, "center", "middle")
     idle = rf.idle_figure([sync])
     assert any("engines idle" in (a.text or "") for a in idle.layout.annotations)
 
