@@ -336,6 +336,9 @@ def test_staleness_is_drawn_in_versions_and_the_mixed_share_in_percent_on_its_ow
     axes = {a: fig.layout[a] for a in ("yaxis2", "yaxis3")}
     assert axes["yaxis2"].title.text == "versions behind" and "%" not in (axes["yaxis2"].tickformat or "")
     assert axes["yaxis2"].dtick == 1  # η = 1: whole versions
+    # room above the η line for its label, which a run at η (most of its steps) would otherwise run through
+    eta = next(a for a in fig.layout.annotations if (a.text or "").startswith("η = 1"))
+    assert axes["yaxis2"].range[1] >= 1.15 and eta.bgcolor is not None
     assert axes["yaxis3"].tickformat == rp.PERCENT  # 0.25% reads 0.25%, not 0%
     mixed = next(t for t in fig.data if t.name == "share of rows with several versions")
     assert mixed.yaxis == "y3"

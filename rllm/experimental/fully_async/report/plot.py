@@ -231,5 +231,6 @@ def add_limit(fig: go.Figure, value: float | None, label: str, **where) -> None:
             annotation_text=label,
             annotation_position="top left",
             annotation_font={"color": "#c00", "size": 11},
+            annotation_bgcolor="rgba(255,255,255,0.8)",  # readable where a run's line crosses the label
             **where,
         )
