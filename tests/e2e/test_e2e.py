@@ -98,6 +98,19 @@ def test_the_end_says_where_the_files_are_and_how_to_draw_them(short_run):
     assert int(wall.group(1)) * 60 + int(wall.group(2)) == round(training_wall_s(rows))  # one definition
 
 
+def test_start_up_shows_its_phases_then_a_header_before_the_first_step(short_run):
+    _, output, _, run_dir = short_run
+    lines = output.splitlines()
+    first_step = next(i for i, line in enumerate(lines) if line.startswith("step    1/"))
+    header = [i for i, line in enumerate(lines[:first_step]) if line.startswith("fully-async grpo: η=1, K=1, ")]
+    assert header and f"{STEPS} steps of 16 groups x 4 samples; run dir {run_dir}" in lines[header[0]], lines[:30]
+    phases = [re.sub(r"^\[\d+:\d\d\] ", "", line) for line in lines[:first_step] if re.match(r"\[\d+:\d\d\] ", line)]
+    assert phases[0] == "preparing the data and model of task addition", phases
+    for phase in ("starting 2 embedded engines", "starting Ray", "starting the rollout service", "initial validation"):
+        assert any(p.startswith(phase) for p in phases), phases
+    assert phases[-1] == "generating the first batch, then step 1"
+
+
 def test_ledger_adds_up_at_every_step(short_run):
     _, _, rows, _ = short_run
     for row in rows:

@@ -125,3 +125,59 @@ def test_duration_format():
     assert format_duration(0) == "0:00"
     assert format_duration(75.4) == "1:15"
     assert format_duration(3725) == "1:02:05"
+
+
+def test_the_header_says_what_is_about_to_run_and_sets_the_total():
+    from rllm.experimental.fully_async.run_spec import build_run_spec
+    from rllm.experimental.fully_async.settings.loader import load_config
+
+    out = io.StringIO()
+    progress = Progress(None, Console(file=out, force_terminal=False, width=300), clock=FakeClock())
+    spec = build_run_spec(load_config(None, ["trainer.total_training_steps=40", "async_training.max_staleness=2"]))
+    progress.header(spec, "runs/x")
+    sync = build_run_spec(load_config(None, ["async_training.max_staleness=0", "engines.num_engines=1"]))
+    progress.header(sync, "runs/y")
+    progress.update(1, STEP)
+    first, second, step = out.getvalue().splitlines()
+    assert first == (
+        "fully-async grpo: η=2, K=1, 2 embedded engines, 1 trainer rank (cpu); 40 steps of 64 groups x 8 samples; "
+        "run dir runs/x  (tok/s and idle: last 10 steps)"
+    )
+    assert second.startswith("synchronous (on-policy) grpo: η=0, K=1, 1 embedded engine, ") and "500 steps" in second
+    assert step.startswith("step    1/500  ")  # the total comes from the (last) header's spec
+
+
+def test_start_up_phases_are_lines_with_the_time_since_the_display_was_made():
+    progress, out, clock = _plain()
+    progress.phase("starting Ray")
+    clock.now += 12.4
+    progress.phase("starting 2 embedded engines (each loads the model)")
+    assert out.getvalue().splitlines() == [
+        "[0:00] starting Ray",
+        "[0:12] starting 2 embedded engines (each loads the model)",
+    ]
+
+
+def test_rates_and_idle_shares_are_step_time_weighted_over_the_last_steps():
+    from rllm.experimental.fully_async.observe.progress import WINDOW_STEPS
+
+    progress, out, _ = _plain()
+    # An interval credited with tokens that finished in it while its requests ran in the interval before (idle 100%
+    # beside 1,000 tok/s, as logged at step 2 of tests/fixtures/report_run): the window keeps the two together.
+    busy = {"timing/step_s": 3.0, "rollout/tokens_per_s": 600.0, "engines/idle_frac": 0.0, "trainer/idle_frac": 0.7}
+    credited = {
+        "timing/step_s": 1.0,
+        "rollout/tokens_per_s": 1000.0,
+        "engines/idle_frac": 1.0,
+        "trainer/idle_frac": 0.1,
+    }
+    progress.update(1, busy)
+    progress.update(2, credited)
+    line = out.getvalue().splitlines()[1]
+    # (600 x 3 + 1000 x 1) / 4 = 700 tok/s; idle (0 x 3 + 1 x 1) / 4 = 25%; trainer (0.7 x 3 + 0.1) / 4 = 55%
+    assert "gen 700 tok/s  trainer idle 55%  engines idle 25%" in line, line
+    steady = {"timing/step_s": 1.0, "rollout/tokens_per_s": 2000.0, "engines/idle_frac": 0.3, "trainer/idle_frac": 0.2}
+    for step in range(3, 3 + WINDOW_STEPS):
+        progress.update(step, steady)
+    # the first two steps have left the window
+    assert "gen 2,000 tok/s  trainer idle 20%  engines idle 30%" in out.getvalue().splitlines()[-1]

@@ -336,6 +336,9 @@ def test_staleness_is_drawn_in_versions_and_the_mixed_share_in_percent_on_its_ow
     axes = {a: fig.layout[a] for a in ("yaxis2", "yaxis3")}
     assert axes["yaxis2"].title.text == "versions behind" and "%" not in (axes["yaxis2"].tickformat or "")
     assert axes["yaxis2"].dtick == 1  # η = 1: whole versions
+    # room above the η line for its label, which a run at η (most of its steps) would otherwise run through
+    eta = next(a for a in fig.layout.annotations if (a.text or "").startswith("η = 1"))
+    assert axes["yaxis2"].range[1] >= 1.15 and eta.bgcolor is not None
     assert axes["yaxis3"].tickformat == rp.PERCENT  # 0.25% reads 0.25%, not 0%
     mixed = next(t for t in fig.data if t.name == "share of rows with several versions")
     assert mixed.yaxis == "y3"
@@ -354,6 +357,14 @@ def test_a_metric_a_run_lacks_is_said_on_its_panel():
     actor = rf.actor_figure([sync])
     notes = [a.text for a in actor.layout.annotations if NOT_RECORDED in (a.text or "")]
     assert len(notes) == 6 and any("calculate_entropy=true" in n for n in notes)
+    # Two runs that both lack entropy: each named on a line of its own, so the note keeps inside its panel
+    other = rd.run_report(rd.RunRecords.of("other_sync_run", _sync_records()))
+    both = rf.actor_figure([sync, other])
+    entropy = next(a for a in both.layout.annotations if "calculate_entropy=true" in (a.text or ""))
+    assert entropy.text.split("<br>")[:3] == [f"{NOT_RECORDED}:", "sync_run: entropy", "other_sync_run: entropy"]
+    # centred on its panel (entropy: the left column), not left-anchored there by plotly's "auto" (x < 1/3)
+    panel = both.layout.xaxis4.domain
+    assert (entropy.x, entropy.xanchor, entropy.yanchor) == ((panel[0] + panel[1]) / 2, "center", "middle")
     idle = rf.idle_figure([sync])
     assert any("engines idle" in (a.text or "") for a in idle.layout.annotations)
 

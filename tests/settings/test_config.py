@@ -449,3 +449,79 @@ def test_a_bad_input_of_a_derived_value_is_named_by_the_key_the_user_set(overrid
     with pytest.raises(ConfigError) as caught:
         load_config(None, overrides)
     assert str(caught.value) == named or str(caught.value).startswith(named), str(caught.value)
+
+
+def _our_leaf_keys() -> list[str]:
+    """Every leaf key of this project's sections (settings/schema.py's and the algorithm sections), nested
+    sections included, walked from the dataclasses themselves."""
+    import dataclasses
+    import typing
+
+    from rllm.experimental.fully_async.settings.explain import dataclass_sections
+
+    keys = []
+    for section, cls in dataclass_sections().items():
+        hints = typing.get_type_hints(cls)
+        keys += [f"{section}.{f.name}" for f in dataclasses.fields(cls) if not dataclasses.is_dataclass(hints[f.name])]
+    return keys
+
+
+def test_every_key_of_our_sections_is_explained_with_its_comment_and_value():
+    from rllm.experimental.fully_async.settings.explain import ALGORITHM_SECTIONS, explain
+    from rllm.experimental.fully_async.settings.schema import FULLY_ASYNC_VERL_DEFAULTS, PROJECT_SECTIONS
+
+    # The algorithm sections are the null (off) sections this project adds under verl's `algorithm`.
+    added = {f"algorithm.{k}" for k, v in FULLY_ASYNC_VERL_DEFAULTS["algorithm"].items() if v is None}
+    assert added == set(ALGORITHM_SECTIONS)
+    keys = _our_leaf_keys()
+    assert {k.split(".")[0] for k in keys} == set(PROJECT_SECTIONS) | {"algorithm"}
+    assert "async_training.adaptive_staleness.max_kl" in keys and "engines.lora.max_loaded_loras" in keys
+    cfg = load_config(None, ["algorithm.off_policy_correction.mode=tis"])
+    uncommented = []
+    for key in keys:
+        lines = explain(key, cfg)
+        assert lines[0] == key, lines
+        meaning = next(line for line in lines if line.startswith("  meaning:  ")).removeprefix("  meaning:  ")
+        if not meaning or meaning.startswith("no comment"):
+            uncommented.append(key)
+        assert any(line.startswith("  now:      ") and len(line) > 12 for line in lines), lines
+        assert any(line.startswith("  allowed:  ") for line in lines), lines
+    assert not uncommented, f"write a comment beside or above these fields (or a docstring entry): {uncommented}"
+
+
+@pytest.mark.slow  # two `config` CLI calls (~7 s each quiet, 20-40 s at load 5-10)
+def test_config_explain_reads_nested_and_algorithm_sections_from_the_cli():
+    proc = _cli(
+        "config",
+        "--explain",
+        "algorithm.off_policy_correction.cap_mode",
+        "algorithm.off_policy_correction.cap_mode=mask",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "how w is limited" in proc.stdout and "allowed:  truncate | mask" in proc.stdout
+    assert "now:      mask (set in the command line)" in proc.stdout
+    assert "documented in algorithms/correction_config.py (CorrectionConfig)" in proc.stdout
+    proc = _cli("config", "--explain", "async_training.adaptive_staleness.raise_after")
+    assert proc.returncode == 0 and "Syncs in a row with every statistic clear" in proc.stdout, proc.stderr
+    assert "now:      2 (the default)" in proc.stdout
+    from rllm.experimental.fully_async.settings.explain import explain
+
+    assert "  now:      null (algorithm.gigpo is null: off)" in explain("algorithm.gigpo.omega", load_config())
+    section = explain("algorithm.group_filter")
+    assert "  algorithm.group_filter.reward_tol: rewards within this distance count as equal." in section
+
+
+@pytest.mark.slow  # two `config` CLI calls (~7 s each quiet, 20-40 s at load 5-10)
+def test_config_on_a_task_shows_the_task_model_and_data_not_verls_placeholders(addition_cache, tmp_path):
+    cached = _cli("config", f"task.cache_dir={addition_cache}", "task.warmup_steps=60")
+    assert cached.returncode == 0, cached.stderr
+    assert "deepseek" not in cached.stdout and "gsm8k" not in cached.stdout
+    model = re.search(r"^    path: (\S+)  # \[task addition\] path to the huggingface model$", cached.stdout, re.M)
+    train = re.search(r"^  train_files: (\S+)  # \[task addition\] Training set parquet", cached.stdout, re.M)
+    assert model and train, cached.stdout
+    assert (Path(model.group(1)) / "config.json").is_file() and Path(train.group(1)).is_file()
+    assert Path(model.group(1)).parent.parent == addition_cache
+    fresh = _cli("config", "--explain", "data.val_files", f"task.cache_dir={tmp_path}")
+    assert re.search(
+        rf"now:      {tmp_path}/addition-\w+/val.parquet \(set in task addition, built at its first run\)", fresh.stdout
+    ), fresh.stdout

@@ -149,6 +149,13 @@ def test_model_is_converted_once_then_reused(tmp_path, fake_gguf):
     assert [p.name for p in cache.iterdir()] == [first.name]  # no temporary folder left
 
 
+def test_the_model_folder_is_found_without_building_it(tmp_path, fake_gguf):
+    cache = tmp_path / "cache"
+    model_dir, data = smollm2.smollm2_entries(cache, seed=0)  # what `config` shows (tasks.task_asset_paths)
+    assert not cache.exists() and not fake_gguf
+    assert prepare_smollm2_model(cache) == model_dir and data.parent == cache
+
+
 def test_a_failed_conversion_leaves_no_entry_behind(tmp_path, fake_gguf, monkeypatch):
     def broken(source: Path, out_dir: Path) -> None:
         (out_dir / "model.safetensors").write_bytes(b"half")
@@ -239,6 +246,8 @@ def test_assets_measure_the_baseline_once(smollm2_cache, monkeypatch):
     assert len(pd.read_parquet(assets.val_parquet)) == len(TEMPLATES)
     assert len(pd.read_parquet(assets.train_parquet)) == (NUM_PAIRS - 1) * len(TEMPLATES)
     assert 0.0 <= assets.baseline_val_accuracy <= 1.0
+    located = smollm2.smollm2_entries(smollm2_cache, seed=0, num_val_pairs=1, max_new_tokens=4)
+    assert located == (assets.model_dir, assets.train_parquet.parent)
 
     def must_not_evaluate(*args, **kwargs):
         raise AssertionError("the cached baseline was measured again")

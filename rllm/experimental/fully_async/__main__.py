@@ -175,7 +175,7 @@ def _config(argv: list[str]) -> int:
     `--explain KEY`: a key's meaning, default, allowed values and readers."""
     from omegaconf import OmegaConf
 
-    from rllm.experimental.fully_async.settings.explain import diff_lines, explain, origin_of
+    from rllm.experimental.fully_async.settings.explain import diff_lines, explain, origin_of, with_task_assets
     from rllm.experimental.fully_async.settings.loader import config_layers
 
     parser = argparse.ArgumentParser(prog=f"{PROG} config", description=_config.__doc__)
@@ -186,7 +186,7 @@ def _config(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     cfg = _load(CommandLine(args.config, args.overrides))
     if args.all:
-        print(OmegaConf.to_yaml(cfg, resolve=True), end="")
+        print(OmegaConf.to_yaml(with_task_assets(cfg)[0], resolve=True), end="")  # the task's data and model
         return 0
     layers = config_layers(args.config, args.overrides)
     if args.explain:

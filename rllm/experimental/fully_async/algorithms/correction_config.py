@@ -76,7 +76,11 @@ class CorrectionConfig:
     """Proposed config keys: ``algorithm.off_policy_correction.*`` (same names). See `correction_config_from` for how
     verl's own ``algorithm.rollout_correction`` keys map onto this when that section is absent.
 
-    mode: "decoupled" | "m2po" | "tis" | "bypass" | "none" (see the module docstring for when to use which).
+    mode: how the loss treats tokens an older policy (pi_behav) generated: "decoupled" (the clip is centred on a
+        proximal policy pi_prox and each token weighted by w = pi_prox / pi_behav), "m2po" (no clip; the tokens of
+        largest squared log-ratio are masked), "tis" (truncated importance sampling, verl's), "bypass" (the PPO clip
+        centred on pi_behav, no weight) or "none" (plain PPO on recomputed log-probs). The module docstring says
+        when to use which.
     prox_log_probs: "recompute" | "loglinear" | "previous", decoupled only. "loglinear" needs log pi_theta, which
         only exists inside the actor's update: it runs as a verl policy loss (`decoupled_loss`), so the actor's
         ``policy_loss.loss_mode`` must be left at "vanilla" (the trainer replaces it). "previous": recomputed with
@@ -84,9 +88,11 @@ class CorrectionConfig:
         sync: with K = 1 the weights before the last optimizer step, with K > 1 those of K or more steps back);
         tokens of the trainer's own version keep pi_behav as pi_prox (w = 1). Needs prox_lag 0 and the FSDP
         backend.
-    level: "token" | "sequence", the granularity of w.
+    level: "token" | "sequence", the granularity of w: one weight per token, or one per response for all its
+        tokens.
     cap_mode: "truncate" | "mask", how w is limited (decoupled only; tis always truncates).
-    cap: C > 1. verl's default 2.0; AReaL uses 2.0 to 5.0. Larger C = less bias, more variance.
+    cap: C > 1, the limit on w: truncate cuts w to at most C, mask drops the tokens whose w is outside [1/C, C].
+        verl's default 2.0; AReaL uses 2.0 to 5.0. Larger C = less bias, more variance.
     prox_lag: L >= 0, versions between pi_prox and the trainer's weights V (v_prox = V - L). 0: pi_prox is the
         policy before the step. L >= 1 needs prox_log_probs=loglinear (no older weights are kept to recompute
         from): pi_prox is interpolated in log space between each token's behaviour version and V, from the

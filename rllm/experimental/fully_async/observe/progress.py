@@ -5,6 +5,17 @@ accuracy, staleness, throughput and who waited; `message` prints above the bar. 
 pipe) each update is one plain line with the same figures and no ANSI escape codes. The driver calls `update` once
 per trainer step with that step's metrics (the names of `metrics.jsonl`).
 
+Before the first step: `phase(text)` prints each start-up phase as it begins, with the time since the progress
+display was made (`[0:04] starting 2 embedded engines ...`), so start-up is never silent; `header(spec, run_dir)`
+prints once what is about to run (mode, η, K, engines, trainer ranks, steps, batch, run dir).
+
+Throughput and idle shares (gen and train tok/s, trainer and engine idle) are shown over the last `WINDOW_STEPS`
+steps, each step weighted by its step time (`timing/step_s`): the same weighting the end-of-run summary uses, over a
+moving window. A step's engine figures cover the interval since the previous batch, and tokens count when their
+sample finishes while busy time accrues as it runs, so one interval can credit tokens generated in the one before
+(an interval with "idle 100%" and thousands of tok/s); over a window the two agree, and the share stops swinging
+with the queue's step-to-step rhythm.
+
 `elapsed` is the run's wall time as `observe/wall_time.py` defines it (from the start of the first trainer step),
 the same figure the end-of-run summary and the report print. Held-out accuracy is shown with the step whose weights
 it measured (`val 76.6%@400`): validation runs beside training, and the driver hands its result to the first
@@ -14,8 +25,10 @@ it measured (`val 76.6%@400`): validation runs beside training, and the driver h
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
-from typing import TextIO
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, ProgressColumn, Task, TextColumn
@@ -23,6 +36,9 @@ from rich.progress import Progress as RichProgress
 from rich.text import Text
 
 from rllm.experimental.fully_async.observe.wall_time import STEP_TIME_KEY
+
+if TYPE_CHECKING:  # only its attributes are read: the report and simulate use this module without a run spec
+    from rllm.experimental.fully_async.run_spec import RunSpec
 
 # (metric, format) in display order; metrics a step lacks are left out. Held-out accuracy arrives only every
 # test_freq steps, so the latest value (and the step it measured, `val/step`) is kept until the next one.
@@ -38,6 +54,38 @@ FIELDS: tuple[tuple[str, str], ...] = (
     ("engines/idle_frac", "engines idle {:.0%}"),
 )
 _STICKY = frozenset({"val/accuracy", "val/step"})
+WINDOW_STEPS = 10  # steps the rates and idle shares are averaged over (module docstring)
+# Figures shown as their step-time-weighted mean over the window, not the last step's value.
+WINDOWED = ("rollout/tokens_per_s", "trainer/tokens_per_s", "trainer/idle_frac", "engines/idle_frac")
+
+
+def windowed(history: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """The WINDOWED figures over `history` (the last steps' metrics, oldest first): each the mean of the steps
+    that report it, weighted by their `timing/step_s` (1 where a step lacks it)."""
+    out: dict[str, float] = {}
+    for key in WINDOWED:
+        pairs = [(float(m[key]), float(m.get("timing/step_s") or 1.0)) for m in history if key in m]
+        weight = sum(w for _, w in pairs)
+        if pairs and weight > 0:
+            out[key] = sum(v * w for v, w in pairs) / weight
+    return out
+
+
+def run_header(spec: RunSpec, run_dir: str | Path) -> str:
+    """One line saying what is about to run: mode, η, K, estimator, engines, trainer ranks, steps, batch, run dir."""
+    s, e, t = spec.schedule, spec.engines, spec.trainer
+    synchronous = s.max_staleness == 0 and s.trigger_parameter_sync_step == 1 and s.adaptive is None
+    mode = "synchronous (on-policy)" if synchronous else "fully-async"
+    eta = f"η={s.max_staleness}" + (f" (adaptive {s.adaptive.min}..{s.adaptive.max})" if s.adaptive else "")
+    steps = spec.run.total_training_steps
+    steps_text = f"{steps} steps" if steps is not None else "steps until the data runs out"
+    engines = f"{e.num_engines} {e.backend} engine{'s' if e.num_engines != 1 else ''}"
+    ranks = f"{t.world_size} trainer rank{'s' if t.world_size != 1 else ''} ({t.device})"
+    batch = f"{s.required_samples} groups x {spec.executor.samples_per_prompt} samples"
+    return (
+        f"{mode} {t.advantages.adv_estimator}: {eta}, K={s.trigger_parameter_sync_step}, {engines}, {ranks}; "
+        f"{steps_text} of {batch}; run dir {run_dir}  (tok/s and idle: last {WINDOW_STEPS} steps)"
+    )
 
 
 def with_trained_throughput(metrics: Mapping[str, float]) -> dict[str, float]:
@@ -70,8 +118,9 @@ def format_duration(seconds: float) -> str:
 class Progress:
     """Progress of `total_steps` trainer steps on `console` (default: a rich Console on stdout).
 
-    `update(step, metrics)` after each step, `message(text)` for any other line, `close()` at the end (also on
-    failure: it stops the bar's refresh thread and leaves the cursor on a fresh line).
+    `phase(text)` for each start-up phase, `header(spec, run_dir)` once before the first step, `update(step,
+    metrics)` after each step, `message(text)` for any other line, `close()` at the end (also on failure: it stops
+    the bar's refresh thread and leaves the cursor on a fresh line).
     """
 
     def __init__(
@@ -81,6 +130,8 @@ class Progress:
         self.console = console if console is not None else Console()
         self.clock = clock
         self.latest: dict[str, float] = {}
+        self._made_at = clock()
+        self._history: deque[dict[str, float]] = deque(maxlen=WINDOW_STEPS)
         self._started_at: float | None = None
         self._first_step: int | None = None
         self._last_step = 0
@@ -106,7 +157,8 @@ class Progress:
             self._started_at, self._first_step = now - float(metrics.get(STEP_TIME_KEY, 0.0)), step - 1
         self._last_step = step
         current = with_trained_throughput(metrics)
-        self.latest = {k: v for k, v in self.latest.items() if k in _STICKY} | current
+        self._history.append(current)
+        self.latest = {k: v for k, v in self.latest.items() if k in _STICKY} | current | windowed(self._history)
         stats = format_stats(self.latest)
         if self._bar is not None:
             self._bar.update(self._task, completed=step, stats=stats)
@@ -133,6 +185,17 @@ class Progress:
         if done <= 1:  # the first step alone holds one-off costs (first forward passes): no pace yet
             return None
         return (now - self._started_at) / done * max(0, self.total_steps - step)
+
+    def phase(self, text: str) -> None:
+        """A start-up phase begins: one line with the time since this display was made."""
+        self._print(f"[{format_duration(self.clock() - self._made_at)}] {text}")
+
+    def header(self, spec: RunSpec, run_dir: str | Path) -> None:
+        """What is about to run (`run_header`), once, before the first step; sets the step total from the spec."""
+        self.total_steps = spec.run.total_training_steps
+        if self._bar is not None:
+            self._bar.update(self._task, total=self.total_steps)
+        self._print(run_header(spec, run_dir))
 
     def message(self, text: str) -> None:
         self._print(text)

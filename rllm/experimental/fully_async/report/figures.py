@@ -245,7 +245,15 @@ def staleness_figure(reports: Sequence[RunReport]) -> go.Figure:
     fig.update_yaxes(title_text="share of groups", tickformat=PERCENT, row=1, col=1)
     fig.update_xaxes(title_text="trainer step", row=1, col=2)
     # staleness counts whole versions: integer ticks (a tick every few versions when η is large)
-    fig.update_yaxes(title_text="versions behind", tick0=0, dtick=max(1, math.ceil(top / 8)), row=1, col=2)
+    # headroom above η: its label sits over the line, where the staleness max (at η most of a run) would cross it
+    fig.update_yaxes(
+        title_text="versions behind",
+        tick0=0,
+        dtick=max(1, math.ceil(top / 8)),
+        range=[-0.05 * max(top, 1.0), 1.2 * max(top, 1.0)],
+        row=1,
+        col=2,
+    )
     fig.update_xaxes(title_text="trainer step", row=1, col=3)
     fig.update_yaxes(title_text="share of trained rows", tickformat=PERCENT, rangemode="tozero", row=1, col=3)
     return layout(fig, "Staleness of trained samples", "", "", height=HEIGHT + 20)

@@ -135,7 +135,8 @@ def note_missing(fig: go.Figure, missing: Sequence[str], drew: bool, hint: str =
     without traces unanchored)."""
     if not missing:
         return
-    text = f"{NOT_RECORDED}: {', '.join(missing)}" + (f"<br>({hint})" if hint else "")
+    # One run per line: a panel is a third of the page wide, and one line naming every run ran into its neighbour.
+    text = f"{NOT_RECORDED}:<br>" + "<br>".join(missing) + (f"<br>({hint})" if hint else "")
     if drew:  # inside the panel's lower left, one line: above it sit the panel's title and the other runs' lines
         text = f"{NOT_RECORDED}: {', '.join(missing)}"
         fig.add_annotation(
@@ -159,6 +160,10 @@ def note_missing(fig: go.Figure, missing: Sequence[str], drew: bool, hint: str =
         yref="paper",
         x=(x0 + x1) / 2,
         y=(y0 + y1) / 2,
+        # centred on the point: plotly's "auto" anchors a paper-placed note's left edge there when x < 1/3 (the
+        # left column), which ran the note into the next panel
+        xanchor="center",
+        yanchor="middle",
         showarrow=False,
         font={"size": 12, "color": "#666"},
     )
@@ -266,5 +271,6 @@ def add_limit(fig: go.Figure, value: float | None, label: str, **where) -> None:
             annotation_text=label,
             annotation_position="top left",
             annotation_font={"color": "#c00", "size": 11},
+            annotation_bgcolor="rgba(255,255,255,0.8)",  # readable where a run's line crosses the label
             **where,
         )

@@ -1,8 +1,10 @@
 """What a config key means: `config --explain KEY`, and the one-line comments `config` prints beside each key.
 
 A key is explained from what already documents it, never from a second copy:
-- this project's sections: the comments beside each field of `settings/schema.py`'s dataclasses (read from the
-  source, so a field's comment is written once);
+- this project's sections: the comments beside (or above) each field of `settings/schema.py`'s dataclasses,
+  nested sections included (`async_training.adaptive_staleness`, `engines.lora`), read from the source so a field's
+  comment is written once; the algorithm sections under `algorithm` (`ALGORITHM_SECTIONS`, null by default) from
+  their dataclasses' docstring entries (`name: meaning`) in algorithms/;
 - verl's keys: the comment above the key in verl 0.7.1's own config files (`verl/trainer/config/**.yaml`, where
   verl's CI requires one per field), found by following `ppo_trainer.yaml`'s (or `ppo_megatron_trainer.yaml`'s)
   `defaults:` list to the file and place each section comes from;
@@ -20,13 +22,19 @@ import difflib
 import functools
 import inspect
 import re
+import typing
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from rllm.experimental.fully_async.algorithms.correction_config import CorrectionConfig
+from rllm.experimental.fully_async.algorithms.filters import FilterConfig
+from rllm.experimental.fully_async.algorithms.gigpo import GiGPOConfig
 from rllm.experimental.fully_async.errors import ConfigError
+from rllm.experimental.fully_async.settings.loader import base_config, verl_base_config
 from rllm.experimental.fully_async.settings.schema import FULLY_ASYNC_VERL_DEFAULTS, PROJECT_SECTIONS
+from rllm.experimental.fully_async.tasks import TASK_ASSET_KEYS, task_asset_paths
 
 PACKAGE = Path(__file__).resolve().parents[1]
 _KEY_LINE = re.compile(r"^(\s*)([A-Za-z_][\w\-]*)\s*:")
@@ -99,24 +107,97 @@ def verl_comments(megatron: bool = False) -> dict[str, str]:
     return out
 
 
+# This project's sections under verl's `algorithm` (algorithms/): null (off) by default; set, each is its
+# dataclass's fields (documented in the dataclass's docstring as `name: meaning` entries) and checked by building it
+# (settings/validate.py).
+ALGORITHM_SECTIONS: dict[str, type] = {
+    "algorithm.off_policy_correction": CorrectionConfig,
+    "algorithm.group_filter": FilterConfig,
+    "algorithm.gigpo": GiGPOConfig,
+}
+
+
+def dataclass_sections() -> dict[str, type]:
+    """Every config section that is one of this project's dataclasses, nested ones included (`engines.lora`,
+    `async_training.adaptive_staleness`): dotted section -> its class."""
+    out: dict[str, type] = {}
+
+    def add(section: str, cls: type) -> None:
+        out[section] = cls
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(hints[f.name]):
+                add(f"{section}.{f.name}", hints[f.name])
+
+    for section, cls in {**PROJECT_SECTIONS, **ALGORITHM_SECTIONS}.items():
+        add(section, cls)
+    return out
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    """Field -> its comment: the `#` lines above the field and the one beside it in the class's source, else the
+    class docstring's `name: meaning` entry (an entry's continuation lines are indented)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    out: dict[str, str] = {}
+    pending: list[str] = []
+    for line in inspect.getsource(cls).splitlines()[1:]:
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            pending.append(stripped.lstrip("#").strip())
+            continue
+        match = _FIELD_LINE.match(line.split("  #")[0])
+        if match and match.group(1) in names:
+            beside = line.split("  # ", 1)[1].strip() if "  # " in line else ""
+            out[match.group(1)] = " ".join([*pending, beside]).strip()
+        pending = []
+    docs = _docstring_entries(cls, names)
+    return {name: out.get(name) or docs.get(name, "") for name in names}
+
+
+def _docstring_entries(cls: type, names: set[str]) -> dict[str, str]:
+    """The class docstring's `name: meaning` entries for `names`, each with its indented continuation lines."""
+    out: dict[str, str] = {}
+    entry: str | None = None
+    for line in (inspect.getdoc(cls) or "").splitlines():
+        match = _DOC_ENTRY.match(line)
+        if match and match.group(1) in names:
+            entry = match.group(1)
+            out[entry] = match.group(2).strip()
+        elif entry is not None and line.startswith(" "):
+            out[entry] += " " + line.strip()
+        else:
+            entry = None
+    return out
+
+
+_DOC_ENTRY = re.compile(r"^([a-z_][a-z0-9_]*): (.*)$")
+
+
+def describe_type(hint: Any) -> str:
+    """A field's type as `allowed:` prints it: `an integer or null`, `token | sequence`, `true | false`."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is typing.Literal:
+        return " | ".join(str(a) for a in args)
+    if type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return " | ".join(describe_type(a) for a in rest) + " or null"
+    origin = typing.get_origin(hint) or hint
+    names = {bool: "true | false", int: "an integer", float: "a number", str: "a string", list: "a list"}
+    if dataclasses.is_dataclass(origin):
+        return "a section"
+    return names.get(origin, "a mapping" if origin is dict else str(hint))
+
+
 @functools.cache
 def schema_comments() -> dict[str, tuple[str, str]]:
-    """`section.field` -> (comment, annotated type) from settings/schema.py's dataclasses: the comment lines above
-    the field and the one beside it."""
+    """`section.field` -> (comment, allowed values from the annotated type) for every field of every dataclass
+    section (`dataclass_sections`), read from the classes' source (`_field_comments`)."""
     out: dict[str, tuple[str, str]] = {}
-    for section, cls in PROJECT_SECTIONS.items():
-        types = {f.name: str(f.type) for f in dataclasses.fields(cls)}
-        pending: list[str] = []
-        for line in inspect.getsource(cls).splitlines()[1:]:
-            stripped = line.strip()
-            if stripped.startswith("#"):
-                pending.append(stripped.lstrip("#").strip())
-                continue
-            match = _FIELD_LINE.match(line.split("  #")[0])
-            if match and match.group(1) in types:
-                beside = line.split("  # ", 1)[1].strip() if "  # " in line else ""
-                out[f"{section}.{match.group(1)}"] = (" ".join([*pending, beside]).strip(), types[match.group(1)])
-            pending = []
+    for section, cls in dataclass_sections().items():
+        hints = typing.get_type_hints(cls)
+        comments = _field_comments(cls)
+        for f in dataclasses.fields(cls):
+            out[f"{section}.{f.name}"] = (comments.get(f.name, ""), describe_type(hints[f.name]))
     return out
 
 
@@ -219,9 +300,7 @@ def allowed(key: str, default: Any) -> str:
         minimum, strict = _LOWER_BOUNDS[key]
         bound = f" {'>' if strict else '>='} {minimum:g}"
     if key in schema_comments():
-        kind = schema_comments()[key][1]
-        kind = kind.replace("int", "an integer").replace("float", "a number").replace("str", "a string")
-        return kind.replace("bool", "true | false").replace(" | None", " or null") + bound
+        return schema_comments()[key][1] + bound
     names = {bool: "true | false", int: "an integer", float: "a number", str: "a string"}
     if isinstance(default, (list, ListConfig)):
         return "a list"
@@ -249,17 +328,25 @@ def _yaml(value: Any) -> str:
 def explain(key: str, cfg: DictConfig | None = None, origin: str | None = None) -> list[str]:
     """The lines `config --explain KEY` prints. `cfg`: the loaded config (its value is shown); unknown keys raise
     ConfigError naming the nearest keys."""
-    from rllm.experimental.fully_async.settings.loader import base_config, verl_base_config
-
     megatron = cfg is not None and cfg.actor_rollout_ref.actor.strategy == "megatron"
-    base = base_config(megatron)
-    node = OmegaConf.select(base, key, default=_MISSING, throw_on_missing=False)
+    base, verl_base = _bases(megatron)
+    section, _, name = key.rpartition(".")
+    if key in ALGORITHM_SECTIONS:  # null in the base config: its keys are the dataclass's
+        lines = [f"{key}: a section, null by default (off); setting any of its keys turns it on. Its keys:"]
+        names = [f.name for f in dataclasses.fields(ALGORITHM_SECTIONS[key])]
+        lines += [f"  {key}.{name}: {meaning(f'{key}.{name}')}" for name in names]
+        return lines
+    if section in ALGORITHM_SECTIONS and key in schema_comments():
+        node: Any = {f.name: f.default for f in dataclasses.fields(ALGORITHM_SECTIONS[section])}[name]
+    else:
+        node = OmegaConf.select(base, key, default=_MISSING, throw_on_missing=False)
     if node is _MISSING:
-        leaves = list(_leaves(base))
+        leaves = [*_leaves(base), *(k for k in schema_comments() if k.rpartition(".")[0] in ALGORITHM_SECTIONS)]
         close = difflib.get_close_matches(key, leaves, n=3, cutoff=0.6)
         hint = f" (did you mean {', '.join(close)}?)" if close else " (config --all lists every key)"
         raise ConfigError(f"unknown key '{key}'{hint}")
-    if isinstance(node, DictConfig):
+    free_form = schema_comments().get(key, ("", ""))[1] == "a mapping"  # engines.extra_args: a value, not a section
+    if isinstance(node, DictConfig) and not free_form:
         lines = [f"{key}: a section; its keys:"]
         for child in node:
             full = f"{key}.{child}"
@@ -267,21 +354,48 @@ def explain(key: str, cfg: DictConfig | None = None, origin: str | None = None) 
         return lines
     raw = node
     lines = [f"{key}", f"  meaning:  {meaning(key, megatron) or 'no comment in verl or settings/schema.py'}"]
-    verl_default = OmegaConf.select(verl_base_config(megatron), key, default=_MISSING, throw_on_missing=False)
+    verl_default = OmegaConf.select(verl_base, key, default=_MISSING, throw_on_missing=False)
     ours = _fully_async_default(key)
-    if ours is not _MISSING and verl_default is not _MISSING and ours != verl_default:
+    if section in ALGORITHM_SECTIONS:
+        lines.append(f"  default:  {_yaml(raw)} (once {section} is set; it is null by default: off)")
+    elif ours is not _MISSING and verl_default is not _MISSING and ours != verl_default:
         lines.append(f"  default:  {_yaml(ours)} (this project's; verl's is {_yaml(verl_default)})")
     else:
         lines.append(f"  default:  {_yaml(raw)}")
     lines.append(f"  allowed:  {allowed(key, raw)}")
     if cfg is not None:
-        value = OmegaConf.select(cfg, key, throw_on_missing=False)
-        lines.append(f"  now:      {_yaml(value)}" + (f" (set in {origin})" if origin else ""))
+        cfg, task_origins = with_task_assets(cfg)
+        lines.append(f"  now:      {_now(key, cfg, raw, task_origins.get(key, origin))}")
     where = readers(key)
     lines += [f"  read by:  {where[0]}", *(f"            {w}" for w in where[1:])] if where else []
-    where_doc = "settings/schema.py" if key.split(".")[0] in PROJECT_SECTIONS else "verl/trainer/config/*.yaml"
-    lines.append(f"  documented in {where_doc}")
+    lines.append(f"  documented in {_documented_in(section)}")
     return lines
+
+
+@functools.cache
+def _bases(megatron: bool) -> tuple[DictConfig, DictConfig]:
+    """(this project's base config, verl's), built once per process (~0.2 s each), read and never changed here."""
+    return base_config(megatron), verl_base_config(megatron)
+
+
+def _now(key: str, cfg: DictConfig, default: Any, origin: str | None) -> str:
+    """The value `cfg` gives `key` and where it came from: a layer, derived, the default, or an algorithm section
+    left off (null)."""
+    section = key.rpartition(".")[0]
+    if section in ALGORITHM_SECTIONS and OmegaConf.select(cfg, section) is None:
+        return f"null ({section} is null: off)"
+    value = OmegaConf.select(cfg, key, default=default, throw_on_missing=False)
+    if origin == "derived" and _yaml(value) == _yaml(default):
+        origin = "the default"  # no layer sets it and nothing derived changed it
+    return _yaml(value) + (f" (set in {origin})" if origin and origin != "the default" else " (the default)")
+
+
+def _documented_in(section: str) -> str:
+    """Where a key's comment is written: the dataclass of its section, else verl's config files."""
+    cls = dataclass_sections().get(section)
+    if cls is None:
+        return "verl/trainer/config/*.yaml"
+    return f"{Path(inspect.getsourcefile(cls) or '').resolve().relative_to(PACKAGE).as_posix()} ({cls.__name__})"
 
 
 def _leaves(node: DictConfig, prefix: str = ""):
@@ -332,12 +446,31 @@ def changed_leaves(cfg: DictConfig, base: DictConfig, prefix: str = "") -> list[
     return out
 
 
+def with_task_assets(cfg: DictConfig) -> tuple[DictConfig, dict[str, str]]:
+    """The config as the run will use it: with a built-in task, its data and model in place of verl's placeholder
+    defaults (which the task replaces when the run starts: tasks.apply_task), found without building anything
+    (tasks.task_asset_paths). Returns the copy and, per replaced key, where its value comes from (`task addition`,
+    `task addition, built at its first run` while its cache entry does not exist yet)."""
+    name = cfg.task.name
+    if name is None:
+        return cfg, {}
+    paths = task_asset_paths(cfg)
+    shown = cfg.copy()
+    origins: dict[str, str] = {}
+    for key in TASK_ASSET_KEYS:
+        value = paths[key] if paths is not None else f"made by task {name} when the run starts"
+        OmegaConf.update(shown, key, value, merge=False)
+        built = paths is not None and Path(value).exists()
+        origins[key] = f"task {name}" + ("" if built else ", built at its first run")
+    return shown, origins
+
+
 def diff_lines(cfg: DictConfig, layers: list[tuple[str, DictConfig]]) -> list[str]:
     """The config's keys that differ from the defaults (verl 0.7.1's plus this project's) as YAML, each with its
-    meaning and where it was set in a comment: what `config` prints."""
-    from rllm.experimental.fully_async.settings.loader import base_config
-
+    meaning and where it was set in a comment: what `config` prints. A built-in task's data and model are shown as
+    the run will use them (`with_task_assets`)."""
     megatron = cfg.actor_rollout_ref.actor.strategy == "megatron"
+    cfg, task_origins = with_task_assets(cfg)
     keys = changed_leaves(cfg, base_config(megatron))
     lines: list[str] = []
     opened: list[str] = []
@@ -356,7 +489,7 @@ def diff_lines(cfg: DictConfig, layers: list[tuple[str, DictConfig]]) -> list[st
         text = _flow(value)
         note = meaning(key, megatron)
         note = note if len(note) <= 90 else note[:87] + "..."
-        comment = f"[{origin_of(key, layers)}] {note}".rstrip()
+        comment = f"[{task_origins.get(key) or origin_of(key, layers)}] {note}".rstrip()
         lines.append(f"{'  ' * (len(parts) - 1)}{parts[-1]}: {text}  # {comment}")
     return lines
 

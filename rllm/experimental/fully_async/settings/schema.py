@@ -22,14 +22,17 @@ class AdaptiveStalenessConfig:
     """η that follows measured off-policyness (the rule and the statistics: core/adaptive_staleness.py). Off by
     default; every other key here is read only with enable=true. η starts at async_training.max_staleness."""
 
+    # Let η move at each weight sync between min and max, by the thresholds below; false: η stays at
+    # async_training.max_staleness for the whole run.
     enable: bool = False
-    # [min, max]: the versions η moves within. max also sizes the queue (queue_max_groups null: (max + 2) * R).
+    # The lowest η the rule may set (0: synchronous on-policy data whenever the statistics demand it).
     min: int = _RULE.min
+    # The highest η the rule may set; also sizes the queue (queue_max_groups null: (max + 2) * R) and, with LoRA,
+    # how many adapter versions the engines keep (engines.lora).
     max: int = _RULE.max
     step: int = _RULE.step  # versions added or removed per decision (one decision per weight sync)
-    raise_after: int = (
-        _RULE.raise_after
-    )  # syncs in a row with every statistic clear of its threshold before η is raised
+    # Syncs in a row with every statistic clear of its threshold (and its margin) before η is raised.
+    raise_after: int = _RULE.raise_after
     # η rises only while every statistic is within this fraction of its limit (0.5: kl <= max_kl / 2, ess >=
     # 1 - (1 - min_ess) / 2, ...); between that and the limit η holds. 1: no dead band (η hovers at the limit).
     raise_margin: float = _RULE.raise_margin
@@ -131,6 +134,7 @@ class EnginesConfig:
     # the embedded engine runs one request at a time, so log-probs too are bit-identical whatever the load. Needs
     # sampling_seed (else every sample of a prompt draws with SGLang's default seed 42: n identical samples).
     deterministic_inference: bool = False
+    # SGLang's LoRA flags for the engines (EnginesLoRAConfig), read only when actor_rollout_ref.model.lora_rank > 0.
     lora: EnginesLoRAConfig = field(default_factory=EnginesLoRAConfig)
     # Seconds the embedded engine sleeps before every forward pass (SGLang's /slow_down `forward_sleep_time`, set
     # from the start): generation then takes wall time without taking the trainer's CPU, as on a GPU cluster where

@@ -62,6 +62,15 @@ _REGISTRY: dict[str, str | TaskPrepare] = {
 }
 
 
+# Where each task's assets are, without building them (`task_asset_paths`): "module:function" strings, as above.
+_LOCATE: dict[str, str | Callable[[Any], dict[str, str]]] = {
+    "addition": f"{__name__}:_locate_addition",
+    "smollm2": f"{__name__}:_locate_smollm2",
+    "number_line": "rllm.experimental.fully_async.tasks.number_line:locate_task",
+    "calculator": "rllm.experimental.fully_async.tasks.calculator:locate_task",
+}
+
+
 class UnknownTaskError(FullyAsyncError, KeyError):
     """`task.name` names no registered task; the message lists the registered ones."""
 
@@ -95,6 +104,47 @@ def get_task(name: str) -> TaskPrepare:
         module, _, function = entry.partition(":")
         entry = getattr(importlib.import_module(module), function)
     return entry
+
+
+def task_asset_paths(cfg: Any) -> dict[str, str] | None:
+    """Where the configured task's data and model are, or will be once its first run builds them, without building
+    anything: TASK_ASSET_KEYS -> path. None for task.name=null, or for a task that cannot say where before it runs
+    (a registered one without a locator, or SmolLM2 without its package)."""
+    name = cfg.task.name
+    entry = _LOCATE.get(str(name)) if name is not None else None
+    if isinstance(entry, str):
+        module, _, function = entry.partition(":")
+        entry = getattr(importlib.import_module(module), function)
+    if entry is None:
+        return None
+    try:
+        return entry(cfg.task)
+    except FullyAsyncError:  # e.g. SmolLM2's package is missing: the run itself says so, in one line
+        return None
+
+
+def entry_paths(entry: Path) -> dict[str, str]:
+    """TASK_ASSET_KEYS of a cache entry laid out as the tiny tasks write theirs (model/, train and val parquet)."""
+    return {
+        "data.train_files": str(entry / "train.parquet"),
+        "data.val_files": str(entry / "val.parquet"),
+        "actor_rollout_ref.model.path": str(entry / "model"),
+    }
+
+
+def _locate_addition(task_cfg: Any) -> dict[str, str]:
+    from rllm.experimental.fully_async.tasks import addition
+
+    return entry_paths(
+        addition.addition_entry(_cache_dir(task_cfg), int(task_cfg.seed), warmup_steps=int(task_cfg.warmup_steps))
+    )
+
+
+def _locate_smollm2(task_cfg: Any) -> dict[str, str]:
+    from rllm.experimental.fully_async.tasks import smollm2
+
+    model_dir, data = smollm2.smollm2_entries(_cache_dir(task_cfg), int(task_cfg.seed))
+    return {**entry_paths(data), "actor_rollout_ref.model.path": str(model_dir)}
 
 
 def user_asset_keys(cfg: Any, defaults: Any) -> list[str]:

@@ -34,7 +34,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from rllm.experimental.fully_async.tasks.cache import cache_key, cached_entry
+from rllm.experimental.fully_async.tasks.cache import cache_key, cached_entry, entry_path
 
 if TYPE_CHECKING:
     import torch
@@ -321,6 +321,18 @@ def _assets(entry: Path, meta: dict[str, Any]) -> AdditionAssets:
         warmup_seconds=float(meta["warmup_seconds"]),
         cache_key=str(meta["cache_key"]),
     )
+
+
+def addition_entry(
+    cache_dir: str | Path,
+    seed: int = 0,
+    *,
+    num_train: int = NUM_TRAIN,
+    num_val: int = NUM_VAL,
+    warmup_steps: int = WARMUP_STEPS,
+) -> Path:
+    """The cache folder `prepare_addition_assets` builds (or reuses) for these settings; nothing is built."""
+    return entry_path(cache_dir, "addition", _cache_key(seed, num_train, num_val, warmup_steps))
 
 
 def prepare_addition_assets(

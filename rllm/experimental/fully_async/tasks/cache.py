@@ -26,6 +26,11 @@ def cache_key(spec: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def entry_path(cache_dir: str | Path, name: str, key: str) -> Path:
+    """The folder `cached_entry` keeps entry `name` under `key` in, whether or not it is built yet."""
+    return Path(cache_dir) / f"{name}-{key}"
+
+
 def cached_entry(
     cache_dir: str | Path,
     name: str,
@@ -37,7 +42,7 @@ def cached_entry(
     """The entry folder and its marker's contents; `build(folder)` fills a fresh folder and returns the marker's
     contents, called only when no complete entry exists."""
     cache_dir = Path(cache_dir)
-    entry = cache_dir / f"{name}-{key}"
+    entry = entry_path(cache_dir, name, key)
     if not (entry / marker).is_file():
         cache_dir.mkdir(parents=True, exist_ok=True)
         tmp = cache_dir / f".tmp-{name}-{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"

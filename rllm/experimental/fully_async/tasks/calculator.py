@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from rllm.experimental.fully_async.tasks import TaskAssets
-from rllm.experimental.fully_async.tasks.cache import cache_key, cached_entry
+from rllm.experimental.fully_async.tasks import TaskAssets, entry_paths
+from rllm.experimental.fully_async.tasks.cache import cache_key, cached_entry, entry_path
 from rllm.experimental.fully_async.tasks.imitation import imitation_warmup, pad_rows
 from rllm.experimental.fully_async.tasks.number_line import build_model as tiny_qwen2
 from rllm.experimental.fully_async.tasks.number_line import build_tokenizer as character_tokenizer
@@ -139,11 +139,22 @@ def supervised_warmup(model: PreTrainedModel, tokenizer: Any, seed: int, steps: 
     )
 
 
-def prepare_calculator_assets(cache_dir: str | Path, seed: int = 0, warmup_steps: int = 600) -> CalculatorAssets:
-    """Build (once, cached by a key of everything that changes it) the data and the warmed-up model."""
+def _calculator_key(seed: int, warmup_steps: int) -> str:
+    """The cache key of everything that changes what `prepare_calculator_assets` builds."""
+
     spec = {"v": ASSETS_VERSION, "seed": seed, "steps": warmup_steps, "model": MODEL_CONFIG, "vocab": VOCAB}
     spec |= {"batch": WARMUP_BATCH_SIZE, "lr": WARMUP_LR, "tool_p": DEMO_TOOL_P, "template": CHAT_TEMPLATE}
-    key = cache_key(spec)
+    return cache_key(spec)
+
+
+def calculator_entry(cache_dir: str | Path, seed: int = 0, warmup_steps: int = 600) -> Path:
+    """The cache folder `prepare_calculator_assets` builds (or reuses) for these settings; nothing is built."""
+    return entry_path(cache_dir, "calculator", _calculator_key(seed, warmup_steps))
+
+
+def prepare_calculator_assets(cache_dir: str | Path, seed: int = 0, warmup_steps: int = 600) -> CalculatorAssets:
+    """Build (once, cached by a key of everything that changes it) the data and the warmed-up model."""
+    key = _calculator_key(seed, warmup_steps)
 
     def build(folder: Path) -> dict[str, Any]:
         write_parquets(folder, seed)
@@ -157,6 +168,12 @@ def prepare_calculator_assets(cache_dir: str | Path, seed: int = 0, warmup_steps
     return CalculatorAssets(
         entry / "model", entry / "train.parquet", entry / "val.parquet", float(meta["warmup_seconds"]), key
     )
+
+
+def locate_task(task_cfg: Any) -> dict[str, str]:
+    """The task registry's locator (tasks.task_asset_paths): where `prepare_task` puts the data and model."""
+    cache = Path(os.path.expanduser(str(task_cfg.cache_dir)))
+    return entry_paths(calculator_entry(cache, seed=int(task_cfg.seed), warmup_steps=int(task_cfg.warmup_steps)))
 
 
 def prepare_task(task_cfg: Any) -> Any:

@@ -32,9 +32,9 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from rllm.experimental.fully_async.envs.number_line import NumberLineEnv
-from rllm.experimental.fully_async.tasks import TaskAssets
+from rllm.experimental.fully_async.tasks import TaskAssets, entry_paths
 from rllm.experimental.fully_async.tasks.addition import single_torch_thread
-from rllm.experimental.fully_async.tasks.cache import cache_key, cached_entry
+from rllm.experimental.fully_async.tasks.cache import cache_key, cached_entry, entry_path
 from rllm.experimental.fully_async.tasks.imitation import imitation_warmup, pad_rows
 
 if TYPE_CHECKING:
@@ -252,6 +252,12 @@ def evaluate_success(model_dir: str | Path, seed: int = 0, samples: int = 16) ->
     return sampled_success(model, tokenizer, make_pairs(seed)[1], samples, seed)
 
 
+def locate_task(task_cfg: Any) -> dict[str, str]:
+    """The task registry's locator (tasks.task_asset_paths): where `prepare_task` puts the data and model."""
+    cache = Path(os.path.expanduser(str(task_cfg.cache_dir)))
+    return entry_paths(number_line_entry(cache, seed=int(task_cfg.seed), warmup_steps=int(task_cfg.warmup_steps)))
+
+
 def prepare_task(task_cfg: Any) -> Any:
     """The task registry's entry (tasks/__init__.py): data, warmed-up model; rewards come from the environment."""
 
@@ -266,12 +272,22 @@ def prepare_task(task_cfg: Any) -> Any:
     )
 
 
-def prepare_number_line_assets(cache_dir: str | Path, seed: int = 0, warmup_steps: int = WARMUP_STEPS):
-    """Build (once, cached by a key of everything that changes it) the data and the warmed-up model."""
+def _number_line_key(seed: int, warmup_steps: int) -> str:
+    """The cache key of everything that changes what `prepare_number_line_assets` builds."""
 
     spec = {"v": ASSETS_VERSION, "seed": seed, "steps": warmup_steps, "model": MODEL_CONFIG, "vocab": VOCAB}
     spec |= {"batch": WARMUP_BATCH_SIZE, "lr": WARMUP_LR, "demo_p": DEMO_DIRECTION_P, "turns": MAX_TURNS}
-    key = cache_key(spec)
+    return cache_key(spec)
+
+
+def number_line_entry(cache_dir: str | Path, seed: int = 0, warmup_steps: int = WARMUP_STEPS) -> Path:
+    """The cache folder `prepare_number_line_assets` builds (or reuses) for these settings; nothing is built."""
+    return entry_path(cache_dir, "number_line", _number_line_key(seed, warmup_steps))
+
+
+def prepare_number_line_assets(cache_dir: str | Path, seed: int = 0, warmup_steps: int = WARMUP_STEPS):
+    """Build (once, cached by a key of everything that changes it) the data and the warmed-up model."""
+    key = _number_line_key(seed, warmup_steps)
 
     def build(folder: Path) -> dict[str, Any]:
         write_parquets(folder, seed)

@@ -42,7 +42,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from rllm.experimental.fully_async.errors import EXIT_BAD_INPUT, FullyAsyncError
-from rllm.experimental.fully_async.tasks.cache import cache_key, cached_entry
+from rllm.experimental.fully_async.tasks.cache import cache_key, cached_entry, entry_path
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -310,6 +310,16 @@ def _data_cache_key(model_key: str, seed: int, num_val_pairs: int, max_new_token
         "templates": TEMPLATES,
     }
     return cache_key(spec)
+
+
+def smollm2_entries(
+    cache_dir: str | Path, seed: int = 0, *, num_val_pairs: int = NUM_VAL_PAIRS, max_new_tokens: int = MAX_NEW_TOKENS
+) -> tuple[Path, Path]:
+    """(the model folder, the data folder) `prepare_smollm2_assets` builds or reuses for these settings; nothing is
+    built. Raises SmolLM2NotInstalledError without the package."""
+    model_dir = entry_path(cache_dir, "smollm2-135m-instruct", _model_cache_key(find_smollm2_gguf()))
+    key = _data_cache_key(model_dir.name, seed, num_val_pairs, max_new_tokens)
+    return model_dir, entry_path(cache_dir, "smollm2-addition", key)
 
 
 def prepare_smollm2_assets(

@@ -68,7 +68,9 @@ def prepare_run(cfg: DictConfig, rllm_functions: RolloutFunctions | None = None,
     """Make `cfg` final (the task's paths filled in, the LR horizon set) and freeze it into the run spec; raises
     RunFinished for a run dir whose run already finished (run_dir.py). `rllm_functions`: AsyncAgentTrainer's."""
     require_patched_verl()
-    phase("task")
+    phase(
+        f"preparing the data and model of task {cfg.task.name}" if cfg.task.name else "checking the data and the model"
+    )
     prepare_task(cfg)
     num_prompts = check_data(cfg)
     if cfg.trainer.total_training_steps is None:
@@ -105,7 +107,8 @@ def start_processes(
     on_cluster = runs_on_cluster(spec)
     gpu_plan = None if on_cluster else host_plan(spec)
     ranks = None  # where the trainer ranks go: their node's bundle and device, on a cluster
-    phase("engines")
+    e = spec.engines
+    phase(f"starting {e.num_engines} {e.backend} engine{'s' if e.num_engines != 1 else ''} (each loads the model)")
     if on_cluster:  # Ray first there: engines start through actors on their nodes
         engines, ranks = start_on_cluster(spec, stack, run_dir / "engines")
     else:
@@ -117,7 +120,7 @@ def start_processes(
         startup_timeout_s=spec.engines.startup_timeout_s,
     )
     if not on_cluster:
-        phase("ray")
+        phase("starting Ray")
         # Ray sees only the plan's trainer GPUs, so no rank can land on an engine's GPU (runtime/cluster/one_host.py).
         with ray_gpu_environment(gpu_plan):
             start_ray = functools.partial(init_ray, num_gpus=ray_num_gpus(gpu_plan))
@@ -131,7 +134,7 @@ def start_processes(
             resumed_from=resumed.path.resolve() if resumed is not None else None,
             model_path=spec.trainer.model_path,
         )
-    phase("actors")
+    phase("starting the rollout service and the trainer (it loads the model)")
     # One rollout service (executor, queue, budget, ledger) and the trainer, which takes a batch from it with one
     # call per step; a resume hands each its own part of the checkpoint. An interrupt between creating an actor and
     # registering its cleanup would skip that actor's own shutdown (a multi-rank trainer's ranks): it is held until

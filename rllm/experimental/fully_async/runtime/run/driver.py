@@ -74,6 +74,9 @@ class Run:
     def start(self) -> None:
         cfg = self.cfg
         self.run_dir = Path(cfg.run.dir)
+        # A rich bar on a terminal, plain lines in logs (observe/progress.py): start-up phases, a header, the steps.
+        self.progress = Progress(cfg.trainer.total_training_steps)
+        self._stack.callback(self.progress.close)
         self.spec = prepare_run(cfg, self.rllm_functions, phase=self._phase)
         self.total = cfg.trainer.total_training_steps  # None: until the data (trainer.total_epochs) is exhausted
         self.container = OmegaConf.to_container(cfg, resolve=True)
@@ -84,9 +87,8 @@ class Run:
         resumed = load_checkpoint(resume_path) if resume_path is not None else None
         self.sink = MetricsSink(cfg, self.run_dir)
         self._stack.callback(self.sink.close)
-        # A rich bar on a terminal, plain lines in logs (observe/progress.py); closed before anything else prints.
-        self.progress = Progress(self.total)
-        self._stack.callback(self.progress.close)
+        self._stack.callback(self.progress.close)  # again: closed (idempotent) before the sink, whose wandb prints
+        self.progress.header(self.spec, self.run_dir)
         notice = synchronous_notice(cfg)
         if notice is not None:  # an rLLM script's default staleness_threshold: said at start, not left to find
             logger.warning(notice)
@@ -107,16 +109,19 @@ class Run:
             # one, so it is on every engine before the first request (docs/design.md#rule-one-version-per-lora-sample)
             ray.get(self.trainer.sync_weights.remote(False), timeout=self.sync_timeout_s)
         if resumed is None and self.spec.run.val_before_train:
+            self._phase("initial validation (the engines' first requests)")
             val = ray.get(self.rollouts.validate.remote(), timeout=self.validate_timeout_s)
             self.initial_acc = val.get("val/accuracy")
             self.sink.log_validation(0, val)
             if self.initial_acc is not None:  # None: no validation files (data.val_files=null)
                 self.progress.message(f"initial validation accuracy {self.initial_acc:.1%} (version 0)")
         self._run_ref = self.rollouts.run.remote()
+        self._phase("generating the first batch, then step 1")
 
     def _phase(self, name: str) -> None:
-        """A start-up phase begins (runtime/run/build.py): logged."""
+        """A start-up phase begins (runtime/run/build.py): logged and shown on the progress display."""
         logger.info("starting: %s", name)
+        self.progress.phase(name)
 
     # ---- step ----------------------------------------------------------------------------------------------
 
