@@ -200,9 +200,9 @@ class EngineClient:
         """Route to `new_url` (a restarted engine) instead of `old_url`; see `EnginePool.replace_engine`."""
         self.pool.replace_engine(old_url, new_url)
 
-    def add_engine(self, url: str) -> None:
+    def add_engine(self, url: str, api_key: str | None = None) -> None:
         """Route to `url` (a joining engine, already at the trainer's weights) too; see `EnginePool.add_engine`."""
-        self.pool.add_engine(url)
+        self.pool.add_engine(url, api_key)
 
     async def drain_engine(self, url: str, timeout_s: float) -> int:
         """Take `url` out of routing once none of this client's calls is on it; returns the samples moved.

@@ -161,8 +161,10 @@ class EnginePool:
         return True
 
     # ---------------------------------------------------------------- membership and state
-    def _add(self, url: str) -> EngineState:
-        http = EngineHTTP(url, self._get_session, api_key=self.api_key, connect_timeout_s=self.connect_timeout_s)
+    def _add(self, url: str, api_key: str | None = None) -> EngineState:
+        """`api_key`: this engine's own (a server registered with its key); None: the pool's."""
+        key = api_key if api_key is not None else self.api_key
+        http = EngineHTTP(url, self._get_session, api_key=key, connect_timeout_s=self.connect_timeout_s)
         state = self._engines[http.url] = EngineState(http)
         return state
 
@@ -227,14 +229,14 @@ class EnginePool:
         logger.info("engine %s replaced by %s; %d engine(s) alive", old_url, new_url, len(self.alive_urls))
         self._signal_engine_usable()
 
-    def add_engine(self, url: str) -> None:
-        """Route to `url` from now on (a joining engine, already at the trainer's weights); requests waiting for an
-        engine wake up. Call it from the event loop that uses the pool."""
+    def add_engine(self, url: str, api_key: str | None = None) -> None:
+        """Route to `url` from now on (a joining engine, already at the trainer's weights; `api_key`: its own, else
+        the pool's); requests waiting for an engine wake up. Call it from the event loop that uses the pool."""
         url = url.rstrip("/")
         if url in self._engines:
             raise ValueError(f"{url} is already one of this pool's engines")
         self.removed.pop(url, None)
-        self._add(url)
+        self._add(url, api_key)
         logger.info("engine %s joined; %d engine(s) alive", url, len(self.alive_urls))
         self._signal_engine_usable()
 

@@ -84,9 +84,9 @@ class RolloutServiceActor:
         """Route rollouts to a restarted engine (already at the trainer's weights) instead of its dead predecessor."""
         self.client.replace_engine(old_url, new_url)
 
-    def add_engine(self, url: str) -> None:
+    def add_engine(self, url: str, api_key: str | None = None) -> None:
         """Route rollouts to a joining engine too (already at the trainer's weights: the driver synced it first)."""
-        self.client.add_engine(url)
+        self.client.add_engine(url, api_key)
 
     async def drain_engine(self, url: str, timeout_s: float) -> int:
         """A leaving engine: no new rollout goes to it, its in-flight samples continue on the others from their

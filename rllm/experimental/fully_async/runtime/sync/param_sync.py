@@ -266,11 +266,12 @@ class ParamSync:
         logger.info("engine %s replaced by %s at weight version %d", old_url, new_url, version)
         return version
 
-    def add_engine(self, url: str) -> int:
+    def add_engine(self, url: str, api_key: str | None = None) -> int:
         """Sync to `url` too (an engine that joins the run), after loading into it the weights the other engines
         were last given; returns the version it serves. Raises SyncError naming it if the load fails (it is then
         not synced to). Before any sync, its weight version is set to 0 and read back: it serves the model the run
-        started from (the caller checked which model it serves), whatever version it was launched with."""
+        started from (the caller checked which model it serves), whatever version it was launched with. `api_key`: the
+        engine's own (a registered server's), else the run's."""
         url = url.rstrip("/")
         with self._sync_lock:
             if self._closed:
@@ -281,7 +282,7 @@ class ParamSync:
             target = staged.version if staged is not None else 0
             try:
                 version = self._run(
-                    self._load_into(None, url, staged),
+                    self._load_into(None, url, staged, api_key),
                     timeout_s=self.update_timeout_s + self.pause_timeout_s + 30.0,
                     what=f"loading weights version {target} into joining engine {url}",
                 )
@@ -295,11 +296,13 @@ class ParamSync:
         logger.info("engine %s joined weight syncs at version %d", url, version)
         return version
 
-    async def _load_into(self, old_url: str | None, new_url: str, staged: StagedWeights | None) -> int:
+    async def _load_into(
+        self, old_url: str | None, new_url: str, staged: StagedWeights | None, api_key: str | None = None
+    ) -> int:
         """Load `staged` into `new_url`, which takes `old_url`'s place (None: it joins with no predecessor, and
         with nothing staged yet its version is set to 0)."""
         if old_url is None:
-            self._client.add_engine(new_url)
+            self._client.add_engine(new_url, api_key)
             if staged is None and self.lora_keep is None:
                 await self._client.update_weight_version(new_url, "0", timeout_s=self.pause_timeout_s)
         else:

@@ -119,12 +119,12 @@ class FullyAsyncTrainerActor:
         return self.param_sync.replace_engine(old_url, new_url)
 
     @ray.method(concurrency_group="engines")
-    def add_engine(self, url: str) -> int:
+    def add_engine(self, url: str, api_key: str | None = None) -> int:
         """Load the current weights into a joining engine and sync to it from now on; returns its version
         (docs/design.md#rule-engine-set-can-change). Ordered with syncs by ParamSync's lock, as `replace_engine`."""
         if self.param_sync is None:
             return self.trainer.version
-        return self.param_sync.add_engine(url)
+        return self.param_sync.add_engine(url, api_key)
 
     @ray.method(concurrency_group="engines")
     def remove_engine(self, url: str) -> None:
