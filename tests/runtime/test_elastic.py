@@ -151,3 +151,22 @@ def test_an_engine_another_live_run_claims_is_refused_while_that_run_holds_it(tm
     finally:
         first.close()
         second.close()
+
+
+def test_the_command_line_prints_one_line_and_exits_2_refused_or_1_no_run(driver, tmp_path, capsys):
+    from rllm.experimental.fully_async.__main__ import main as cli_main
+
+    assert cli_main(["engines", "remove", "9", "--run-dir", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: no engine '9' in this run; its engines: 0 (http://127.0.0.1:1) (see `engines list`)"
+    ]
+    assert cli_main(["engines", "list", "--run-dir", str(tmp_path / "nowhere")]) == 1
+    assert capsys.readouterr().err.strip() == f"error: no run at {tmp_path / 'nowhere'}: the directory does not exist"
+    assert cli_main(["engines", "list", "--run-dir", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "1 engine(s) active, 0 starting" and out[2].split() == [
+        "0",
+        "active",
+        "launched",
+        "http://127.0.0.1:1",
+    ]
