@@ -3,12 +3,13 @@
 One real run (the addition task, Ray, the patched verl actor) starts with 1 embedded engine; through the
 `engines` command's client, the test adds 2, removes the first (its in-flight samples move to the others), SIGKILLs
 one (the supervisor restarts it), and registers two servers launched outside the run by URL with their API key:
-an embedded engine and the SGLang 0.5.6 stand-in. Each step waits for the run's own record of it
-(RUN_DIR/engine_events.jsonl), never for a clock. Then the run is stopped with SIGTERM (a checkpoint, every process
-ended) and checked: the event lines carry exactly the contract's fields, the ledger journal audits clean (no sample
-issued or ended twice, nothing lost: issued = in flight + ended, none failed), and the engines/* metrics counted
-the joins and leaves. That a moved sample continues from exactly its saved tokens is held on real engines in
-tests/engines/test_engine_membership.py, where the decode hold can catch requests decoding.
+an embedded engine and the SGLang 0.5.6 stand-in; then every engine leaves (generation waits) and one is added.
+Each step waits for the run's own record of it (RUN_DIR/engine_events.jsonl), never for a clock. Then the run is
+stopped with SIGTERM (a checkpoint, every process ended) and checked: the event lines carry exactly the contract's
+fields, the ledger journal audits clean (no sample issued or ended twice, nothing lost: issued = in flight + ended,
+none failed), and the engines/* metrics counted the joins and leaves. That a moved sample continues from exactly its
+saved tokens is held on real engines in tests/engines/test_engine_membership.py, where the decode hold can catch
+requests decoding.
 """
 
 from __future__ import annotations
@@ -58,6 +59,12 @@ def events(run_dir: Path) -> list[dict]:
 
 def has_event(run_dir: Path, event: str, engine: str):
     return lambda: next((e for e in events(run_dir) if e["event"] == event and e["engine"] == engine), None)
+
+
+def two_more_steps(run_dir: Path, proc: subprocess.Popen) -> None:
+    lines = lambda: len((run_dir / "metrics.jsonl").read_text().splitlines())  # noqa: E731
+    then = lines()
+    wait_for("two more steps", lambda: lines() >= then + 2, proc)
 
 
 def engine_pid(url: str) -> int:
@@ -122,12 +129,16 @@ def elastic_run(tmp_path_factory, addition_cache):
                 run_dir, {"op": "register", "url": launcher.urls[0], "api_key": KEY}
             )
         answers["list"] = send(run_dir, {"op": "list"})
-        steps_then = len((run_dir / "metrics.jsonl").read_text().splitlines())
-        wait_for(  # the run trains on with its new set: two more step lines
-            "two more steps",
-            lambda: len((run_dir / "metrics.jsonl").read_text().splitlines()) >= steps_then + 2,
-            proc,
-        )
+        two_more_steps(run_dir, proc)  # the run trains on with its new set
+
+        # Every engine leaves: generation waits (engines.no_engine_timeout_s) instead of the run ending, and goes on
+        # once one joins.
+        for engine in ("1", "2", "3", "4"):
+            send(run_dir, {"op": "remove", "engine": engine})
+        answers["empty"] = send(run_dir, {"op": "list"})
+        send(run_dir, {"op": "add", "count": 1})
+        wait_for("engine 5 joining", has_event(run_dir, "join", "5"), proc)
+        two_more_steps(run_dir, proc)
         proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=400)
     finally:
@@ -153,7 +164,15 @@ def test_each_change_is_answered_in_one_line_and_the_engines_are_the_new_set(ela
         ("3", "registered", "active"),
         ("4", "registered", "active"),
     ]
-    for line in ("engine 1 joined at", "engine 0 left (", "engine 1 restarted at", "engine 4 joined at"):
+    assert answers["empty"]["engines"] == []
+    for line in (
+        "engine 1 joined at",
+        "engine 0 left (",
+        "engine 1 restarted at",
+        "engine 4 joined at",
+        "no inference engine left: generation waits up to 120s (engines.no_engine_timeout_s)",
+        "engine 5 joined at",
+    ):
         assert line in output, line
 
 
@@ -169,6 +188,11 @@ def test_every_event_is_one_line_with_the_contract_fields_in_order(elastic_run):
         ("restart", "1", 2, "launched"),
         ("join", "3", 3, "registered"),
         ("join", "4", 4, "registered"),
+        ("leave", "1", 3, "launched"),
+        ("leave", "2", 2, "launched"),
+        ("leave", "3", 1, "registered"),
+        ("leave", "4", 0, "registered"),
+        ("join", "5", 1, "launched"),
     ]
     moves = [e for e in lines if e["event"] == "move"]
     assert all(e["samples_moved"] > 0 for e in moves) and all(
@@ -186,7 +210,7 @@ def test_the_ledger_is_exact_through_every_change(elastic_run):
     assert counts["failed"] == 0, "no sample failed for an engine leaving, dying or joining"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last = [r for r in rows if "engines/active" in r][-1]
-    assert last["engines/active"] == 4 and last["engines/joined"] == 4 and last["engines/left"] == 1
+    assert last["engines/active"] == 1 and last["engines/joined"] == 5 and last["engines/left"] == 5
 
 
 def test_nothing_is_left_running(elastic_run):
