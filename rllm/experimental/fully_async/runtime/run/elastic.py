@@ -103,9 +103,8 @@ class ControlServer:
         app.router.add_post("/engines", self._handle)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        return int(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]  # aiohttp keeps no public port
+        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
+        return int(self._runner.addresses[0][1])
 
     async def _handle(self, request: web.Request) -> web.Response:
         if not authorized(request.headers.get("Authorization"), self.token):
@@ -333,7 +332,13 @@ class ElasticEngines:
             self.ctx.supervisor.release(member.slot)
             self._forget(member)
             return f"engine {member.id} was still starting; stopped"
-        self.leave(member)
+        try:
+            self.leave(member)
+        except Exception as exc:  # its calls did not come back in time: it stays out of routing, still synced
+            raise ElasticError(
+                f"engine {member.id} ({member.url}) is draining but has not left: {type(exc).__name__}: {exc}; "
+                f"it gets no new request; retry `engines remove {member.id}`"
+            ) from exc
         return f"engine {member.id} ({member.url}) left"
 
     def _register(self, request: ElasticRequest) -> str:
@@ -395,7 +400,13 @@ class ElasticEngines:
             if member is None:  # removed while it started
                 return
             member.url = normalize_url(event.url)
-            self.join(member)
+            try:
+                self.join(member)
+            except Exception as exc:  # it never served: stop it, the run goes on as it was
+                logger.warning("engine %s at %s could not join: %s", member.id, member.url, exc)
+                self.ctx.supervisor.release(event.index)
+                self._forget(member)
+                self.ctx.message(f"engine {member.id} ({member.url}) could not join and was stopped: {exc}")
         elif isinstance(event, EngineReplaced):
             member = self.membership.by_slot(event.index)
             version = ray.get(
