@@ -220,3 +220,29 @@ def test_an_engine_killed_mid_broadcast_fails_the_sync_in_time_and_its_restart_r
                 for result, prompt in zip(asyncio.run(greedy([url])), PROMPTS, strict=True):
                     expected = reference_logprobs(models["b"][1], prompt, result.output_ids)
                     assert max_abs_diff(result.logprobs, expected) < 1e-4, url
+
+
+def test_an_engine_joining_between_syncs_gets_the_kept_buckets_alone_then_takes_part_in_the_next_sync(
+    engines, models, tmp_path
+):
+    """The choice for engines that join (docs/design.md#rule-engine-set-can-change): a group of its own for the
+    catch-up, then the next sync rebuilds the group over every engine; an engine that left is in no later group."""
+    first, joiner = engines
+    transport = DistributedTransport(module_state(models["b"][1]), bucket_mb=SMALL_BUCKET_MB)
+    with ParamSync([first], transport, pause_timeout_s=10) as sync:
+        sync.sync(no_disk, 1)
+        assert transport.members == [first]
+        assert sync.add_engine(joiner) == 1
+        assert transport.members == [joiner], "the joiner caught up through a group of its own"
+        for result, prompt in zip(asyncio.run(greedy([joiner])), PROMPTS, strict=True):
+            assert result.versions == [1] * 10
+            assert max_abs_diff(result.logprobs, reference_logprobs(models["b"][1], prompt, result.output_ids)) < 1e-4
+        sync.sync(no_disk, 2)
+        assert sorted(transport.members) == sorted([first, joiner])
+        assert asyncio.run(versions([first, joiner])) == ["2", "2"]
+        sync.remove_engine(first)  # it leaves (still running): the next group is built without it
+        sync.sync(no_disk, 3)
+        assert transport.members == [joiner]
+        assert asyncio.run(versions([first, joiner])) == ["2", "3"]
+    with ParamSync(engines, DiskTransport(tmp_path / "w")) as sync:
+        sync.sync(disk_writer(models["a"][0]), 4)  # leave model A behind for the other tests

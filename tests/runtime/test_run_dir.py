@@ -82,9 +82,11 @@ def test_a_fresh_start_over_a_run_without_checkpoint_moves_it_aside_too(tmp_path
     run_dir = tmp_path / "run"
     settle_run_dir(config(run_dir))
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
-    settle_run_dir(config(run_dir))  # auto, no checkpoint: its metrics must not be appended to
+    (run_dir / "engine_events.jsonl").write_text('{"event": "join"}\n')
+    settle_run_dir(config(run_dir))  # auto, no checkpoint: its metrics and engine events must not be appended to
     (previous,) = run_dir.glob("previous-*")
     assert (previous / "metrics.jsonl").exists() and not (run_dir / "metrics.jsonl").exists()
+    assert (previous / "engine_events.jsonl").exists() and not (run_dir / "engine_events.jsonl").exists()
     settle_run_dir(config(run_dir))  # nothing but config.yaml: moved again, into a second folder
     assert len(list(run_dir.glob("previous-*"))) == 2
 

@@ -338,7 +338,7 @@ def test_an_unknown_command_gets_the_nearest_one():
         .splitlines()[-1]
         .endswith(
             "error: unknown command 'repot': did you mean 'report' or 'replay'? commands: train, doctor, config, plan, "
-            "report, view, simulate, replay (overrides are key=value)"
+            "report, view, simulate, replay, engines (overrides are key=value)"
         )
     )
     missing_value = _cli("trainer.total_training_steps")

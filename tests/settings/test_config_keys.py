@@ -461,6 +461,7 @@ SPEC_LEVEL: dict[str, str] = {
     "engines.request_timeout_s": "the engine client (test_client)",
     "engines.on_engine_failure": "the engine supervisor (test_engine_restart)",
     "engines.max_restarts": "the engine supervisor (test_engine_restart)",
+    "engines.no_engine_timeout_s": "the driver's wait with no engine left (test_elastic_engines, test_elastic)",
     "engines.sampling_seed": "the engine client's per-request sampling seeds (test_sampling_seed)",
     # without LoRA they are refused (REFUSED); with actor_rollout_ref.model.lora_rank > 0 they are the engines' LoRA
     # flags (tests/settings/test_engine_lora_settings.py)

@@ -238,5 +238,12 @@ def _replay(argv: list[str]) -> int:
     return replay_main(argv)
 
 
+@command("engines", "add, remove, register or list the engines of a running run (--run-dir)", True)
+def _engines(argv: list[str]) -> int:
+    from rllm.experimental.fully_async.cli.engines import main as engines_main
+
+    return engines_main(argv)
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -193,6 +193,7 @@ class EnginesSpec:
     deterministic_inference: bool = False  # engines.deterministic_inference
     lora: EngineLoRASpec | None = None  # LoRA adapters served (actor_rollout_ref.model.lora_rank > 0)
     forward_sleep_s: float = 0.0  # engines.forward_sleep_s: the embedded engine's sleep before every forward pass
+    no_engine_timeout_s: float = 600.0  # engines.no_engine_timeout_s: how long generation waits with no engine
 
 
 @dataclass(frozen=True)
@@ -370,6 +371,7 @@ def engines_spec(cfg: DictConfig) -> EnginesSpec:
         sampling_seed=None if e.sampling_seed is None else int(e.sampling_seed),
         deterministic_inference=bool(e.deterministic_inference),
         forward_sleep_s=float(e.forward_sleep_s),
+        no_engine_timeout_s=float(e.no_engine_timeout_s),
         lora=engine_lora_spec(cfg),
     )
 

@@ -200,6 +200,40 @@ class EngineClient:
         """Route to `new_url` (a restarted engine) instead of `old_url`; see `EnginePool.replace_engine`."""
         self.pool.replace_engine(old_url, new_url)
 
+    def add_engine(self, url: str, api_key: str | None = None) -> None:
+        """Route to `url` (a joining engine, already at the trainer's weights) too; see `EnginePool.add_engine`."""
+        self.pool.add_engine(url, api_key)
+
+    async def drain_engine(self, url: str, timeout_s: float) -> int:
+        """Take `url` out of routing once none of this client's calls is on it; returns the samples moved.
+
+        No new request goes to it; what it is generating is aborted there (`/abort_request abort_all`), and each
+        aborted piece comes back with its tokens and is re-sent to another engine from them (resumable.py), exactly
+        as after a weight sync's pause. A call that reached the engine after the abort is aborted at the next
+        HELD_RECHECK_S. An engine that no longer answers is left to the failover (its calls fail and are re-sent).
+        Raises TimeoutError naming it if calls are still on it after `timeout_s`, leaving it draining.
+        """
+        engine = self.pool.begin_drain(url)
+        deadline = time.monotonic() + timeout_s
+        while engine.in_flight > 0:
+            with contextlib.suppress(EngineConnectionError):  # dead: its calls fail over by themselves
+                await self.abort_request(engine.url, abort_all=True, timeout_s=max(1.0, deadline - time.monotonic()))
+            remaining = deadline - time.monotonic()
+            if await self.pool.wait_drained(engine.url, max(0.0, min(HELD_RECHECK_S, remaining))):
+                break
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"engine {engine.url}: {engine.in_flight} request(s) still on it {timeout_s:g}s after it was "
+                    "asked to abort them"
+                )
+        self.pool.remove_engine(engine.url)
+        logger.info("engine %s drained: %d sample(s) moved to other engines", engine.url, engine.moved)
+        return engine.moved
+
+    def moves(self, url: str) -> int:
+        """Samples that left `url` for another engine (see `EnginePool.moves`)."""
+        return self.pool.moves(url)
+
     async def aclose(self) -> None:
         """Close the pooled session (idempotent)."""
         await self.pool.aclose()

@@ -214,6 +214,7 @@ class EngineLauncher:
         self.api_key: str | None = None
         self._spawns: dict[int, int] = {}  # starts per engine index (port-race retries)
         self._spawned: list[subprocess.Popen[bytes]] = []  # every process started and not yet stopped
+        self.released: set[int] = set()  # slots whose engine left the run (`release`): stopped, never restarted
 
     @property
     def urls(self) -> list[str]:
@@ -245,7 +246,7 @@ class EngineLauncher:
 
     def stop(self) -> None:
         """Stop every engine: SIGTERM to its process group, then SIGKILL after `stop_timeout_s`."""
-        processes, self.processes = self.processes, []
+        processes, self.processes = [p for i, p in enumerate(self.processes) if i not in self.released], []
         for proc in processes:
             _signal_group(proc.process, signal.SIGTERM)
         deadline = time.monotonic() + self.stop_timeout_s
@@ -280,6 +281,34 @@ class EngineLauncher:
         self._spawns[index] = 0  # the port-race retries count per start
         self.processes[index] = self._spawn(index)
         return self.processes[index]
+
+    def add(self) -> EngineProcess:
+        """Start one more engine, in a new slot (the next index: its own seed and log), without waiting; call
+        `probe(index)` until it is healthy (the supervisor does). `stop()` covers it from now on."""
+        if not self.processes:
+            raise RuntimeError("engines not started; start() them first")
+        index = len(self.processes)
+        self._spawns[index] = 0
+        self.processes.append(self._spawn(index))
+        return self.processes[index]
+
+    def release(self, index: int) -> None:
+        """Stop slot `index`'s engine for good (it left the run): SIGTERM to its group, SIGKILL after
+        `stop_timeout_s`. The slot keeps its place, so indices stay the slots' names."""
+        proc = self.processes[index]
+        self.released.add(index)
+        if proc.process.poll() is None:
+            _signal_group(proc.process, signal.SIGTERM)
+            try:
+                proc.process.wait(timeout=self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("engine %s (pid %d) ignored SIGTERM; killing its process group", proc.url, proc.pid)
+            _signal_group(proc.process, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.process.wait(timeout=self.stop_timeout_s)
+        with contextlib.suppress(ValueError):
+            self._spawned.remove(proc.process)
+        logger.info("engine %d (%s) released", index, proc.url)
 
     def probe(self, index: int, *, timeout_s: float = 2.0) -> bool:
         """One health check of engine slot `index`: True once /health answers 200, False while it is starting.

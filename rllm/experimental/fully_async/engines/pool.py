@@ -1,9 +1,14 @@
 """The engine pool: THE registry of which engines a process talks to, their health, load and weight versions.
 
-- Membership: `urls`, `replace_engine` (a restarted engine takes a dead one's place), `remove_engine`.
+- Membership: `urls`, `add_engine` (one joins, synced by the caller first), `replace_engine` (a restarted engine
+  takes a dead one's place), `begin_drain` (a leaving engine gets no new request; `wait_drained` waits for its
+  calls to come back), `remove_engine`. The pool may be left with no engine (the last one left): requests then
+  wait up to `wait_for_engine_s` for one to join (docs/design.md#rule-engine-set-can-change).
 - Health: consecutive connection failures past `dead_after_failures` mark an engine dead (routed around); a
   successful call or `/health` probe revives it. When every engine is dead a request waits up to
   `wait_for_engine_s` for one to come back or be replaced, then raises `NoHealthyEngineError`.
+- Moves: a draining engine's pieces that come back aborted (`moved`), and requests re-sent elsewhere after a
+  connection failure (`failed_over`), per engine: the samples that continue on another engine from their tokens.
 - Routing: `post_generate` sends one `/generate` to the live engine with the fewest requests in flight from this
   pool, failing over to another engine on connection errors with bounded exponential back-off.
 - Calls in flight: every `post_generate` takes a ticket in send order, so a checkpoint that pauses the engines can
@@ -59,6 +64,9 @@ class EngineState:
     busy_s: float = 0.0  # wall time with at least one of this pool's requests in flight, finished spans only
     busy_since: float | None = None  # start of the current busy span (in_flight > 0), time.monotonic()
     lora_adapters: frozenset[str] | None = None  # adapter names it serves, as last loaded/listed (None: not known)
+    draining: bool = False  # leaving: routed around like a dead engine, its calls awaited (`wait_drained`)
+    moved: int = 0  # pieces it returned aborted while draining: each continues elsewhere from its tokens
+    failed_over: int = 0  # requests re-sent elsewhere after a connection failure on it
 
     def begin_request(self, n: int = 1) -> None:
         if self.in_flight == 0:
@@ -78,6 +86,11 @@ class EngineState:
     @property
     def url(self) -> str:
         return self.http.url
+
+    @property
+    def usable(self) -> bool:
+        """New requests may go to it."""
+        return not self.dead and not self.draining
 
 
 class EnginePool:
@@ -123,6 +136,8 @@ class EnginePool:
         self._tickets = itertools.count()  # post_generate calls in send order
         self._open_tickets: dict[int, None] = {}  # calls not yet returned (insertion order = send order)
         self._ticket_closed: asyncio.Event | None = None  # set while someone waits in generates_before
+        self._request_ended: asyncio.Event | None = None  # set whenever a /generate call returns (wait_drained)
+        self.removed: dict[str, EngineState] = {}  # engines removed from routing, their counters kept (by URL)
 
     # ---------------------------------------------------------------- calls in flight
     def generate_mark(self) -> int:
@@ -146,8 +161,10 @@ class EnginePool:
         return True
 
     # ---------------------------------------------------------------- membership and state
-    def _add(self, url: str) -> EngineState:
-        http = EngineHTTP(url, self._get_session, api_key=self.api_key, connect_timeout_s=self.connect_timeout_s)
+    def _add(self, url: str, api_key: str | None = None) -> EngineState:
+        """`api_key`: this engine's own (a server registered with its key); None: the pool's."""
+        key = api_key if api_key is not None else self.api_key
+        http = EngineHTTP(url, self._get_session, api_key=key, connect_timeout_s=self.connect_timeout_s)
         state = self._engines[http.url] = EngineState(http)
         return state
 
@@ -157,7 +174,8 @@ class EnginePool:
 
     @property
     def alive_urls(self) -> list[str]:
-        return [e.url for e in self._engines.values() if not e.dead]
+        """Engines requests may go to: neither dead nor draining."""
+        return [e.url for e in self._engines.values() if e.usable]
 
     def in_flight(self) -> dict[str, int]:
         """Requests this pool has in flight, per engine."""
@@ -211,9 +229,53 @@ class EnginePool:
         logger.info("engine %s replaced by %s; %d engine(s) alive", old_url, new_url, len(self.alive_urls))
         self._signal_engine_usable()
 
+    def add_engine(self, url: str, api_key: str | None = None) -> None:
+        """Route to `url` from now on (a joining engine, already at the trainer's weights; `api_key`: its own, else
+        the pool's); requests waiting for an engine wake up. Call it from the event loop that uses the pool."""
+        url = url.rstrip("/")
+        if url in self._engines:
+            raise ValueError(f"{url} is already one of this pool's engines")
+        self.removed.pop(url, None)
+        self._add(url, api_key)
+        logger.info("engine %s joined; %d engine(s) alive", url, len(self.alive_urls))
+        self._signal_engine_usable()
+
+    def begin_drain(self, url: str) -> EngineState:
+        """`url` leaves: no new request goes to it from now on (the calls it has keep their bookkeeping)."""
+        engine = self.engine(url)
+        engine.draining = True
+        logger.info("engine %s draining: %d request(s) of this pool on it", engine.url, engine.in_flight)
+        return engine
+
+    async def wait_drained(self, url: str, timeout_s: float) -> bool:
+        """Wait until none of this pool's calls is on `url`; False if some still are after `timeout_s`."""
+        engine = self.engine(url)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while engine.in_flight > 0:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            self._request_ended = self._request_ended or asyncio.Event()
+            self._request_ended.clear()
+            try:
+                await asyncio.wait_for(self._request_ended.wait(), remaining)
+            except TimeoutError:
+                return engine.in_flight == 0
+        return True
+
     def remove_engine(self, url: str) -> None:
-        """Stop routing to `url` (idempotent)."""
-        self._engines.pop(url.rstrip("/"), None)
+        """Stop routing to `url` (idempotent); its counters stay readable in `removed`."""
+        engine = self._engines.pop(url.rstrip("/"), None)
+        if engine is not None:
+            self.removed[engine.url] = engine
+
+    def moves(self, url: str) -> int:
+        """Samples that left `url` and continue elsewhere from their tokens: aborted while it drained, or re-sent
+        after a connection failure on it."""
+        url = url.rstrip("/")
+        engine = self._engines.get(url) or self.removed.get(url)
+        return 0 if engine is None else engine.moved + engine.failed_over
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -275,7 +337,7 @@ class EnginePool:
     # ---------------------------------------------------------------- routing
     async def _wait_for_live_engine(self) -> list[EngineState]:
         """The live engines; when there is none, wait up to `wait_for_engine_s` for one to be replaced."""
-        alive = [e for e in self._engines.values() if not e.dead]
+        alive = [e for e in self._engines.values() if e.usable]
         if alive or self.wait_for_engine_s <= 0:
             return alive
         if self._engine_usable is None:
@@ -284,14 +346,16 @@ class EnginePool:
         deadline = loop.time() + self.wait_for_engine_s
         if not self._outage_reported:
             self._outage_reported = True
-            logger.warning("no live inference engine; waiting up to %.0fs for a restarted one", self.wait_for_engine_s)
+            logger.warning(
+                "no live inference engine; waiting up to %.0fs for one to restart or join", self.wait_for_engine_s
+            )
         while not alive and (remaining := deadline - loop.time()) > 0:
             self._engine_usable.clear()
             try:
                 await asyncio.wait_for(self._engine_usable.wait(), timeout=remaining)
             except TimeoutError:
                 break
-            alive = [e for e in self._engines.values() if not e.dead]
+            alive = [e for e in self._engines.values() if e.usable]
         return alive
 
     async def pick(self, avoid: set[str], lora_path: Any = None) -> EngineState:
@@ -300,7 +364,8 @@ class EnginePool:
         alive = await self._wait_for_live_engine()
         if not alive:
             details = "; ".join(f"{e.url}: {e.last_error or 'dead'}" for e in self._engines.values())
-            waited = f", none restarted within {self.wait_for_engine_s:g}s" if self.wait_for_engine_s > 0 else ""
+            wait_s = self.wait_for_engine_s
+            waited = f", none restarted or joined within {wait_s:g}s" if wait_s > 0 else ""
             raise NoHealthyEngineError(f"no healthy inference engine left{waited} ({details})")
         wanted = {lora_path} if isinstance(lora_path, str) else {n for n in (lora_path or []) if n is not None}
         if wanted:
@@ -330,13 +395,15 @@ class EnginePool:
             del self._open_tickets[ticket]
             if self._ticket_closed is not None:
                 self._ticket_closed.set()
+            if self._request_ended is not None:
+                self._request_ended.set()
 
     async def _post_generate(
         self, payload: dict[str, Any], rid: str | list[str], timeout_s: float
     ) -> tuple[str, Any, int]:
         n = len(rid) if isinstance(rid, list) else 1
         failed_on: set[str] = set()
-        max_attempts = self.connect_retries * len(self._engines) + 1
+        max_attempts = self.connect_retries * max(1, len(self._engines)) + 1
         for attempt in range(max_attempts):
             engine = await self.pick(failed_on, payload.get("lora_path"))
             engine.begin_request(n)
@@ -345,6 +412,7 @@ class EnginePool:
                 data = await engine.http.generate({**payload, "rid": rids}, timeout_s)
             except CONNECTION_ERRORS as exc:
                 self.record_failure(engine, exc)
+                engine.failed_over += n
                 failed_on.add(engine.url)
                 # Every request on a dead engine passes here: the one warning is the engine's "marked dead".
                 logger.info("generate on %s failed (%s); retrying", engine.url, engine.last_error)
@@ -353,6 +421,8 @@ class EnginePool:
             finally:
                 engine.end_request(n)
             self.record_success(engine)
+            if engine.draining:
+                engine.moved += _aborted_pieces(data)
             return engine.url, data, attempt
         raise EngineConnectionError(
             f"/generate failed {max_attempts} times on engines {sorted(failed_on)}; last errors: "
@@ -383,3 +453,14 @@ class EnginePool:
         version = await self.call(url, "/get_weight_version", lambda h: h.get_weight_version(timeout_s))
         self.engine(url).weight_version = version
         return version
+
+
+def _aborted_pieces(data: Any) -> int:
+    """How many outputs of a /generate answer (one, or a batch's list) ended aborted with tokens to continue from
+    or none (either way the caller re-sends it: engines/resumable.py)."""
+    items = data if isinstance(data, list) else [data]
+    count = 0
+    for item in items:
+        finish = item.get("meta_info", {}).get("finish_reason") if isinstance(item, dict) else None
+        count += (finish.get("type") if isinstance(finish, dict) else finish) == "abort"
+    return count

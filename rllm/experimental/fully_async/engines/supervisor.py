@@ -8,6 +8,11 @@
 - `continue`: the slot is lost; requests go to the other engines, weight syncs skip it.
 - `stop`: the run ends with a checkpoint and an error naming the engine.
 
+Slots come and go with the run's membership (docs/design.md#rule-engine-set-can-change): `add_slot()` starts an
+engine in a new slot, reported as `EngineStarted` once healthy (the caller syncs it, then routes to it); `release`
+stops a slot whose engine left, which is never restarted. With `stop_when_all_lost=False` (the driver's: with no
+engine left it waits for one to join, `engines.no_engine_timeout_s`) losing every slot is reported, not raised.
+
 The driver calls `poll()` while it waits for training steps. `poll()` never blocks on a starting engine: it
 reaps, spawns and probes /health once, and reports what changed since the last call. A requests' failover is not
 its business: the client already re-sends a dead engine's requests elsewhere, or waits for a replacement.
@@ -61,7 +66,15 @@ class EngineLost:
     reason: str
 
 
-EngineEvent = EngineReplaced | EngineLost
+@dataclass(frozen=True)
+class EngineStarted:
+    """Slot `index`, added during the run (`add_slot`), serves at `url` for the first time."""
+
+    index: int
+    url: str
+
+
+EngineEvent = EngineReplaced | EngineLost | EngineStarted
 
 
 class WatchedProcess(Protocol):
@@ -89,10 +102,19 @@ class SupervisedLauncher(Protocol):
     def kill(self, index: int) -> None: ...
 
 
+class ElasticLauncher(SupervisedLauncher, Protocol):
+    """A launcher that can also start and stop single slots during the run (`launcher.EngineLauncher`)."""
+
+    def add(self) -> WatchedProcess: ...
+
+    def release(self, index: int) -> None: ...
+
+
 @dataclass
 class _Slot:
-    state: Literal["running", "starting", "lost"] = "running"
+    state: Literal["running", "starting", "lost", "released"] = "running"
     dead_url: str = ""  # the URL clients and syncs still know, while a replacement starts
+    joined: bool = True  # False for a slot added during the run until it first serves (EngineStarted)
     started_at: float = 0.0
     lost_reason: str = ""  # why the slot was lost, for the error when every slot is
 
@@ -108,6 +130,7 @@ class EngineSupervisor:
         max_restarts: int = 3,
         startup_timeout_s: float = 180.0,
         clock: Callable[[], float] = time.monotonic,
+        stop_when_all_lost: bool = True,
     ) -> None:
         self.launcher = launcher
         self.policy = policy
@@ -115,7 +138,23 @@ class EngineSupervisor:
         self.startup_timeout_s = startup_timeout_s
         self.clock = clock
         self.restarts = 0
+        self.stop_when_all_lost = stop_when_all_lost
         self._slots = [_Slot() for _ in launcher.processes]
+
+    def add_slot(self) -> WatchedProcess:
+        """Start an engine in a new slot (`launcher.add`); `poll()` reports `EngineStarted` once it is healthy.
+        Raises ValueError when the launcher cannot add engines (a cluster's engine hosts)."""
+        add = getattr(self.launcher, "add", None)
+        if add is None:
+            raise ValueError("this run's engines cannot grow: its engine hosts start a fixed set (a Ray cluster run)")
+        proc = add()
+        self._slots.append(_Slot(state="starting", started_at=self.clock(), joined=False))
+        return proc
+
+    def release(self, index: int) -> None:
+        """Slot `index`'s engine left the run: stop it and never restart it."""
+        self._slots[index].state = "released"
+        self.launcher.release(index)  # type: ignore[attr-defined]  # only slots add_slot made, or launched ones
 
     @property
     def num_alive(self) -> int:
@@ -141,7 +180,7 @@ class EngineSupervisor:
                     self._on_death(index, slot, proc.url, reason, events)
             elif slot.state == "starting":
                 self._check_start(index, slot, events)
-        if all(slot.state == "lost" for slot in self._slots):
+        if self.stop_when_all_lost and all(slot.state in ("lost", "released") for slot in self._slots):
             lost = "; ".join(f"engine {i}: {slot.lost_reason}" for i, slot in enumerate(self._slots))
             raise EngineDiedError(f"every inference engine is gone and none can be restarted ({lost})")
         return events
@@ -179,7 +218,11 @@ class EngineSupervisor:
         if healthy:
             slot.state = "running"
             new_url = self.launcher.processes[index].url
-            events.append(EngineReplaced(index, slot.dead_url, new_url))
+            if slot.joined:
+                events.append(EngineReplaced(index, slot.dead_url, new_url))
+            else:  # a slot added during the run serves for the first time: nothing knew a URL of it before
+                slot.joined = True
+                events.append(EngineStarted(index, new_url))
             slot.dead_url = ""
             return
         if self.clock() - slot.started_at > self.startup_timeout_s:

@@ -122,6 +122,11 @@ class EnginesConfig:
     # Restarts per run, over all engines, failed ones included; then a dying engine is dropped as under
     # `continue`. Bounds a crash loop (an engine that dies at every start would otherwise restart forever).
     max_restarts: int = 3
+    # With no inference engine left (the last one removed with `engines remove`, or lost once its restarts are used
+    # up) generation pauses, requests waiting for an engine, rather than the run ending: it goes on when one joins
+    # (`engines add N`, `engines register URL`) and stops with a checkpoint and one line after this many seconds
+    # without one. 0 = stop as soon as the last engine is gone.
+    no_engine_timeout_s: float = 600.0
     extra_args: dict[str, Any] = field(default_factory=dict)  # passed through to sglang.launch_server
     # Per-request sampling seeds (SGLang 0.5.6's sampling_params.sampling_seed): null = off (each engine's own
     # generator: tokens depend on arrival order and batch makeup); an integer S = every generation request carries

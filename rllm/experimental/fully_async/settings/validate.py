@@ -57,6 +57,7 @@ _LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "engines.request_timeout_s": (0, True),
     "engines.torch_threads": (1, False),
     "engines.max_restarts": (0, False),
+    "engines.no_engine_timeout_s": (0, False),
     "engines.forward_sleep_s": (0, False),
     "param_sync.timeout_s": (0, True),
     "workflow.reward_timeout_s": (0, True),

@@ -84,6 +84,26 @@ class RolloutServiceActor:
         """Route rollouts to a restarted engine (already at the trainer's weights) instead of its dead predecessor."""
         self.client.replace_engine(old_url, new_url)
 
+    def add_engine(self, url: str, api_key: str | None = None) -> None:
+        """Route rollouts to a joining engine too (already at the trainer's weights: the driver synced it first)."""
+        self.client.add_engine(url, api_key)
+
+    async def drain_engine(self, url: str, timeout_s: float) -> int:
+        """A leaving engine: no new rollout goes to it, its in-flight samples continue on the others from their
+        tokens, then it is out of routing; returns how many samples moved
+        (docs/design.md#rule-engine-set-can-change)."""
+        return await self.client.drain_engine(url, timeout_s)
+
+    def forget_engine(self, url: str) -> int:
+        """An engine that died for good: out of routing; returns the samples re-sent elsewhere from it so far."""
+        moved = self.client.moves(url)
+        self.client.pool.remove_engine(url)
+        return moved
+
+    def engine_moves(self, url: str) -> int:
+        """Samples that left `url` for another engine so far (aborted while draining, or failed over)."""
+        return self.client.moves(url)
+
     async def begin_weight_sync(self) -> float:
         return await self.gate.begin_sync(self.gate_timeout_s)
 

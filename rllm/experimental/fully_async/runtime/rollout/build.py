@@ -114,15 +114,17 @@ def build_worker_pool(executor: ExecutorSpec) -> WorkerPool:
 
 
 def build_engine_client(spec: RunSpec, engine_urls: list[str], api_key: str) -> EngineClient:
-    """The client every rollout and validation generates through. Under on_engine_failure=restart a request finding
-    no live engine waits for a restarted one (the supervisor gives a restart startup_timeout_s) rather than failing
-    its sample."""
+    """The client every rollout and validation generates through. A request finding no live engine waits for one
+    rather than failing its sample: under on_engine_failure=restart for a restarted one (the supervisor gives a
+    restart startup_timeout_s), and for one to join for engines.no_engine_timeout_s (the driver stops the run once
+    that passed without an engine: docs/design.md#rule-engine-set-can-change)."""
     restarting = spec.engines.on_engine_failure == "restart"
+    restart_wait_s = spec.engines.startup_timeout_s + 30.0 if restarting else 0.0
     return EngineClient(
         engine_urls,
         request_timeout_s=spec.engines.request_timeout_s,
         partial_rollout=spec.executor.partial_rollout,
-        wait_for_engine_s=spec.engines.startup_timeout_s + 30.0 if restarting else 0.0,
+        wait_for_engine_s=max(restart_wait_s, spec.engines.no_engine_timeout_s),
         api_key=api_key or None,
         sampling_seed=spec.engines.sampling_seed,
         lora_keep=lora_keep(spec),  # LoRA: each request names the newest adapter; old unused ones are unloaded

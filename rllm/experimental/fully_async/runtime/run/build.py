@@ -118,6 +118,8 @@ def start_processes(
         spec.engines.on_engine_failure,
         max_restarts=spec.engines.max_restarts,
         startup_timeout_s=spec.engines.startup_timeout_s,
+        # With none left the driver waits for one to join (engines.no_engine_timeout_s: runtime/run/elastic.py)
+        stop_when_all_lost=False,
     )
     if not on_cluster:
         phase("starting Ray")

@@ -2,8 +2,9 @@
 
 The driver owns process lifetimes (Ray, engine subprocesses, actors) and the step loop; what it reports is
 formatted and written by `observe/metrics_sink.py`. The training logic lives in the actors.
-While it waits for a step it watches the engines (`engines.supervisor`): a restarted engine gets the current
-weights from the trainer and then rollouts from the executor.
+While it waits for a step it watches the engines (`engines.supervisor`) and applies the requests of its engines
+control endpoint (`runtime/run/elastic.py`): a restarted or joining engine gets the current weights from the trainer
+and then rollouts from the executor; a leaving one's samples move to the others.
 Everything started here is stopped in `finally`, so a failed or interrupted run leaves no process behind.
 """
 
@@ -22,7 +23,6 @@ import ray
 from omegaconf import DictConfig, OmegaConf
 
 from rllm.experimental.fully_async.api.rollout_functions import RolloutFunctions
-from rllm.experimental.fully_async.engines.supervisor import EngineReplaced
 from rllm.experimental.fully_async.errors import FullyAsyncError
 from rllm.experimental.fully_async.observe.metrics_sink import (
     MetricsSink,
@@ -39,6 +39,7 @@ from rllm.experimental.fully_async.runtime.checkpoints.store import (
     load_checkpoint,
 )
 from rllm.experimental.fully_async.runtime.run.build import prepare_run, start_processes
+from rllm.experimental.fully_async.runtime.run.elastic import ElasticContext, ElasticEngines
 from rllm.experimental.fully_async.runtime.run.run_dir import mark_finished
 from rllm.experimental.fully_async.settings.derive import synchronous_notice
 
@@ -98,6 +99,25 @@ class Run:
         self.supervisor, self.rollouts, self.trainer = processes.supervisor, processes.rollouts, processes.trainer
         self.sync_timeout_s = self.spec.param_sync.timeout_s * 4
         self.validate_timeout_s = self.spec.engines.request_timeout_s
+        # Engines join and leave while the run goes on: `engines add/remove/register` reach this process through
+        # its loopback control endpoint (RUN_DIR/control.json), applied where the engines are watched.
+        self.elastic = ElasticEngines(
+            ElasticContext(
+                run_dir=self.run_dir,
+                supervisor=self.supervisor,
+                trainer=self.trainer,
+                rollouts=self.rollouts,
+                model_path=self.spec.engines.model_path,
+                weights_dir=str(Path(self.spec.param_sync.weights_dir).resolve()),
+                no_engine_timeout_s=self.spec.engines.no_engine_timeout_s,
+                sync_timeout_s=self.sync_timeout_s,
+                step=lambda: self.step_count,
+                message=self.progress.message,
+            ),
+            processes.engines.urls,
+        )
+        self._stack.callback(self.elastic.close)
+        self.elastic.start()
         if resumed is not None:
             ray.get(self.trainer.load_checkpoint.remote(str(resumed.path.resolve()), resumed.trainer), timeout=300)
             # Fresh engines hold the initial weights: give them the checkpoint's, under its version.
@@ -142,6 +162,7 @@ class Run:
         # queue/*, ledger/* and rollout/* came with the batch (as of when the step took it): one Ray call per
         # step. The ledger's `trained` therefore counts up to the previous step.
         metrics.update(self.supervisor.metrics())
+        metrics.update(self.elastic.metrics())
         test_freq, save_freq = self.spec.run.test_freq, self.spec.run.save_freq
         due = test_freq > 0 and step % test_freq == 0 and step != self.total
         # Validation runs beside training, pinned to the weights the engines hold now (runtime/rollout/validation.py).
@@ -159,20 +180,8 @@ class Run:
         return metrics
 
     def _watch_engines(self) -> None:
-        for event in self.supervisor.poll():
-            if isinstance(event, EngineReplaced):
-                # Weights first, then traffic: the rollouts must not go to an engine that is not yet at the
-                # trainer's version.
-                version = ray.get(
-                    self.trainer.replace_engine.remote(event.old_url, event.new_url), timeout=self.sync_timeout_s
-                )
-                ray.get(self.rollouts.replace_engine.remote(event.old_url, event.new_url), timeout=60)
-                self.progress.message(f"engine {event.index} restarted at {event.new_url} (weight version {version})")
-            else:
-                self.progress.message(
-                    f"engine {event.index} lost ({event.url}: {event.reason}); "
-                    f"continuing with {self.supervisor.num_alive} engine(s)"
-                )
+        """Engine deaths and restarts, and the queued engines requests (runtime/run/elastic.py)."""
+        self.elastic.watch()
 
     # ---- checkpoint ----------------------------------------------------------------------------------------
 

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from rllm.experimental.fully_async.core.elastic import EVENTS_FILE
 from rllm.experimental.fully_async.runtime.checkpoints.store import CheckpointManager
 from rllm.experimental.fully_async.settings.loader import ConfigError, base_config
 from rllm.experimental.fully_async.settings.paths import home_expanded
@@ -69,6 +70,7 @@ RUN_OUTPUTS = (
     "engines",
     "weights",
     "record",  # run.record_batches (runtime/trainer/record.py)
+    EVENTS_FILE,  # engines joining and leaving (runtime/run/elastic.py); appended to on a resume
 )
 
 SAFE_KEYS = frozenset(

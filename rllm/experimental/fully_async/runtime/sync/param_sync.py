@@ -25,9 +25,12 @@ several FSDP trainer ranks, rank 0 broadcasts and every rank gathers: `sender.py
 `CollectiveTransport`: its load is one call over all paused engines (`load_all`), after which each
 engine's version is set and read back as for disk.
 
-Engines come and go between syncs: `remove_engine` drops one whose process died, `replace_engine` adds its
-restarted successor after loading the weights the others were last given, so it joins at the trainer's version.
-Both take the sync lock, so a replacement never interleaves with a sync and versions reach engines in order.
+Engines come and go between syncs: `remove_engine` drops one whose process died (or that left), `replace_engine`
+adds its restarted successor after loading the weights the others were last given, so it joins at the trainer's
+version, and `add_engine` does the same for an engine that joins with no predecessor (`engines add`/`register`:
+docs/design.md#rule-engine-set-can-change). All take the sync lock, so a membership change never interleaves with a
+sync and versions reach engines in order. With the distributed transport a joiner receives the kept buckets through
+a group of its own, and the next sync rebuilds the group over every engine (runtime/sync/distributed.py).
 
 LoRA (`lora_keep` set; docs/design.md#rule-one-version-per-lora-sample): the trainer writes only the adapter, a peft
 folder per version (`DiskTransport`), and every engine loads it with `/load_lora_adapter` as `policy-v<v>`
@@ -227,6 +230,7 @@ class ParamSync:
             self.engine_urls = [u for u in self.engine_urls if u != url]
             self.engine_versions.pop(url, None)
             self.adapters.pop(url, None)
+            self._client.pool.remove_engine(url)  # a dict entry: no call is in flight outside a sync (the lock)
         logger.warning("engine %s removed from weight syncs; %d engine(s) left", url, len(self.engine_urls))
 
     def replace_engine(self, old_url: str, new_url: str) -> int:
@@ -262,9 +266,48 @@ class ParamSync:
         logger.info("engine %s replaced by %s at weight version %d", old_url, new_url, version)
         return version
 
-    async def _load_into(self, old_url: str, new_url: str, staged: StagedWeights | None) -> int:
-        self._client.replace_engine(old_url, new_url)
-        self.adapters.pop(old_url, None)
+    def add_engine(self, url: str, api_key: str | None = None) -> int:
+        """Sync to `url` too (an engine that joins the run), after loading into it the weights the other engines
+        were last given; returns the version it serves. Raises SyncError naming it if the load fails (it is then
+        not synced to). Before any sync, its weight version is set to 0 and read back: it serves the model the run
+        started from (the caller checked which model it serves), whatever version it was launched with. `api_key`: the
+        engine's own (a registered server's), else the run's."""
+        url = url.rstrip("/")
+        with self._sync_lock:
+            if self._closed:
+                raise RuntimeError("ParamSync is closed")
+            if url in self.engine_urls:
+                raise ValueError(f"{url} is already synced to")
+            staged = self._last_staged
+            target = staged.version if staged is not None else 0
+            try:
+                version = self._run(
+                    self._load_into(None, url, staged, api_key),
+                    timeout_s=self.update_timeout_s + self.pause_timeout_s + 30.0,
+                    what=f"loading weights version {target} into joining engine {url}",
+                )
+                if version != target:
+                    raise EngineError(f"{url} reports weight_version {version} after loading {target}")
+            except Exception as exc:
+                self._client.pool.remove_engine(url)
+                raise SyncError(target, {url: f"{type(exc).__name__}: {exc}"}, []) from exc
+            self.engine_urls.append(url)
+            self.engine_versions[url] = version
+        logger.info("engine %s joined weight syncs at version %d", url, version)
+        return version
+
+    async def _load_into(
+        self, old_url: str | None, new_url: str, staged: StagedWeights | None, api_key: str | None = None
+    ) -> int:
+        """Load `staged` into `new_url`, which takes `old_url`'s place (None: it joins with no predecessor, and
+        with nothing staged yet its version is set to 0)."""
+        if old_url is None:
+            self._client.add_engine(new_url, api_key)
+            if staged is None and self.lora_keep is None:
+                await self._client.update_weight_version(new_url, "0", timeout_s=self.pause_timeout_s)
+        else:
+            self._client.replace_engine(old_url, new_url)
+            self.adapters.pop(old_url, None)
         if self.lora_keep is not None:
             self.adapters[new_url] = []
             if staged is None:
@@ -410,6 +453,9 @@ class ParamSync:
         out = _Outcome()
         client = self._client
         out.paused_at = time.perf_counter()
+        if not self.engine_urls:  # every engine left: the weights are staged for the next one to join
+            out.resumed_at = out.paused_at
+            return out
         try:
             paused = await self._on_all(
                 self.engine_urls, lambda u: client.pause_generation(u, "abort", timeout_s=self.pause_timeout_s), out

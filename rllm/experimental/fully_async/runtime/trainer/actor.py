@@ -117,3 +117,18 @@ class FullyAsyncTrainerActor:
         """Load the current weights into a restarted engine and sync to it from now on; returns its version.
         Runs beside a `train_step` that waits for a batch; ParamSync's lock orders it with syncs."""
         return self.param_sync.replace_engine(old_url, new_url)
+
+    @ray.method(concurrency_group="engines")
+    def add_engine(self, url: str, api_key: str | None = None) -> int:
+        """Load the current weights into a joining engine and sync to it from now on; returns its version
+        (docs/design.md#rule-engine-set-can-change). Ordered with syncs by ParamSync's lock, as `replace_engine`."""
+        if self.param_sync is None:
+            return self.trainer.version
+        return self.param_sync.add_engine(url, api_key)
+
+    @ray.method(concurrency_group="engines")
+    def remove_engine(self, url: str) -> None:
+        """Stop syncing to an engine that left or was lost (the last one too: syncs then only stage the weights
+        until one joins, and no sync waits for an engine that has left)."""
+        if self.param_sync is not None:
+            self.param_sync.remove_engine(url, allow_none_left=True)

@@ -1,0 +1,451 @@
+"""Engines join and leave a running run: the driver's control endpoint and what applies its requests
+(docs/design.md#rule-engine-set-can-change; the decisions are core/elastic.py's).
+
+- `ControlServer`: aiohttp on 127.0.0.1, an ephemeral port, in a daemon thread of the driver's process. Each request
+  must carry `Authorization: Bearer <token>`, the per-run token created at start and written with the URL into
+  RUN_DIR/control.json (mode 0600: its owner alone can read it; removed when the run ends). A request is queued
+  and waits for its answer: the driver applies queued requests where it watches the engines (between steps and
+  while it waits for one), so the actor calls they make stay ordered with everything else the driver does.
+- `ElasticEngines`: applies them and the supervisor's events. Join: ParamSync loads the current weights and version
+  into the engine (the trainer's `add_engine`) BEFORE the rollout service routes anything to it. Leave: the rollout
+  service drains it (no new request; its in-flight samples are aborted there and continue elsewhere from their
+  tokens), the trainer stops syncing to it, and an engine the run launched is stopped. Register: a server someone
+  launched elsewhere, checked first (it answers, serves this run's model, takes its API key, belongs to no other
+  run), then joined like a launched one. With no engine left generation waits (`engines.no_engine_timeout_s`).
+- `EngineEvents`: RUN_DIR/engine_events.jsonl, one JSON line per join, leave, lost, restart and move
+  (core/elastic.py's `event_record`, fields `EVENT_FIELDS`): what `report` and `simulate` read.
+- Claims: a run claims each engine it serves in a per-user folder of this host (ENGINE_CLAIMS_DIR), so a second run
+  registering an engine of the first is refused while the first runs. Runs on other hosts cannot see these claims.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import json
+import logging
+import os
+import queue
+import secrets
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import ray
+from aiohttp import web
+
+from rllm.experimental.fully_async.core.elastic import (
+    CONTROL_FILE,
+    EVENTS_FILE,
+    ElasticError,
+    ElasticRequest,
+    Member,
+    Membership,
+    NoEngineClock,
+    ServerAnswers,
+    authorized,
+    event_metrics,
+    event_record,
+    normalize_url,
+    parse_request,
+    refusal_to_register,
+)
+from rllm.experimental.fully_async.engines.supervisor import (
+    EngineDiedError,
+    EngineEvent,
+    EngineLost,
+    EngineReplaced,
+    EngineStarted,
+)
+
+logger = logging.getLogger(__name__)
+
+ANSWER_TIMEOUT_S = 900.0  # a request's wait for the driver (a join loads weights; a leave drains)
+PROBE_TIMEOUT_S = 5.0  # each call to a server being registered
+DRAIN_TIMEOUT_S = 120.0  # a leaving engine's calls to come back after its abort
+ENGINE_CLAIMS_DIR = Path(tempfile.gettempdir()) / f"rllm-fully-async-engines-{os.getuid()}"
+
+
+# ---------------------------------------------------------------------------------------------------- control server
+
+
+class ControlServer:
+    """See the module docstring. `start(run_dir)` serves and writes the control file; `close()` stops both and
+    answers every request still queued with an error."""
+
+    def __init__(self) -> None:
+        self.token = secrets.token_urlsafe(32)
+        self.requests: queue.Queue[tuple[dict[str, Any], concurrent.futures.Future[dict[str, Any]]]] = queue.Queue()
+        self.url = ""
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="engines-control", daemon=True)
+        self._runner: web.AppRunner | None = None
+        self._file: Path | None = None
+        self._closed = False
+
+    def start(self, run_dir: Path) -> None:
+        self._thread.start()
+        port = asyncio.run_coroutine_threadsafe(self._serve(), self._loop).result(timeout=30)
+        self.url = f"http://127.0.0.1:{port}"
+        self._file = Path(run_dir) / CONTROL_FILE
+        write_private(self._file, {"url": self.url, "token": self.token, "pid": os.getpid()})
+        logger.info("engines control endpoint on %s (token in %s)", self.url, self._file)
+
+    async def _serve(self) -> int:
+        app = web.Application()
+        app.router.add_post("/engines", self._handle)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
+        return int(self._runner.addresses[0][1])
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        if not authorized(request.headers.get("Authorization"), self.token):
+            return web.json_response({"ok": False, "message": "wrong or missing control token"}, status=401)
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return web.json_response({"ok": False, "message": "the request body is not JSON"}, status=400)
+        if self._closed:
+            return web.json_response({"ok": False, "message": "the run is stopping"}, status=503)
+        answer: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+        self.requests.put((body, answer))
+        try:
+            result = await asyncio.wait_for(asyncio.wrap_future(answer), ANSWER_TIMEOUT_S)
+        except TimeoutError:
+            result = {"ok": False, "message": f"the run did not apply the request within {ANSWER_TIMEOUT_S:g}s"}
+        return web.json_response(result, status=200 if result.get("ok") else 400)
+
+    def pending(self) -> list[tuple[dict[str, Any], concurrent.futures.Future[dict[str, Any]]]]:
+        """The requests queued since the last call, in arrival order."""
+        items = []
+        while True:
+            try:
+                items.append(self.requests.get_nowait())
+            except queue.Empty:
+                return items
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._file is not None:
+            self._file.unlink(missing_ok=True)
+        for _, answer in self.pending():
+            answer.set_result({"ok": False, "message": "the run is stopping"})
+        if self._thread.is_alive():
+            if self._runner is not None:
+                asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=10)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+        self._loop.close()
+
+
+def write_private(path: Path, content: dict[str, Any]) -> None:
+    """Write `content` as JSON readable by its owner only (mode 0600 from its creation: no moment of wider mode)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        json.dump(content, out)
+
+
+# ---------------------------------------------------------------------------------------------------- claims
+
+
+def _claim_file(url: str) -> Path:
+    return ENGINE_CLAIMS_DIR / (hashlib.sha256(normalize_url(url).encode()).hexdigest()[:24] + ".json")
+
+
+def claimed_by(url: str, run_dir: Path) -> str | None:
+    """The run dir of another live run on this host that claims `url`, else None (a dead owner's claim lapses)."""
+    try:
+        claim = json.loads(_claim_file(url).read_text())
+    except (OSError, ValueError):
+        return None
+    owner, pid = str(claim.get("run_dir", "")), int(claim.get("pid", 0))
+    if owner == str(Path(run_dir).resolve()) or not _alive(pid):
+        return None
+    return owner
+
+
+def claim(url: str, run_dir: Path) -> None:
+    ENGINE_CLAIMS_DIR.mkdir(mode=0o700, exist_ok=True)
+    content = {"url": normalize_url(url), "run_dir": str(Path(run_dir).resolve()), "pid": os.getpid()}
+    write_private(_claim_file(url), content)
+
+
+def unclaim(url: str, run_dir: Path) -> None:
+    if claimed_by(url, run_dir) is None:  # ours, or lapsed: never another live run's
+        _claim_file(url).unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def probe_server(url: str, api_key: str | None, timeout_s: float = PROBE_TIMEOUT_S) -> ServerAnswers:
+    """Ask a server to register what `refusal_to_register` judges: /health, /get_model_info, /get_weight_version."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.Client(timeout=httpx.Timeout(timeout_s), headers=headers) as http:
+        try:
+            health = http.get(f"{url}/health")
+        except httpx.HTTPError as exc:
+            return ServerAnswers(health_error=f"{type(exc).__name__}: {exc}")
+        if health.status_code != 200:
+            return ServerAnswers(health_error=f"/health answered HTTP {health.status_code}")
+        try:
+            info = http.get(f"{url}/get_model_info")
+            body = info.json() if info.status_code == 200 else None
+            version = http.get(f"{url}/get_weight_version")
+        except (httpx.HTTPError, ValueError) as exc:
+            return ServerAnswers(health_error=f"/get_model_info: {type(exc).__name__}: {exc}")
+        reported = version.json().get("weight_version") if version.status_code == 200 else None
+        return ServerAnswers(None, info.status_code, body if isinstance(body, dict) else None, reported)
+
+
+# ---------------------------------------------------------------------------------------------------- events
+
+
+class EngineEvents:
+    """RUN_DIR/engine_events.jsonl (appended, flushed per line) and the counts behind the engines/* metrics."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = Path(run_dir) / EVENTS_FILE
+        self.counts: Counter[str] = Counter()
+
+    def write(self, record: dict[str, Any]) -> None:
+        with self.path.open("a") as out:
+            out.write(json.dumps(record) + "\n")
+        self.counts[record["event"]] += 1
+        self.counts["samples_moved"] += record["samples_moved"]
+
+
+# ---------------------------------------------------------------------------------------------------- the applier
+
+
+@dataclass
+class ElasticContext:
+    """What `ElasticEngines` acts through: the driver's processes and its outputs."""
+
+    run_dir: Path
+    supervisor: Any  # EngineSupervisor
+    trainer: Any  # FullyAsyncTrainerActor handle
+    rollouts: Any  # RolloutServiceActor handle
+    model_path: str  # the model the run's engines were launched with
+    weights_dir: str  # where the run's disk syncs write (param_sync.weights_dir)
+    no_engine_timeout_s: float
+    sync_timeout_s: float
+    step: Callable[[], int]
+    message: Callable[[str], None]  # a progress-line message
+
+
+class ElasticEngines:
+    """See the module docstring: `watch()` is what the driver calls while it waits; `metrics()` goes in each step."""
+
+    def __init__(self, ctx: ElasticContext, launched_urls: list[str], clock: Callable[[], float] = time.monotonic):
+        self.ctx = ctx
+        self.clock = clock
+        self.membership = Membership.launched(launched_urls)
+        self.events = EngineEvents(ctx.run_dir)
+        self.no_engine = NoEngineClock(ctx.no_engine_timeout_s)
+        self.control = ControlServer()
+        self._version = 0  # the weight version the last joiner serves
+        for url in launched_urls:
+            claim(url, ctx.run_dir)
+
+    def start(self) -> None:
+        self.control.start(self.ctx.run_dir)
+
+    def close(self) -> None:
+        self.control.close()
+        for member in list(self.membership.members.values()):
+            unclaim(member.url, self.ctx.run_dir)
+
+    def metrics(self) -> dict[str, float]:
+        return event_metrics(dict(self.events.counts), len(self.membership.active))
+
+    # ---- the driver's watch --------------------------------------------------------------------------------
+
+    def watch(self) -> None:
+        """The supervisor's events, then the queued control requests, then the no-engine clock (raises
+        EngineDiedError naming engines.no_engine_timeout_s once it has passed)."""
+        for event in self.ctx.supervisor.poll():
+            self.on_supervisor_event(event)
+        for body, answer in self.control.pending():
+            answer.set_result(self.apply(body))
+        active = len(self.membership.active)
+        if self.no_engine.update(active + len(self.membership.starting), self.clock()):
+            self.ctx.message(
+                f"no inference engine left: generation waits up to {self.no_engine.timeout_s:g}s "
+                "(engines.no_engine_timeout_s) for one to join (`engines add N` or `engines register URL`)"
+            )
+        if self.no_engine.expired(self.clock()):
+            raise EngineDiedError(self.no_engine.message())
+
+    def apply(self, body: Any) -> dict[str, Any]:
+        """One control request; the answer's `message` is its one line. A refused request leaves the run as it was."""
+        try:
+            request = parse_request(body)
+            handler = {"add": self._add, "remove": self._remove, "register": self._register, "list": self._list}
+            message = handler[request.op](request)
+        except ElasticError as exc:
+            logger.warning("engines request refused: %s", exc)
+            return {"ok": False, "message": str(exc), "engines": self.membership.listing()}
+        return {"ok": True, "message": message, "engines": self.membership.listing()}
+
+    # ---- requests ------------------------------------------------------------------------------------------
+
+    def _list(self, request: ElasticRequest) -> str:
+        return f"{len(self.membership.active)} engine(s) active, {len(self.membership.starting)} starting"
+
+    def _add(self, request: ElasticRequest) -> str:
+        ids = []
+        for _ in range(request.count):
+            try:
+                proc = self.ctx.supervisor.add_slot()
+            except ValueError as exc:
+                raise ElasticError(str(exc)) from exc
+            slot = len(self.ctx.supervisor.launcher.processes) - 1
+            member = self.membership.add(proc.url, "launched", slot=slot, state="starting")
+            claim(member.url, self.ctx.run_dir)
+            ids.append(member.id)
+        return f"starting {request.count} engine(s): {', '.join(ids)}; each joins once healthy and synced"
+
+    def _remove(self, request: ElasticRequest) -> str:
+        member = self.membership.get(request.engine)
+        if member.state == "starting":
+            self.ctx.supervisor.release(member.slot)
+            self._forget(member)
+            return f"engine {member.id} was still starting; stopped"
+        try:
+            self.leave(member)
+        except Exception as exc:  # its calls did not come back in time: it stays out of routing, still synced
+            raise ElasticError(
+                f"engine {member.id} ({member.url}) is draining but has not left: {type(exc).__name__}: {exc}; "
+                f"it gets no new request; retry `engines remove {member.id}`"
+            ) from exc
+        return f"engine {member.id} ({member.url}) left"
+
+    def _register(self, request: ElasticRequest) -> str:
+        answers = probe_server(request.url, request.api_key)
+        refusal = refusal_to_register(
+            request.url,
+            answers,
+            expected_model=self.ctx.model_path,
+            membership=self.membership,
+            claimed_by=claimed_by(request.url, self.ctx.run_dir),
+            weights_dir=self.ctx.weights_dir,
+        )
+        if refusal is not None:
+            raise ElasticError(refusal)
+        member = self.membership.add(request.url, "registered", state="starting", api_key=request.api_key)
+        try:
+            self.join(member)
+        except Exception as exc:
+            self.membership.drop(member.id)
+            raise ElasticError(f"{member.url} could not load this run's weights: {exc}") from exc
+        claim(member.url, self.ctx.run_dir)
+        return f"engine {member.id} ({member.url}) registered and serving weight version {self._version}"
+
+    # ---- membership changes --------------------------------------------------------------------------------
+
+    def join(self, member: Member) -> None:
+        """Weights first, then traffic: the rollouts must not reach an engine below the trainer's version."""
+        key = member.api_key
+        self._version = ray.get(self.ctx.trainer.add_engine.remote(member.url, key), timeout=self.ctx.sync_timeout_s)
+        ray.get(self.ctx.rollouts.add_engine.remote(member.url, key), timeout=60)
+        member.state = "active"
+        self._record("join", member)
+        self.ctx.message(f"engine {member.id} joined at {member.url} (weight version {self._version}, {member.source})")
+
+    def leave(self, member: Member) -> None:
+        member.state = "draining"
+        moved = ray.get(
+            self.ctx.rollouts.drain_engine.remote(member.url, DRAIN_TIMEOUT_S), timeout=DRAIN_TIMEOUT_S + 30
+        )
+        ray.get(self.ctx.trainer.remove_engine.remote(member.url), timeout=self.ctx.sync_timeout_s)
+        if member.slot is not None:
+            self.ctx.supervisor.release(member.slot)
+        self._forget(member)
+        if moved:
+            self._record("move", member, moved)
+        self._record("leave", member)
+        self.ctx.message(
+            f"engine {member.id} left ({member.url}); {moved} sample(s) in flight moved to other engines; "
+            f"{len(self.membership.active)} engine(s) active"
+        )
+
+    def _forget(self, member: Member) -> None:
+        self.membership.drop(member.id)
+        unclaim(member.url, self.ctx.run_dir)
+
+    def on_supervisor_event(self, event: EngineEvent) -> None:
+        if isinstance(event, EngineStarted):
+            member = self.membership.by_slot(event.index)
+            if member is None:  # removed while it started
+                return
+            member.url = normalize_url(event.url)
+            try:
+                self.join(member)
+            except Exception as exc:  # it never served: stop it, the run goes on as it was
+                logger.warning("engine %s at %s could not join: %s", member.id, member.url, exc)
+                self.ctx.supervisor.release(event.index)
+                self._forget(member)
+                self.ctx.message(f"engine {member.id} ({member.url}) could not join and was stopped: {exc}")
+        elif isinstance(event, EngineReplaced):
+            member = self.membership.by_slot(event.index)
+            version = ray.get(
+                self.ctx.trainer.replace_engine.remote(event.old_url, event.new_url), timeout=self.ctx.sync_timeout_s
+            )
+            moved = ray.get(self.ctx.rollouts.engine_moves.remote(event.old_url), timeout=60)
+            ray.get(self.ctx.rollouts.replace_engine.remote(event.old_url, event.new_url), timeout=60)
+            if member is not None:
+                if moved:  # from the engine that died, at its URL
+                    self._record("move", member, moved)
+                unclaim(member.url, self.ctx.run_dir)
+                member.url = normalize_url(event.new_url)
+                claim(member.url, self.ctx.run_dir)
+                self._record("restart", member)
+            self.ctx.message(f"engine {event.index} restarted at {event.new_url} (weight version {version})")
+        elif isinstance(event, EngineLost):
+            member = self.membership.by_slot(event.index)
+            moved = 0
+            if member is not None and member.state != "starting":
+                moved = ray.get(self.ctx.rollouts.forget_engine.remote(event.url), timeout=60)
+                ray.get(self.ctx.trainer.remove_engine.remote(event.url), timeout=self.ctx.sync_timeout_s)
+            if member is not None:
+                self._forget(member)
+                if moved:
+                    self._record("move", member, moved)
+                self._record("lost", member)
+            self.ctx.message(
+                f"engine {event.index} lost ({event.url}: {event.reason}); "
+                f"continuing with {len(self.membership.active)} engine(s)"
+            )
+
+    def _record(self, event: Any, member: Member, moved: int = 0) -> None:
+        self.events.write(
+            event_record(
+                time=time.time(),
+                step=self.ctx.step(),
+                event=event,
+                member=member,
+                engines_active=len(self.membership.active),
+                samples_moved=moved,
+            )
+        )
