@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from rllm.experimental.fully_async.__main__ import main
+from rllm.experimental.fully_async.settings.loader import load_config
 from rllm.experimental.fully_async.simulate.engine import Simulation, simulate
 from rllm.experimental.fully_async.simulate.layout import Layout, baseline
 from rllm.experimental.fully_async.simulate.model import (
@@ -21,7 +22,12 @@ from rllm.experimental.fully_async.simulate.model import (
     SyncModel,
     TrainerModel,
 )
-from rllm.experimental.fully_async.simulate.scenarios import ScenarioError, build_config, parse_overrides
+from rllm.experimental.fully_async.simulate.scenarios import (
+    ScenarioError,
+    build_config,
+    parse_overrides,
+    pipeline_from_project,
+)
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "report_run"  # a real 60-step run of 2 engines
 
@@ -158,7 +164,6 @@ def test_no_engine_for_the_timeout_stops_the_run() -> None:
         ("[[5,2,1]]", None, "engine_schedule[0] = [5, 2, 1]: each entry is [time_s, engines]"),
         ("[5,2]", None, "engine_schedule[0] = 5: each entry is [time_s, engines]"),
         ("5", None, "simulate.engine_schedule = 5: expected a list"),
-        ("[[5,2],[9,0]]", None, "engine_schedule ends at 0 engines (9s) and pipeline.no_engine_timeout_s is null"),
         ("[[0,4]]", None, "engine_schedule[0]: 4 engines at 0s, but the run starts with 1"),
         ("[[5,2]]", -1, "pipeline.no_engine_timeout_s must be >= 0"),
     ],
@@ -172,6 +177,23 @@ def test_a_bad_schedule_is_refused_in_one_line(
     assert main(["simulate", *overrides]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err
+
+
+def test_a_schedule_ending_at_0_without_a_timeout_is_refused() -> None:
+    # Only a scenario without a project config can lack the timeout: a project's engines.no_engine_timeout_s is one.
+    with pytest.raises(
+        ScenarioError, match=r"engine_schedule ends at 0 engines \(9s\) and pipeline.no_engine_timeout_s"
+    ):
+        build_config(generation_bound([]), [{"engine_schedule": [[5, 2], [9, 0]]}])
+
+
+def test_the_runs_no_engine_timeout_is_the_simulated_one() -> None:
+    project = load_config(None, ["engines.no_engine_timeout_s=7"])
+    assert pipeline_from_project(project)["pipeline"]["no_engine_timeout_s"] == 7.0
+    default = load_config(None, [])
+    assert pipeline_from_project(default)["pipeline"]["no_engine_timeout_s"] == float(
+        default.engines.no_engine_timeout_s
+    )
 
 
 def test_a_schedule_ending_at_0_with_a_timeout_is_accepted() -> None:

@@ -108,6 +108,8 @@ def pipeline_from_project(cfg: Any) -> dict[str, Any]:
     at = cfg.async_training
     adaptive = OmegaConf.select(cfg, "async_training.adaptive_staleness", default=None)  # older runs lack it
     adaptive_block = {k: v for k, v in OmegaConf.to_container(adaptive).items()} if adaptive is not None else {}
+    # The runtime's pause with no engine left (engines.no_engine_timeout_s); runs saved before it existed wait (null).
+    no_engine_timeout = OmegaConf.select(cfg, "engines.no_engine_timeout_s", default=None)
     return {
         "adaptive": adaptive_block,
         "pipeline": {
@@ -119,6 +121,7 @@ def pipeline_from_project(cfg: Any) -> dict[str, Any]:
             "max_concurrent_rollouts": int(at.max_concurrent_rollouts),
             "queue_max_groups": int(at.queue_max_groups),
             "num_engines": int(cfg.engines.num_engines),
+            "no_engine_timeout_s": None if no_engine_timeout is None else float(no_engine_timeout),
         },
         "engine": {"max_running_requests": int(cfg.engines.max_running_requests)},
         "lengths": {"max_tokens": int(cfg.data.max_response_length)},
