@@ -23,10 +23,14 @@ import re
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rllm.experimental.fully_async.errors import ConfigError
+from rllm.experimental.fully_async.settings.loader import base_config, verl_base_config
 from rllm.experimental.fully_async.settings.schema import FULLY_ASYNC_VERL_DEFAULTS, PROJECT_SECTIONS
+from rllm.experimental.fully_async.settings.validate import _CHOICES, _LOWER_BOUNDS
+from rllm.experimental.fully_async.settings.verl_keys import READ_ONLY_WHEN, VERL_KEYS_READ, is_read, refusal_reason
 
 PACKAGE = Path(__file__).resolve().parents[1]
 _KEY_LINE = re.compile(r"^(\s*)([A-Za-z_][\w\-]*)\s*:")
@@ -65,8 +69,6 @@ def _yaml_comments(path: Path, package: str, out: dict[str, str]) -> None:
 def _compose(root: Path, path: Path, package: str, choices: dict[str, str], out: dict[str, str]) -> None:
     """Follow a verl config file's `defaults:` list (Hydra's `group@package: name`, relative to the file), then
     read the file's own comments, which win as its values do (`_self_` last)."""
-    import yaml
-
     if not path.is_file():
         return
     defaults = (yaml.safe_load(path.read_text()) or {}).get("defaults") or []
@@ -90,6 +92,7 @@ def _compose(root: Path, path: Path, package: str, choices: dict[str, str], out:
 @functools.cache
 def verl_comments(megatron: bool = False) -> dict[str, str]:
     """Dotted verl key -> the comment verl's config files write above it."""
+    # lazy: importing verl costs ~3 s; the comments need only its config folder, for config --explain
     import verl
 
     root = Path(verl.__file__).parent / "trainer" / "config"
@@ -142,8 +145,6 @@ def _sources() -> dict[str, str]:
 
 def readers(key: str) -> list[str]:
     """What reads `key`: verl_keys.py's entry for a verl key, then the modules whose source names it."""
-    from rllm.experimental.fully_async.settings.verl_keys import READ_ONLY_WHEN, VERL_KEYS_READ, is_read, refusal_reason
-
     out: list[str] = []
     section = key.split(".")[0]
     if section not in PROJECT_SECTIONS:
@@ -210,8 +211,6 @@ def spec_fields() -> dict[str, list[str]]:
 
 
 def allowed(key: str, default: Any) -> str:
-    from rllm.experimental.fully_async.settings.validate import _CHOICES, _LOWER_BOUNDS
-
     if key in _CHOICES:
         return " | ".join(_CHOICES[key])
     bound = ""
@@ -249,8 +248,6 @@ def _yaml(value: Any) -> str:
 def explain(key: str, cfg: DictConfig | None = None, origin: str | None = None) -> list[str]:
     """The lines `config --explain KEY` prints. `cfg`: the loaded config (its value is shown); unknown keys raise
     ConfigError naming the nearest keys."""
-    from rllm.experimental.fully_async.settings.loader import base_config, verl_base_config
-
     megatron = cfg is not None and cfg.actor_rollout_ref.actor.strategy == "megatron"
     base = base_config(megatron)
     node = OmegaConf.select(base, key, default=_MISSING, throw_on_missing=False)
@@ -335,8 +332,6 @@ def changed_leaves(cfg: DictConfig, base: DictConfig, prefix: str = "") -> list[
 def diff_lines(cfg: DictConfig, layers: list[tuple[str, DictConfig]]) -> list[str]:
     """The config's keys that differ from the defaults (verl 0.7.1's plus this project's) as YAML, each with its
     meaning and where it was set in a comment: what `config` prints."""
-    from rllm.experimental.fully_async.settings.loader import base_config
-
     megatron = cfg.actor_rollout_ref.actor.strategy == "megatron"
     keys = changed_leaves(cfg, base_config(megatron))
     lines: list[str] = []
@@ -362,6 +357,4 @@ def diff_lines(cfg: DictConfig, layers: list[tuple[str, DictConfig]]) -> list[st
 
 
 def _flow(value: Any) -> str:
-    import yaml
-
     return yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix("...").strip()
