@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -115,17 +116,10 @@ def _sigkill_at_a_checkpoint_where(
     pytest.fail(f"no checkpoint of the run met the condition:\n{''.join(lines)[-3000:]}")
 
 
-# Two trainer ranks (gloo, one rank actor each) take the same path: each rank writes its own shard of the policy
-# through torch.distributed.checkpoint into the checkpoint being saved, and the resumed group reads them back. The
-# last case resumes the two ranks' checkpoint with one rank (DCP reshards; runtime/checkpoints/trainer_state.py).
-@pytest.mark.slow  # CLI runs end to end
-@pytest.mark.parametrize(
-    ("ranks", "resume_ranks"), [(1, 1), (2, 2), (2, 1)], ids=["one-rank", "two-ranks", "two-ranks-resumed-by-one"]
-)
-def test_sigkill_then_resume_trains_every_prompt_of_the_epoch_exactly_once(small_task, tmp_path, ranks, resume_ranks):
+def _epoch_command(small_task: tuple[Path, Path, Path], run_dir: Path) -> list[str]:
+    """One epoch of the small prompt file, a checkpoint every step."""
     model_dir, train, val = small_task
-    run_dir = tmp_path / "run"
-    command = _command(
+    return _command(
         model_dir,
         train,
         val,
@@ -138,9 +132,44 @@ def test_sigkill_then_resume_trains_every_prompt_of_the_epoch_exactly_once(small
         # 9 whole suites).
         "async_training.max_staleness=8",
     )
-    first = _start([*command, f"trainer.n_gpus_per_node={ranks}"], tmp_path)
-    _wait_for_line(first, "step    3/", timeout_s=400)
-    _sigkill_tree(first)
+
+
+@pytest.fixture(scope="module")
+def killed_run(small_task, tmp_path_factory) -> Callable[[int], Path]:
+    """`killed_run(ranks)`: the run dir of an epoch run with `ranks` trainer ranks, SIGKILLed after its step 3, as
+    the kill left it. Run once per rank count in a module (the two-rank run is resumed both by two ranks and by one:
+    a CLI run fewer, ~45 s on a loaded 2-core machine) and kept as a copy, which each call puts back at the run's
+    own path: a resume elsewhere would find the checkpoint's ledger journal at another path and restart it."""
+    made: dict[int, tuple[Path, Path]] = {}
+
+    def killed(ranks: int) -> Path:
+        if ranks not in made:
+            root = tmp_path_factory.mktemp(f"killed_{ranks}_ranks")
+            first = _start([*_epoch_command(small_task, root / "run"), f"trainer.n_gpus_per_node={ranks}"], root)
+            _wait_for_line(first, "step    3/", timeout_s=400)
+            _sigkill_tree(first)
+            shutil.copytree(root / "run", root / "as_killed")
+            made[ranks] = (root / "run", root / "as_killed")
+        run_dir, as_killed = made[ranks]
+        shutil.rmtree(run_dir)
+        shutil.copytree(as_killed, run_dir)
+        return run_dir
+
+    return killed
+
+
+# Two trainer ranks (gloo, one rank actor each) take the same path: each rank writes its own shard of the policy
+# through torch.distributed.checkpoint into the checkpoint being saved, and the resumed group reads them back. The
+# last case resumes the two ranks' checkpoint with one rank (DCP reshards; runtime/checkpoints/trainer_state.py).
+@pytest.mark.slow  # CLI runs end to end
+@pytest.mark.parametrize(
+    ("ranks", "resume_ranks"), [(1, 1), (2, 2), (2, 1)], ids=["one-rank", "two-ranks", "two-ranks-resumed-by-one"]
+)
+def test_sigkill_then_resume_trains_every_prompt_of_the_epoch_exactly_once(
+    small_task, killed_run, tmp_path, ranks, resume_ranks
+):
+    run_dir = killed_run(ranks)
+    command = _epoch_command(small_task, run_dir)
     killed_at = CheckpointManager(run_dir / "checkpoints").latest()
     assert killed_at is not None
     # every rank's shard is in the checkpoint (and its manifest, which the resume verifies); trainer.pt refers to them

@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from omegaconf import DictConfig, OmegaConf
+
 # The actor-config key patches/verl_dp_actor.patch adds; every backend sets it to True.
 FULLY_ASYNC_FLAG = "fully_async"
 
@@ -57,7 +59,7 @@ def build_verl_actor_config(actor_cfg: Mapping[str, Any], actor_target: str, sec
     none, and verl then leaves the section a dict where it needs a dataclass); `rollout_n`, which the actor does
     not use, defaults to 1.
     """
-    from omegaconf import DictConfig, OmegaConf
+    # lazy: this package imports neither verl nor torch (~3 s): the doctor imports backends.verl_patch without them
     from verl.utils.config import omega_conf_to_dataclass
 
     if isinstance(actor_cfg, DictConfig):
@@ -85,6 +87,7 @@ def build_lr_scheduler(optimizer: Any, optim: Any, key: str) -> Any:
 
     `optim` is an actor's or critic's optim config; `key` names its section in errors.
     """
+    # lazy: this package imports neither verl nor torch (see build_verl_actor_config)
     from verl.utils.torch_functional import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 
     total_steps = int(optim.get("total_training_steps", -1) or -1)
@@ -120,6 +123,7 @@ def require_batch_keys(data: Any, keys: tuple[str, ...], caller: str) -> None:
 
 def to_cpu(value: Any) -> Any:
     """Tensors (also inside dicts and lists) detached onto the CPU, for a checkpoint's state dicts."""
+    # lazy: this package imports neither verl nor torch (see build_verl_actor_config)
     import torch
 
     if isinstance(value, torch.Tensor):

@@ -45,6 +45,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 
 from rllm.experimental.fully_async.backends import (
     FULLY_ASYNC_FLAG,
@@ -53,6 +54,7 @@ from rllm.experimental.fully_async.backends import (
     to_cpu,
 )
 from rllm.experimental.fully_async.backends.megatron_weights import write_hf_folder
+from rllm.experimental.fully_async.backends.verl_patch import require_patched_verl
 
 logger = logging.getLogger(__name__)
 
@@ -113,8 +115,6 @@ def megatron_unusable_reason(cuda_available: bool | None = None) -> str | None:
     `cuda_available` defaults to `torch.cuda.is_available()`; everything else is looked up without importing it.
     """
     if cuda_available is None:
-        import torch
-
         cuda_available = torch.cuda.is_available()
     problems = []
     if not cuda_available:
@@ -133,8 +133,6 @@ def require_megatron_stack() -> None:
 
     Without CUDA the message is CUDA_REFUSAL, the one the config loader gives.
     """
-    import torch
-
     if not torch.cuda.is_available():
         raise RuntimeError(CUDA_REFUSAL)
     reason = megatron_unusable_reason(cuda_available=True)
@@ -157,8 +155,6 @@ def build_worker_config(actor_rollout_ref: Mapping[str, Any]) -> Any:
     nothing (the whole batch is the mini-batch), so it is left as configured. The config is checked by building
     verl's McoreActorConfig from it, as the worker will.
     """
-    from omegaconf import DictConfig, OmegaConf
-
     if isinstance(actor_rollout_ref, DictConfig):
         raw = OmegaConf.to_container(actor_rollout_ref, resolve=True)
     else:
@@ -197,9 +193,8 @@ class MegatronPolicyBackend:
     """verl's Megatron actor worker (model, DistributedOptimizer, LR schedule, patched MegatronPPOActor)."""
 
     def __init__(self, actor_rollout_ref: Mapping[str, Any], *, seed: int = 0) -> None:
+        # lazy: Megatron is an optional GPU dependency (verl's Megatron worker imports megatron-core)
         from verl.workers.megatron_workers import ActorRolloutRefWorker
-
-        from rllm.experimental.fully_async.backends.verl_patch import require_patched_verl
 
         require_megatron_stack()
         require_patched_verl()  # unpatched verl would take several optimizer steps per batch
@@ -210,6 +205,7 @@ class MegatronPolicyBackend:
         self.worker.init_model()
         self.actor = self.worker.actor
         self.config = config
+        # lazy: Megatron is an optional GPU dependency
         from megatron.core import parallel_state as mpu
 
         self.rank = torch.distributed.get_rank()
@@ -234,6 +230,7 @@ class MegatronPolicyBackend:
     def compute_log_prob(self, data: Any, weights: str = "current") -> torch.Tensor:
         """log pi(response token | prefix) at meta_info['temperature'], float32 [B, R] on CPU (last PP stage;
         broadcast by verl to every stage). Only the current weights: this backend keeps no earlier ones."""
+        # lazy: verl (~3 s) stays out of megatron_unusable_reason's import by settings/validate and the doctor
         from verl import DataProto
 
         if weights != "current":
@@ -257,6 +254,7 @@ class MegatronPolicyBackend:
 
         Metrics are verl's (valid on the last pipeline stage) plus `actor/lr` and `actor/optimizer_step`.
         """
+        # lazy: verl (~3 s) stays out of megatron_unusable_reason's import by settings/validate and the doctor
         from verl import DataProto
         from verl.utils.megatron.optimizer import get_megatron_last_lr
         from verl.utils.metric import reduce_metrics
@@ -290,6 +288,7 @@ class MegatronPolicyBackend:
             if worker.vanilla_bridge:
                 return worker.bridge.export_weights(self.actor.actor_module)
             return worker.bridge.export_hf_weights(self.actor.actor_module)
+        # lazy: Megatron is an optional GPU dependency (verl's megatron_utils imports megatron-core)
         from verl.utils.megatron_utils import per_tensor_generator
 
         return per_tensor_generator(

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from rllm.experimental.fully_async.backends import copy_model_folder_files
 
@@ -32,6 +33,7 @@ def build_name_converter(hf_config: Any, *, use_mbridge: bool = True, dtype: tor
     mbridge's bridge reads megatron-core's parallel state: initialise it first (a gloo world of one on CPU).
     """
     if use_mbridge:
+        # lazy: Megatron is an optional GPU dependency (mbridge)
         from verl.models.mcore.mbridge import AutoBridge
 
         bridge = AutoBridge.from_config(hf_config, dtype=dtype)
@@ -42,6 +44,7 @@ def build_name_converter(hf_config: Any, *, use_mbridge: bool = True, dtype: tor
         mapping["output_layer.weight"] = "model.embed_tokens.weight" if tied else "lm_head.weight"
         bridge._DIRECT_MAPPING = mapping
         return bridge
+    # lazy: Megatron is an optional GPU dependency (verl.models.mcore imports megatron-core)
     from verl.models.mcore import get_mcore_weight_converter
 
     return get_mcore_weight_converter(hf_config, dtype)
@@ -76,6 +79,7 @@ LAYER_NAME_MAPPING = {"qkv_layer_name": "self_attention.linear_qkv.", "gate_proj
 def _split_fused(converter: Any, name: str, tensor: torch.Tensor) -> list[torch.Tensor]:
     """Megatron's fused tensors split by verl's own default_tp_concat_fn, as per_tensor_generator calls it
     (one shard: megatron-core's tensor-parallel size must be 1, the full tensor after gathering)."""
+    # lazy: Megatron is an optional GPU dependency (verl's megatron_utils imports megatron-core)
     from verl.utils.megatron_utils import default_tp_concat_fn
 
     if not (_is_qkv(name) or "linear_fc1.weight" in name):
@@ -100,8 +104,6 @@ def write_hf_folder(
     Tokenizer and generation files are copied from `source_dir` when present. Names the HF model expects but
     the stream lacks are an error, so a half-exported model never reaches an engine.
     """
-    from safetensors.torch import save_file
-
     target = getattr(torch, dtype) if dtype is not None else None
     state: dict[str, torch.Tensor] = {}
     for name, tensor in weights:
@@ -126,6 +128,7 @@ def write_hf_folder(
 
 def expected_hf_names(hf_config: Any) -> Iterator[str]:
     """The parameter names of the HF model `hf_config` describes (built on the meta device: no memory)."""
+    # lazy: transformers (~0.6 s) stays out of megatron_unusable_reason's import by settings/validate and the doctor
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):

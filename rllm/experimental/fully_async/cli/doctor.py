@@ -91,6 +91,7 @@ def project_requirements() -> dict[str, SpecifierSet]:
 
 def _pyproject_dependencies() -> list[str]:
     try:
+        # optional: tomllib is in the standard library from Python 3.11 on
         import tomllib
     except ModuleNotFoundError:  # Python 3.10: ranges are shown only when the package is installed
         return []
@@ -147,6 +148,7 @@ def check_devices() -> Check:
     """CPU count and GPUs. No GPU is fine: the CPU path (embedded engine) is the default."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     try:
+        # lazy: the doctor reports a torch that does not import, so it must start without it
         import torch
     except ImportError as exc:
         return Check("devices", False, f"{cpus} CPUs; torch does not import ({exc})")
@@ -173,6 +175,7 @@ def import_sglang(timeout_s: float = SGLANG_IMPORT_TIMEOUT_S) -> tuple[bool, str
 
 def _cuda_available() -> bool:
     try:
+        # lazy: the doctor reports a torch that does not import, so it must start without it
         import torch
     except ImportError:
         return False
@@ -184,6 +187,7 @@ def check_gpu_stack(torch_module: Any = None) -> list[Check]:
     torch = torch_module
     if torch is None:
         try:
+            # lazy: the doctor reports a torch that does not import, so it must start without it
             import torch
         except ImportError:
             return []
@@ -223,6 +227,7 @@ def check_gpu_stack(torch_module: Any = None) -> list[Check]:
 
 def check_megatron(cuda_available: bool) -> Check:
     """Can `actor.strategy=megatron` run here? A warning naming what is missing when not (FSDP trains without it)."""
+    # lazy: backends.megatron imports torch at its top, which the doctor must start without
     from rllm.experimental.fully_async.backends.megatron import megatron_unusable_reason
 
     if not cuda_available:

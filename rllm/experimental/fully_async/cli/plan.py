@@ -20,10 +20,14 @@ import os
 import shlex
 import sys
 
+import torch
 from omegaconf import DictConfig
 
 from rllm.experimental.fully_async.core.placement import PlacementError, PlacementPlan, node_bundles, plan_on_nodes
-from rllm.experimental.fully_async.run_spec import engine_lora_spec
+from rllm.experimental.fully_async.engines.from_config import engine_command
+from rllm.experimental.fully_async.run_spec import engine_lora_spec, engines_spec
+from rllm.experimental.fully_async.runtime.cluster.multi_node import cluster_gpu_nodes
+from rllm.experimental.fully_async.settings import ConfigError, load_config
 from rllm.experimental.fully_async.settings.derive import largest_staleness
 
 PLACEHOLDER_HOST = "127.0.0.1"
@@ -34,9 +38,8 @@ PLACEHOLDER_SECRET = "RUN_SECRET"  # a fresh secret is drawn at every start (eng
 def detect_gpus_per_node() -> tuple[list[int], str]:
     """GPUs per node and where the count came from: the Ray cluster at RAY_ADDRESS, else this machine."""
     if os.environ.get("RAY_ADDRESS"):
+        # lazy: only a plan for the cluster at RAY_ADDRESS connects to Ray
         import ray
-
-        from rllm.experimental.fully_async.runtime.cluster.multi_node import cluster_gpu_nodes
 
         ray.init(address=os.environ["RAY_ADDRESS"], configure_logging=False, log_to_driver=False)
         try:
@@ -45,8 +48,6 @@ def detect_gpus_per_node() -> tuple[list[int], str]:
             ray.shutdown()
         return counts, f"Ray cluster at {os.environ['RAY_ADDRESS']}"
     try:
-        import torch
-
         return [torch.cuda.device_count()], "this machine (torch.cuda.device_count())"
     except Exception:  # torch without CUDA support: no GPUs
         return [0], "this machine (no CUDA)"
@@ -64,9 +65,6 @@ def engine_tp_size(cfg: DictConfig) -> int:
 def engine_lines(cfg: DictConfig, slots: list[tuple[int, int, dict[str, str]]], multi_node: bool = False) -> list[str]:
     """`engine i (node n): ENV argv` for each (index, node, environment), built by the runtime's `engine_command`.
     On several nodes an engine listens on its node's address and requires the run's secret (placeholders here)."""
-    from rllm.experimental.fully_async.engines.from_config import engine_command
-    from rllm.experimental.fully_async.run_spec import engines_spec
-
     command = engine_command(engines_spec(cfg), PLACEHOLDER_SECRET if multi_node else None)
     lines = []
     for index, node, env in slots:
@@ -150,8 +148,6 @@ def _bundles(plan: PlacementPlan) -> str:
 
 def main(argv: list[str]) -> int:
     """`plan` subcommand: parse flags and overrides, load the config, print the plan. Returns the exit code."""
-    from rllm.experimental.fully_async.settings import ConfigError, load_config
-
     parser = argparse.ArgumentParser(prog="python -m rllm.experimental.fully_async plan", description=__doc__)
     parser.add_argument("--config", default=None)
     parser.add_argument("--gpus-per-node", type=int, default=None, help="GPUs on each node (default: detect)")

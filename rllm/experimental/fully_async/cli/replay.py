@@ -24,8 +24,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory trained with run.record_batches=true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("RLLM_LOG_LEVEL", "WARNING"))
+    # lazy: transformers and the trainer (~5 s) load after argparse, so a wrong argument is answered at once
     from transformers.utils import logging as hf_logging
 
+    # lazy: the trainer's replay imports Ray, torch and verl (~5 s), like transformers above
     from rllm.experimental.fully_async.runtime.trainer.replay import ReplayMismatch, replay
 
     hf_logging.disable_progress_bar()  # a "Loading weights" bar per trainer built would split the verdict lines

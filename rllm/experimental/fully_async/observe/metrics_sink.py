@@ -63,6 +63,7 @@ class MetricsSink:
         backends = [b for b in cfg.trainer.logger if b != "console"]
         self.tracking = None
         if backends:
+            # lazy: verl's Tracking pulls verl, torch and wandb (~3 s), needed only for a logger other than console
             from verl.utils.tracking import Tracking
 
             self.tracking = Tracking(

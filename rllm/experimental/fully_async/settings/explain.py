@@ -26,6 +26,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rllm.experimental.fully_async.algorithms.correction_config import CorrectionConfig
@@ -34,6 +35,8 @@ from rllm.experimental.fully_async.algorithms.gigpo import GiGPOConfig
 from rllm.experimental.fully_async.errors import ConfigError
 from rllm.experimental.fully_async.settings.loader import base_config, verl_base_config
 from rllm.experimental.fully_async.settings.schema import FULLY_ASYNC_VERL_DEFAULTS, PROJECT_SECTIONS
+from rllm.experimental.fully_async.settings.validate import _CHOICES, _LOWER_BOUNDS
+from rllm.experimental.fully_async.settings.verl_keys import READ_ONLY_WHEN, VERL_KEYS_READ, is_read, refusal_reason
 from rllm.experimental.fully_async.tasks import TASK_ASSET_KEYS, task_asset_paths
 
 PACKAGE = Path(__file__).resolve().parents[1]
@@ -73,8 +76,6 @@ def _yaml_comments(path: Path, package: str, out: dict[str, str]) -> None:
 def _compose(root: Path, path: Path, package: str, choices: dict[str, str], out: dict[str, str]) -> None:
     """Follow a verl config file's `defaults:` list (Hydra's `group@package: name`, relative to the file), then
     read the file's own comments, which win as its values do (`_self_` last)."""
-    import yaml
-
     if not path.is_file():
         return
     defaults = (yaml.safe_load(path.read_text()) or {}).get("defaults") or []
@@ -98,6 +99,7 @@ def _compose(root: Path, path: Path, package: str, choices: dict[str, str], out:
 @functools.cache
 def verl_comments(megatron: bool = False) -> dict[str, str]:
     """Dotted verl key -> the comment verl's config files write above it."""
+    # lazy: importing verl costs ~3 s; the comments need only its config folder, for config --explain
     import verl
 
     root = Path(verl.__file__).parent / "trainer" / "config"
@@ -223,8 +225,6 @@ def _sources() -> dict[str, str]:
 
 def readers(key: str) -> list[str]:
     """What reads `key`: verl_keys.py's entry for a verl key, then the modules whose source names it."""
-    from rllm.experimental.fully_async.settings.verl_keys import READ_ONLY_WHEN, VERL_KEYS_READ, is_read, refusal_reason
-
     out: list[str] = []
     section = key.split(".")[0]
     if section not in PROJECT_SECTIONS:
@@ -291,8 +291,6 @@ def spec_fields() -> dict[str, list[str]]:
 
 
 def allowed(key: str, default: Any) -> str:
-    from rllm.experimental.fully_async.settings.validate import _CHOICES, _LOWER_BOUNDS
-
     if key in _CHOICES:
         return " | ".join(_CHOICES[key])
     bound = ""
@@ -495,6 +493,4 @@ def diff_lines(cfg: DictConfig, layers: list[tuple[str, DictConfig]]) -> list[st
 
 
 def _flow(value: Any) -> str:
-    import yaml
-
     return yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix("...").strip()

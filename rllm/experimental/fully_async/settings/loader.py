@@ -36,6 +36,9 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from rllm.experimental.fully_async.errors import ConfigError
 from rllm.experimental.fully_async.errors import first_line as _first_line
+from rllm.experimental.fully_async.settings.derive import resolve_derived
+from rllm.experimental.fully_async.settings.paths import expand_config_paths
+from rllm.experimental.fully_async.settings.rllm_yaml import apply_rllm_keys, extract_rllm_keys
 
 # The schema is re-exported so that this module stays the one import for configuration.
 from rllm.experimental.fully_async.settings.schema import (
@@ -48,6 +51,9 @@ from rllm.experimental.fully_async.settings.schema import (
     TaskConfig,
     WorkflowConfig,
 )
+from rllm.experimental.fully_async.settings.validate import refuse_unusable_megatron, validate
+from rllm.experimental.fully_async.settings.verl_keys import unread_verl_key_refusals
+from rllm.experimental.fully_async.tasks import refuse_user_assets
 
 __all__ = [
     "DEFAULT_CONFIG",
@@ -134,19 +140,10 @@ def load_config(
     is for another machine (a GPU cluster being planned), so what this one lacks (CUDA) is not refused.
     `program_layer`: what an rLLM program changed in the config it composed (settings/rllm_program.py), merged
     after the files and before the overrides."""
-    from rllm.experimental.fully_async.settings.derive import resolve_derived
-    from rllm.experimental.fully_async.settings.paths import expand_config_paths
-    from rllm.experimental.fully_async.settings.rllm_yaml import apply_rllm_keys, extract_rllm_keys
-    from rllm.experimental.fully_async.settings.validate import validate
-    from rllm.experimental.fully_async.settings.verl_keys import unread_verl_key_refusals
-    from rllm.experimental.fully_async.tasks import refuse_user_assets
-
     path = Path(config_file) if config_file is not None else DEFAULT_CONFIG
     chain = _file_chain(path)
     megatron = _wants_megatron(chain, overrides or [], program_layer)
     if megatron and check_host:
-        from rllm.experimental.fully_async.settings.validate import refuse_unusable_megatron
-
         refuse_unusable_megatron()  # first: on this machine nothing else about the config matters
     cfg = base_config(megatron)
     rllm_keys: dict[str, Any] = {}  # keys of rLLM's fully-async YAML that verl's tree lacks (settings/rllm_yaml.py)

@@ -108,8 +108,9 @@ def program_layer(composed: DictConfig, explicit: set[str] = frozenset()) -> tup
 def explicit_command_line_keys() -> set[str]:
     """The keys named on a hydra command line (`key=v`, `+key=v`, `++key=v`), when running under `@hydra.main`."""
     try:
+        # optional: hydra comes with verl, not with this package
         from hydra.core.hydra_config import HydraConfig
-    except ImportError:  # hydra is verl's dependency; without it there is no command line to read
+    except ImportError:  # without hydra there is no hydra command line to read
         return set()
     if not HydraConfig.initialized():
         return set()

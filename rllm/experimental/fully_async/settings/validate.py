@@ -9,11 +9,13 @@ import logging
 
 from omegaconf import DictConfig, OmegaConf
 
+from rllm.experimental.fully_async.api.rollout_functions import RUNNER_WORKFLOW
+from rllm.experimental.fully_async.core.adaptive_staleness import AdaptiveStalenessRule
 from rllm.experimental.fully_async.core.addresses import check_master_address
 from rllm.experimental.fully_async.errors import ConfigError
 from rllm.experimental.fully_async.errors import first_line as _first_line
 from rllm.experimental.fully_async.settings.derive import largest_staleness
-from rllm.experimental.fully_async.settings.schema import EnginesLoRAConfig
+from rllm.experimental.fully_async.settings.schema import EnginesLoRAConfig, EnvConfig, ToolsConfig, WorkflowConfig
 from rllm.experimental.fully_async.tasks import task_names, unknown_task_message
 
 logger = logging.getLogger(__name__)
@@ -127,6 +129,7 @@ def refuse_unsupported(cfg: DictConfig, *, check_host: bool = True) -> None:
             f"'actor_rollout_ref.actor.strategy={strategy}': the trainer shards with FSDP2 only; use strategy: fsdp2"
         )
     if cfg.trainer.device == "cuda":
+        # lazy: torch (~1 s) stays out of importing settings/ (the CLI's startup); only a CUDA or Megatron config asks
         import torch
 
         # With trainer.nnodes > 1 the ranks run on the Ray cluster's GPU nodes, which the placement checks: the
@@ -162,8 +165,10 @@ def refuse_unsupported(cfg: DictConfig, *, check_host: bool = True) -> None:
 def refuse_unusable_megatron() -> None:
     """strategy megatron on a machine without CUDA, or without megatron-core, mbridge or TransformerEngine: one
     line, before anything else about the config (verl would otherwise fail deep inside its worker)."""
+    # lazy: torch (~1 s) stays out of importing settings/ (the CLI's startup); only a CUDA or Megatron config asks
     import torch
 
+    # lazy: backends.megatron imports torch at its top (~1 s), asked only for a Megatron config
     from rllm.experimental.fully_async.backends.megatron import CUDA_REFUSAL, megatron_unusable_reason
 
     if not torch.cuda.is_available():
@@ -225,8 +230,10 @@ MEGATRON_PARALLEL_KEYS = (
 
 
 def _validate_algorithm(cfg: DictConfig) -> None:
+    # lazy: verl and algorithms/ (which imports it) cost ~4 s, kept out of importing settings/ (CLI startup)
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
+    # lazy: algorithms.advantages and .corrections import verl (~4 s), like the line above
     from rllm.experimental.fully_async.algorithms.advantages import (
         GROUP_ESTIMATORS,
         SUPPORTED_ESTIMATORS,
@@ -246,6 +253,7 @@ def _validate_algorithm(cfg: DictConfig) -> None:
             f"'algorithm.gigpo' is read only with algorithm.adv_estimator=gigpo (got {estimator!r}); remove it"
         )
     if estimator == "gae":
+        # lazy: backends.critic imports verl and peft (~5 s), read only with adv_estimator=gae
         from rllm.experimental.fully_async.backends.critic import validate_critic_section
 
         try:
@@ -457,8 +465,6 @@ def _validate_engine_lora(cfg: DictConfig) -> None:
 
 def _validate_adaptive_staleness(at: DictConfig) -> None:
     """The rule's own checks; its keys are read only with enable; η starts within [min, max]."""
-    from rllm.experimental.fully_async.core.adaptive_staleness import AdaptiveStalenessRule
-
     section = at.adaptive_staleness
     fields = {k: section[k] for k in AdaptiveStalenessRule.__dataclass_fields__}
     if not section.enable:
@@ -485,9 +491,6 @@ BUILTIN_WORKFLOWS = ("single_turn", "multi_turn")
 
 def _validate_agent(cfg: DictConfig) -> None:
     """The workflow, and the sections only a multi_turn workflow reads (env, tools, workflow.layout, val_kwargs)."""
-    from rllm.experimental.fully_async.api.rollout_functions import RUNNER_WORKFLOW
-    from rllm.experimental.fully_async.settings.schema import EnvConfig, ToolsConfig, WorkflowConfig
-
     wf = cfg.workflow
     runner = wf.path is None and wf.name == RUNNER_WORKFLOW
     if wf.path is None and wf.name not in BUILTIN_WORKFLOWS and not runner:
@@ -537,6 +540,7 @@ def _validate_agent(cfg: DictConfig) -> None:
         return
     if cfg.env.name is None:
         raise ConfigError("'env.name' must be set with workflow.name=multi_turn (a built-in such as number_line)")
+    # lazy: envs/ and workflows.tools pull the worker pool, httpx and verl (~5 s), read only for multi_turn
     from rllm.experimental.fully_async.envs.base import EnvSpec
     from rllm.experimental.fully_async.workflows.tools import ToolBox
 

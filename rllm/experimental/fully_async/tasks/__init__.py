@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from rllm.experimental.fully_async.errors import EXIT_BAD_INPUT, ConfigError, FullyAsyncError
 
 # What a task makes for itself and writes into the config; a user's value for any of them is refused, never replaced.
@@ -150,7 +152,6 @@ def _locate_smollm2(task_cfg: Any) -> dict[str, str]:
 def user_asset_keys(cfg: Any, defaults: Any) -> list[str]:
     """The TASK_ASSET_KEYS whose value in `cfg` differs from `defaults` (verl's): the ones a user set. Paths are
     compared with `~` expanded (load_config expands them: settings/paths.py)."""
-    from omegaconf import OmegaConf
 
     def value(tree: Any, key: str) -> Any:
         node = OmegaConf.select(tree, key, default=None)
@@ -208,6 +209,7 @@ def _cache_dir(task_cfg: Any) -> Path:
 
 
 def _prepare_addition(task_cfg: Any) -> TaskAssets:
+    # lazy: a task's module pulls torch, transformers and pandas (~9 s); the config loads without them
     from rllm.experimental.fully_async.tasks import addition
 
     assets = addition.prepare_addition_assets(
@@ -223,6 +225,7 @@ def _prepare_addition(task_cfg: Any) -> TaskAssets:
 
 
 def _prepare_smollm2(task_cfg: Any) -> TaskAssets:
+    # lazy: a task's module pulls torch, transformers and pandas (~9 s); the config loads without them
     from rllm.experimental.fully_async.tasks import smollm2
 
     assets = smollm2.prepare_smollm2_assets(_cache_dir(task_cfg), seed=int(task_cfg.seed))
