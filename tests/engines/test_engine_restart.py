@@ -24,7 +24,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-from engine_helpers import TEST_ONLY_ROUTES, decode_hold, max_abs_diff, reference_logprobs, restarted
+from engine_helpers import (
+    TEST_ONLY_ROUTES,
+    decode_hold,
+    engine_command,
+    max_abs_diff,
+    reference_logprobs,
+    restarted,
+)
+from lora_helpers import LORA, write_adapter
 from run_helpers import addition_run_command, leftover_processes
 
 from rllm.experimental.fully_async.engines import EmbeddedEngineCommand, EngineLauncher, EngineProcess
@@ -227,6 +235,82 @@ def test_a_restarted_engine_gets_the_last_synced_weights_and_every_later_sync(en
 
         sync.sync(writer("a"), new_version=3)
         assert sync.engine_versions == {new.url: 3, survivor.url: 3}
+
+
+@pytest.mark.slow  # an engine killed under LoRA mid-request, restarted, four adapter syncs (~25 s on a busy machine)
+def test_under_lora_a_restarted_engine_serves_only_the_newest_adapter_and_older_requests_stay_off_it(models, tmp_path):
+    """docs/design.md#rule-one-version-per-lora-sample across a restart: the restarted engine gets the newest adapter
+    alone (ParamSync.replace_engine), new requests name it, and requests naming an older version still kept (a
+    re-sent one, or one sent before the client heard of the newest) go to the engine that serves it."""
+    base = models["a"][0]
+    folders = [write_adapter(base, tmp_path / f"adapter{v}", seed=v + 1) for v in range(4)]
+    long = {"temperature": 1.0, "max_new_tokens": 60, "ignore_eos": True}
+    short = {"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True}
+
+    def copying(version: int) -> Callable[[str], None]:
+        return lambda path: shutil.copytree(folders[version], path, dirs_exist_ok=True) and None
+
+    def finished(url: str) -> int:
+        return httpx.get(f"{url}/get_server_info", timeout=30).json()["engine_stats"]["requests_finished"]
+
+    with (
+        EngineLauncher(engine_command("embedded", base, lora=LORA), 2, log_dir=tmp_path / "logs") as launcher,
+        ParamSync(launcher.urls, DiskTransport(tmp_path / "weights", keep=3), lora_keep=2, pause_timeout_s=5) as sync,
+    ):
+        victim, survivor = launcher.processes
+
+        async def scenario() -> dict:
+            async with EngineClient(launcher.urls, lora_keep=2, wait_for_engine_s=90, backoff_base_s=0.01) as client:
+                for version in (0, 1, 2):
+                    await asyncio.to_thread(sync.sync, copying(version), version)
+                    client.use_policy_version(version)
+                # Only the victim's adapters are known yet, so a request naming policy-v1 goes there; the kill meets
+                # it decoding, and it finishes on the survivor, still on policy-v1.
+                await client.lora_adapters(victim.url)
+                async with decode_hold(victim.url, min_tokens=1) as hold:
+                    cut = asyncio.ensure_future(client.generate([3, 4], long, lora_path="policy-v1"))
+                    await hold.reached()
+                    kill(victim)
+                cut = await asyncio.wait_for(cut, 90)
+                new = await asyncio.to_thread(restarted, launcher, 0)
+                joined_at = await asyncio.to_thread(sync.replace_engine, victim.url, new.url)
+                client.replace_engine(victim.url, new.url)
+                known = await client.read_lora_adapters()  # what the rollout service does on a restart
+                before = await asyncio.to_thread(finished, new.url)
+                # two at once: least-loaded routing sends one to each engine; both name the newest version
+                fresh = await asyncio.gather(*(client.generate([5, i], short) for i in range(2)))
+                after_fresh = await asyncio.to_thread(finished, new.url)
+                # two naming the older kept version: both on the survivor (the restarted engine would refuse them)
+                older = await asyncio.gather(*(client.generate([6, i], short, lora_path="policy-v1") for i in range(2)))
+                after_older = await asyncio.to_thread(finished, new.url)
+                await asyncio.to_thread(sync.sync, copying(3), 3)
+                client.use_policy_version(3)
+                last = await client.generate([7, 8], short)
+                return {
+                    "cut": cut,
+                    "new": new,
+                    "joined_at": joined_at,
+                    "known": known,
+                    "fresh": fresh,
+                    "older": older,
+                    "counts": (before, after_fresh, after_older),
+                    "last": last,
+                }
+
+        seen = asyncio.run(scenario())
+        versions_after = dict(sync.engine_versions)
+    new_url = seen["new"].url
+    cut = seen["cut"]
+    assert cut.lora_path == "policy-v1" and cut.versions == [1] * 60 and cut.num_retries >= 1
+    assert seen["joined_at"] == 2 and seen["known"][new_url] == {"policy-v2"}  # the newest alone, read back
+    assert {"policy-v1", "policy-v2"} <= seen["known"][survivor.url]
+    assert [(r.lora_path, r.versions) for r in seen["fresh"]] == [("policy-v2", [2] * 8)] * 2
+    before, after_fresh, after_older = seen["counts"]
+    assert after_fresh == before + 1, "one of the two new requests ran on the restarted engine"
+    assert [(r.lora_path, r.versions) for r in seen["older"]] == [("policy-v1", [1] * 8)] * 2
+    assert after_older == after_fresh, "no request naming policy-v1 went to the restarted engine"
+    assert versions_after == {new_url: 3, survivor.url: 3}
+    assert seen["last"].lora_path == "policy-v3" and seen["last"].versions == [3] * 8
 
 
 # --- the whole run -------------------------------------------------------------------------------------------------

@@ -80,9 +80,14 @@ class RolloutServiceActor:
     def metrics(self) -> dict[str, float]:
         return self.service.metrics()
 
-    def replace_engine(self, old_url: str, new_url: str) -> None:
-        """Route rollouts to a restarted engine (already at the trainer's weights) instead of its dead predecessor."""
+    async def replace_engine(self, old_url: str, new_url: str) -> None:
+        """Route rollouts to a restarted engine (already at the trainer's weights) instead of its dead predecessor.
+        LoRA: it holds only the newest adapter; what each engine serves is read back so that requests naming an
+        older version (re-sent from the dead engine, or started before the client heard of the newest) go to
+        engines that still serve it (`EngineClient.read_lora_adapters`)."""
         self.client.replace_engine(old_url, new_url)
+        if getattr(self.client, "lora_keep", None) is not None:
+            await self.client.read_lora_adapters(timeout_s=60.0)
 
     async def begin_weight_sync(self) -> float:
         return await self.gate.begin_sync(self.gate_timeout_s)
