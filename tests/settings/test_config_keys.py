@@ -27,10 +27,12 @@ from pathlib import Path
 import pytest
 import torch
 from config_effects import critic, policy
+from lora_helpers import write_adapter
 from omegaconf import OmegaConf
 
 from rllm.experimental.fully_async.run_spec import build_run_spec
 from rllm.experimental.fully_async.settings.loader import ConfigError, base_config, load_config
+from rllm.experimental.fully_async.settings.model_source import check_lora_adapter
 from rllm.experimental.fully_async.settings.schema import PROJECT_SECTIONS
 from rllm.experimental.fully_async.settings.verl_keys import (
     READ_ONLY_WHEN,
@@ -87,6 +89,10 @@ POLICY_CASES: dict[str, Case] = {
     "actor_rollout_ref.model.target_modules": case("actor_rollout_ref.model.target_modules=[q_proj]", context=LORA),
     "actor_rollout_ref.model.exclude_modules": case(
         "actor_rollout_ref.model.exclude_modules=[down_proj]", context=LORA
+    ),
+    # the saved adapter (the `start_adapter` fixture's folder, for SAVED_ADAPTER) is what the policy starts from
+    "actor_rollout_ref.model.lora_adapter_path": case(
+        "actor_rollout_ref.model.lora_adapter_path=SAVED_ADAPTER", context=LORA
     ),
     f"{ACTOR}.use_torch_compile": case(f"{ACTOR}.use_torch_compile=true", context=ENTROPY, update=False),
     f"{ACTOR}.entropy_from_logits_with_chunking": case(
@@ -219,9 +225,19 @@ def _assert_effect(kind: str, base: tuple[str, ...], key: str, spec: Case) -> No
     assert changed, f"{key}: {' '.join(spec.change)} changed nothing the {kind} backend built or did: {before}"
 
 
+@pytest.fixture(scope="module")
+def start_adapter(tiny_model_dir, tmp_path_factory) -> str:
+    """A peft adapter of the tiny model (r 4 as LORA, lora_alpha verl's default 16), saved as peft saves it."""
+    return str(write_adapter(tiny_model_dir, tmp_path_factory.mktemp("start_adapter") / "a", seed=7, rank=4, alpha=16))
+
+
 @pytest.mark.parametrize("key", sorted(POLICY_CASES))
-def test_each_actor_key_changes_what_the_policy_is_or_does(key, user_model, one_torch_thread):
-    _assert_effect("policy", (*user_model, *POLICY_BASE), key, POLICY_CASES[key])
+def test_each_actor_key_changes_what_the_policy_is_or_does(key, user_model, one_torch_thread, request):
+    spec = POLICY_CASES[key]
+    if any("SAVED_ADAPTER" in c for c in spec.change):
+        folder = request.getfixturevalue("start_adapter")
+        spec = Case(tuple(c.replace("SAVED_ADAPTER", folder) for c in spec.change), spec.context, spec.update)
+    _assert_effect("policy", (*user_model, *POLICY_BASE), key, spec)
 
 
 @pytest.mark.parametrize("key", sorted(CRITIC_CASES))
@@ -260,6 +276,7 @@ def test_keys_read_only_in_some_settings_are_refused_outside_them(user_model):
         "actor_rollout_ref.model.lora_alpha": "64",  # lora_rank 0: all weights train
         "actor_rollout_ref.model.target_modules": "[q_proj]",
         "actor_rollout_ref.model.exclude_modules": "[down_proj]",
+        "actor_rollout_ref.model.lora_adapter_path": "/adapter",
         **GPU_ONLY,  # trainer.device=cpu
     }
     contexts = {
@@ -296,7 +313,6 @@ def test_keys_read_only_in_some_settings_are_refused_outside_them(user_model):
     [
         (("param_sync.transport=distributed",), r"'param_sync\.transport=distributed' with .*lora_rank > 0: .*disk"),
         (("algorithm.adv_estimator=gae",), r"'actor_rollout_ref\.model\.lora_rank' with algorithm\.adv_estimator=gae"),
-        (("actor_rollout_ref.model.lora_adapter_path=/adapter",), r"lora_adapter_path' is verl's.*fresh adapter"),
         (("actor_rollout_ref.model.lora_rank=-1",), r"'actor_rollout_ref\.model\.lora_rank=-1'"),
     ],
 )
@@ -304,6 +320,25 @@ def test_lora_settings_that_cannot_run_are_refused_in_one_line(user_model, overr
     with pytest.raises(ConfigError, match=named) as info:
         load_config(None, [*user_model, *LORA, *overrides])
     assert "\n" not in str(info.value)
+
+
+def test_a_start_adapter_the_lora_keys_contradict_is_refused_in_one_line(user_model, start_adapter, tmp_path):
+    """lora_adapter_path's adapter decides rank, alpha and modules (peft loads its own config, as in verl): a key that
+    says otherwise would be silently overridden, so it is refused naming the adapter's value; so is a folder peft
+    did not write."""
+    adapter = f"actor_rollout_ref.model.lora_adapter_path={start_adapter}"
+    check_lora_adapter(load_config(None, [*user_model, *LORA, adapter]))  # r 4, alpha 16, all-linear: consistent
+    refused = {
+        ("actor_rollout_ref.model.lora_rank=8",): r"adapter of r=4, but .*lora_rank=8: set lora_rank=4",
+        ("actor_rollout_ref.model.lora_alpha=32",): r"lora_alpha=16, but .*lora_alpha=32: set lora_alpha=16",
+        ("actor_rollout_ref.model.target_modules=[q_proj]",): r"holds an adapter on \[.*'v_proj'\], but .*q_proj",
+        ("actor_rollout_ref.model.exclude_modules=[down_proj]",): r"exclude_modules=\['down_proj'\]: remove it",
+        (f"actor_rollout_ref.model.lora_adapter_path={tmp_path}",): r"no adapter_config\.json there",
+    }
+    for overrides, words in refused.items():
+        with pytest.raises(ConfigError, match=words) as info:
+            check_lora_adapter(load_config(None, [*user_model, *LORA, adapter, *overrides]))
+        assert "\n" not in str(info.value) and "lora_adapter_path=" in str(info.value)
 
 
 def test_lora_with_megatron_is_refused_in_one_line():
