@@ -905,6 +905,51 @@ def test_gpu_fsdp_yaml_loads_with_every_key_honoured_or_refused():
         assert rule is None or rule.holds(OmegaConf.merge(cfg, {"trainer": {"device": "cuda"}})), key
 
 
+def test_gpu_lora_yaml_loads_with_every_key_honoured_and_engines_that_hold_eta_plus_one_adapters():
+    """config/gpu_fsdp_sglang_lora.yaml (a 7B-class LoRA run on one 8-GPU node), checked on CPU as a GPU host would
+    load it: verl's LoRA keys reach the trainer's peft adapter, SGLang's LoRA flags the engine command lines, every
+    engine holds the η+1 versions the staleness bound admits, and the GPUs add up to one node."""
+    from rllm.experimental.fully_async.engines.from_config import engine_command
+
+    path = REPO / "config" / "gpu_fsdp_sglang_lora.yaml"
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match=r"'trainer.device=cuda' but CUDA is not available"):
+            load_config(path)
+    cfg = load_config(path, ["trainer.device=cpu"] if not torch.cuda.is_available() else [])
+    spec = build_run_spec(cfg)
+    lora, engines = spec.trainer.lora, spec.engines
+    assert lora is not None and lora.peft_kwargs() == {
+        "r": 32,
+        "lora_alpha": 64.0,
+        "target_modules": "all-linear",
+        "exclude_modules": None,
+        "bias": "none",
+    }
+    assert engines.backend == "sglang" and engines.lora is not None
+    eta = spec.schedule.max_staleness
+    assert engines.lora.max_loaded_loras >= eta + 1 and engines.lora.max_loras_per_batch >= eta + 1
+    assert engines.lora.max_lora_rank == lora.rank and engines.lora.target_modules == ("all",)
+    argv = " ".join(engine_command(engines).build("127.0.0.1", 30000, 0))
+    flags = (
+        "--enable-lora --max-lora-rank 32 --lora-target-modules all --max-loras-per-batch 4 --max-loaded-loras 4 "
+        "--lora-eviction-policy lru --lora-backend csgmv"
+    )
+    assert flags in argv and "Qwen2.5-7B" in argv
+    assert engines.num_engines * 1 + spec.trainer.world_size == 8 and spec.trainer.nnodes == 1  # tp 1 per engine
+    assert cfg.param_sync.transport == "disk"  # SGLang loads adapters from a folder only
+    written = OmegaConf.to_container(OmegaConf.load(path))
+    written.pop("defaults")
+    for key, _ in _leaves(written, ""):
+        key = key[1:]
+        assert key.split(".")[0] in PROJECT_SECTIONS or is_read(key), key
+        rule = READ_ONLY_WHEN.get(key)
+        assert rule is None or rule.holds(OmegaConf.merge(cfg, {"trainer": {"device": "cuda"}})), key
+    # η above what the engines hold is refused in one line naming the flag to raise
+    with pytest.raises(ConfigError, match=r"'engines\.lora\.max_loaded_loras=4' cannot hold the η\+1=5") as info:
+        load_config(path, ["trainer.device=cpu", "async_training.max_staleness=4"], check_host=False)
+    assert "\n" not in str(info.value)
+
+
 def test_gpu_megatron_yaml_is_refused_without_cuda_in_one_line():
     if torch.cuda.is_available():
         pytest.skip("CUDA is here: tests/backends/test_megatron.py covers the Megatron YAML")
