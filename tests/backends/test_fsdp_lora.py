@@ -9,11 +9,16 @@ import json
 
 import torch
 from backend_helpers import actor_cfg
+from lora_helpers import peft_reference, write_adapter
 from safetensors.torch import load_file
-from verl_helpers import BATCH_SIZE, RESPONSE_LEN, make_batch
+from verl_helpers import BATCH_SIZE, RESPONSE_LEN, make_batch, response_log_probs
 
 from rllm.experimental.fully_async.backends.fsdp import FSDPPolicyBackend
 from rllm.experimental.fully_async.engines.embedded.lora import build_adapter, read_adapter_folder
+from rllm.experimental.fully_async.run_spec import build_run_spec
+from rllm.experimental.fully_async.runtime.trainer.build import build_policy_backend
+from rllm.experimental.fully_async.settings.loader import load_config
+from rllm.experimental.fully_async.settings.model_source import check_lora_adapter
 
 LORA = {"r": 4, "lora_alpha": 8.0, "target_modules": "all-linear", "exclude_modules": None, "bias": "none"}
 
@@ -99,3 +104,47 @@ def test_a_checkpoint_restores_the_adapter_and_its_optimizer_state(tiny_model_di
     a, b = trained.adapter_state(), resumed.adapter_state()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert resumed.optimizer_steps == trained.optimizer_steps == 2
+
+
+def test_a_run_started_from_a_saved_adapter_trains_it_and_syncs_it_as_version_0(
+    tiny_model_dir, tmp_path, one_torch_thread
+):
+    """actor_rollout_ref.model.lora_adapter_path (verl 0.7.1's key): the policy the trainer builds from the config is
+    the saved adapter, loaded trainable as verl's FSDP workers load it (PeftModel.from_pretrained); the folder the
+    version-0 sync writes (save_adapter: the driver loads it as policy-v0 before the first request) holds its
+    tensors exactly; the optimizer holds them and a step moves them, nothing else."""
+    start = write_adapter(tiny_model_dir, tmp_path / "start", seed=5, rank=4, alpha=8)
+    overrides = [
+        "task.name=null",
+        f"actor_rollout_ref.model.path={tiny_model_dir}",
+        "data.train_files=unused.parquet",
+        "actor_rollout_ref.model.lora_rank=4",
+        "actor_rollout_ref.model.lora_alpha=8",
+        f"actor_rollout_ref.model.lora_adapter_path={start}",
+        "actor_rollout_ref.actor.optim.lr=0.05",
+    ]
+    cfg = load_config(None, overrides)
+    check_lora_adapter(cfg)
+    backend, _ = build_policy_backend(build_run_spec(cfg).trainer)
+    saved = load_file(start / "adapter_model.safetensors")
+    state = backend.adapter_state()
+    assert set(state) == set(saved) and all(torch.equal(state[k], saved[k]) for k in saved)
+    assert any(torch.count_nonzero(v) for k, v in saved.items() if "lora_B" in k)  # not peft's fresh (zero) B
+    # the trainer's log-probs are peft's own model of that adapter
+    data = make_batch(0)
+    with torch.no_grad():
+        expected = response_log_probs(peft_reference(tiny_model_dir, start), data)
+    mask = data.batch["response_mask"].bool()
+    torch.testing.assert_close(backend.compute_log_prob(data)[mask], expected[mask], atol=1e-5, rtol=0)
+    # version 0 is the start adapter, bit for bit
+    backend.save_adapter(tmp_path / "v0")
+    synced = load_file(tmp_path / "v0" / "adapter_model.safetensors")
+    assert set(synced) == set(saved) and all(torch.equal(synced[k], saved[k]) for k in saved)
+    # trained: the optimizer holds exactly the adapter's parameters, and a step moves them from the start values
+    optimized = sum(p.numel() for group in backend.optimizer.param_groups for p in group["params"])
+    assert optimized == sum(v.numel() for v in saved.values()) == backend.describe()["lora"]["trained_parameters"]
+    before = named(backend)
+    backend.update_policy(trainer_batch(0, backend))
+    after = named(backend)
+    changed = {n for n in before if not torch.equal(before[n], after[n])}
+    assert changed and all(".lora_A." in n or ".lora_B." in n for n in changed)

@@ -108,6 +108,21 @@ def test_every_trained_sample_names_the_adapter_whose_version_its_tokens_carry(l
     assert {"policy-v0", "policy-v1"} <= names
 
 
+def test_each_validation_is_pinned_to_the_adapter_its_step_synced(lora_runs):
+    """Validation beside training with LoRA: every answer from one adapter version, the newest every engine serves
+    (read back), which is the version the step it measures synced, as a full-weights validation reads the engines'
+    weight_version (tests/runtime/test_validation.py)."""
+    rows = lora_runs["rows"]
+    steps = {r["step"]: r for r in rows if "trainer/version" in r}
+    validations = [r for r in rows if "val/step" in r]
+    assert validations, "no validation result was logged"
+    for val in validations:
+        assert "val/failed" not in val, val
+        assert val["val/off_version_answers"] == 0.0, f"answers from more than one adapter: {val}"
+        assert val["val/pinned_version"] == steps[val["step"]]["trainer/version"], val
+        assert val["val/version"] == val["val/pinned_version"], val
+
+
 def test_only_adapters_travelled_and_the_base_never_moved(lora_runs):
     folders = sorted((lora_runs["run_dir"] / "weights").glob("v*"))
     assert folders

@@ -24,7 +24,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-from engine_helpers import TEST_ONLY_ROUTES, decode_hold, max_abs_diff, reference_logprobs, restarted
+from engine_helpers import (
+    TEST_ONLY_ROUTES,
+    decode_hold,
+    engine_command,
+    max_abs_diff,
+    reference_logprobs,
+    restarted,
+)
+from lora_helpers import LORA, write_adapter
 from run_helpers import addition_run_command, leftover_processes
 
 from rllm.experimental.fully_async.engines import EmbeddedEngineCommand, EngineLauncher, EngineProcess
@@ -227,6 +235,78 @@ def test_a_restarted_engine_gets_the_last_synced_weights_and_every_later_sync(en
 
         sync.sync(writer("a"), new_version=3)
         assert sync.engine_versions == {new.url: 3, survivor.url: 3}
+
+
+@pytest.mark.slow  # an engine killed under LoRA mid-request, restarted, four adapter syncs (~30 s on a busy machine)
+def test_under_lora_a_restarted_engine_serves_the_kept_adapters_and_requests_keep_theirs(models, tmp_path):
+    """docs/design.md#rule-one-version-per-lora-sample across a restart. ParamSync has loaded policy-v2 while the
+    rollout client still names policy-v1 (the version bump has not reached it yet) and holds a policy-v0 request on
+    the engine that dies. The restarted engine gets the versions the bound keeps (lora_keep = 2: policy-v1 and the
+    newest, policy-v2), read back from it; the cut request finishes on the survivor under policy-v0; requests naming
+    policy-v0 go to the survivor only (the restarted engine would refuse them: "never been loaded"); new ones name
+    the client's version, then the newest once it hears of it, and run on the restarted engine too."""
+    base = models["a"][0]
+    folders = [write_adapter(base, tmp_path / f"adapter{v}", seed=v + 1) for v in range(4)]
+    long = {"temperature": 1.0, "max_new_tokens": 60, "ignore_eos": True}
+    short = {"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True}
+
+    def copying(version: int) -> Callable[[str], None]:
+        return lambda path: shutil.copytree(folders[version], path, dirs_exist_ok=True) and None
+
+    def finished(url: str) -> int:
+        return httpx.get(f"{url}/get_server_info", timeout=30).json()["engine_stats"]["requests_finished"]
+
+    with (
+        EngineLauncher(engine_command("embedded", base, lora=LORA), 2, log_dir=tmp_path / "logs") as launcher,
+        ParamSync(launcher.urls, DiskTransport(tmp_path / "weights", keep=3), lora_keep=2, pause_timeout_s=5) as sync,
+    ):
+        victim, survivor = launcher.processes
+
+        async def pair(client: EngineClient, url: str, **kwargs: object) -> tuple[list, int]:
+            """Two requests at once (least-loaded routing sends one to each engine that may take them), and how
+            many of them the engine at `url` ran."""
+            before = await asyncio.to_thread(finished, url)
+            results = await asyncio.gather(*(client.generate([5, i], short, **kwargs) for i in range(2)))
+            return [(r.lora_path, r.versions) for r in results], await asyncio.to_thread(finished, url) - before
+
+        async def scenario() -> dict:
+            async with EngineClient(launcher.urls, lora_keep=2, wait_for_engine_s=90, backoff_base_s=0.01) as client:
+                for version in (0, 1, 2):
+                    await asyncio.to_thread(sync.sync, copying(version), version)
+                    client.use_policy_version(min(version, 1))  # the rollout side has not heard of 2 yet
+                # Only the victim's adapters are known yet, so a request naming policy-v0 goes there; the kill meets
+                # it decoding, and it finishes on the survivor, still on policy-v0.
+                await client.lora_adapters(victim.url)
+                async with decode_hold(victim.url, min_tokens=1) as hold:
+                    cut = asyncio.ensure_future(client.generate([3, 4], long, lora_path="policy-v0"))
+                    await hold.reached()
+                    kill(victim)
+                cut = await asyncio.wait_for(cut, 90)
+                new = await asyncio.to_thread(restarted, launcher, 0)
+                joined_at = await asyncio.to_thread(sync.replace_engine, victim.url, new.url)
+                client.replace_engine(victim.url, new.url)
+                known = await client.read_lora_adapters()  # what the rollout service does on a restart
+                out = {"cut": cut, "new": new.url, "joined_at": joined_at, "known": known}
+                out["older"] = await pair(client, new.url, lora_path="policy-v0")
+                out["current"] = await pair(client, new.url)
+                client.use_policy_version(2)
+                out["newest"] = await pair(client, new.url)
+                await asyncio.to_thread(sync.sync, copying(3), 3)
+                client.use_policy_version(3)
+                out["after_sync"] = await pair(client, new.url)
+                return out
+
+        seen = asyncio.run(scenario())
+        versions_after = dict(sync.engine_versions)
+    cut, new_url = seen["cut"], seen["new"]
+    assert cut.lora_path == "policy-v0" and cut.versions == [0] * 60 and cut.num_retries >= 1
+    assert seen["joined_at"] == 2 and seen["known"][new_url] == {"policy-v1", "policy-v2"}  # read back from it
+    assert {"policy-v0", "policy-v1", "policy-v2"} <= seen["known"][survivor.url]
+    assert seen["older"] == ([("policy-v0", [0] * 8)] * 2, 0), "policy-v0 requests ran on the survivor only"
+    assert seen["current"] == ([("policy-v1", [1] * 8)] * 2, 1)
+    assert seen["newest"] == ([("policy-v2", [2] * 8)] * 2, 1)
+    assert seen["after_sync"] == ([("policy-v3", [3] * 8)] * 2, 1)
+    assert versions_after == {new_url: 3, survivor.url: 3}
 
 
 # --- the whole run -------------------------------------------------------------------------------------------------

@@ -27,10 +27,12 @@ from pathlib import Path
 import pytest
 import torch
 from config_effects import critic, policy
+from lora_helpers import write_adapter
 from omegaconf import OmegaConf
 
 from rllm.experimental.fully_async.run_spec import build_run_spec
 from rllm.experimental.fully_async.settings.loader import ConfigError, base_config, load_config
+from rllm.experimental.fully_async.settings.model_source import check_lora_adapter
 from rllm.experimental.fully_async.settings.schema import PROJECT_SECTIONS
 from rllm.experimental.fully_async.settings.verl_keys import (
     READ_ONLY_WHEN,
@@ -87,6 +89,10 @@ POLICY_CASES: dict[str, Case] = {
     "actor_rollout_ref.model.target_modules": case("actor_rollout_ref.model.target_modules=[q_proj]", context=LORA),
     "actor_rollout_ref.model.exclude_modules": case(
         "actor_rollout_ref.model.exclude_modules=[down_proj]", context=LORA
+    ),
+    # the saved adapter (the `start_adapter` fixture's folder, for SAVED_ADAPTER) is what the policy starts from
+    "actor_rollout_ref.model.lora_adapter_path": case(
+        "actor_rollout_ref.model.lora_adapter_path=SAVED_ADAPTER", context=LORA
     ),
     f"{ACTOR}.use_torch_compile": case(f"{ACTOR}.use_torch_compile=true", context=ENTROPY, update=False),
     f"{ACTOR}.entropy_from_logits_with_chunking": case(
@@ -219,9 +225,19 @@ def _assert_effect(kind: str, base: tuple[str, ...], key: str, spec: Case) -> No
     assert changed, f"{key}: {' '.join(spec.change)} changed nothing the {kind} backend built or did: {before}"
 
 
+@pytest.fixture(scope="module")
+def start_adapter(tiny_model_dir, tmp_path_factory) -> str:
+    """A peft adapter of the tiny model (r 4 as LORA, lora_alpha verl's default 16), saved as peft saves it."""
+    return str(write_adapter(tiny_model_dir, tmp_path_factory.mktemp("start_adapter") / "a", seed=7, rank=4, alpha=16))
+
+
 @pytest.mark.parametrize("key", sorted(POLICY_CASES))
-def test_each_actor_key_changes_what_the_policy_is_or_does(key, user_model, one_torch_thread):
-    _assert_effect("policy", (*user_model, *POLICY_BASE), key, POLICY_CASES[key])
+def test_each_actor_key_changes_what_the_policy_is_or_does(key, user_model, one_torch_thread, request):
+    spec = POLICY_CASES[key]
+    if any("SAVED_ADAPTER" in c for c in spec.change):
+        folder = request.getfixturevalue("start_adapter")
+        spec = Case(tuple(c.replace("SAVED_ADAPTER", folder) for c in spec.change), spec.context, spec.update)
+    _assert_effect("policy", (*user_model, *POLICY_BASE), key, spec)
 
 
 @pytest.mark.parametrize("key", sorted(CRITIC_CASES))
@@ -260,6 +276,7 @@ def test_keys_read_only_in_some_settings_are_refused_outside_them(user_model):
         "actor_rollout_ref.model.lora_alpha": "64",  # lora_rank 0: all weights train
         "actor_rollout_ref.model.target_modules": "[q_proj]",
         "actor_rollout_ref.model.exclude_modules": "[down_proj]",
+        "actor_rollout_ref.model.lora_adapter_path": "/adapter",
         **GPU_ONLY,  # trainer.device=cpu
     }
     contexts = {
@@ -296,7 +313,6 @@ def test_keys_read_only_in_some_settings_are_refused_outside_them(user_model):
     [
         (("param_sync.transport=distributed",), r"'param_sync\.transport=distributed' with .*lora_rank > 0: .*disk"),
         (("algorithm.adv_estimator=gae",), r"'actor_rollout_ref\.model\.lora_rank' with algorithm\.adv_estimator=gae"),
-        (("actor_rollout_ref.model.lora_adapter_path=/adapter",), r"lora_adapter_path' is verl's.*fresh adapter"),
         (("actor_rollout_ref.model.lora_rank=-1",), r"'actor_rollout_ref\.model\.lora_rank=-1'"),
     ],
 )
@@ -304,6 +320,25 @@ def test_lora_settings_that_cannot_run_are_refused_in_one_line(user_model, overr
     with pytest.raises(ConfigError, match=named) as info:
         load_config(None, [*user_model, *LORA, *overrides])
     assert "\n" not in str(info.value)
+
+
+def test_a_start_adapter_the_lora_keys_contradict_is_refused_in_one_line(user_model, start_adapter, tmp_path):
+    """lora_adapter_path's adapter decides rank, alpha and modules (peft loads its own config, as in verl): a key that
+    says otherwise would be silently overridden, so it is refused naming the adapter's value; so is a folder peft
+    did not write."""
+    adapter = f"actor_rollout_ref.model.lora_adapter_path={start_adapter}"
+    check_lora_adapter(load_config(None, [*user_model, *LORA, adapter]))  # r 4, alpha 16, all-linear: consistent
+    refused = {
+        ("actor_rollout_ref.model.lora_rank=8",): r"adapter of r=4, but .*lora_rank=8: set lora_rank=4",
+        ("actor_rollout_ref.model.lora_alpha=32",): r"lora_alpha=16, but .*lora_alpha=32: set lora_alpha=16",
+        ("actor_rollout_ref.model.target_modules=[q_proj]",): r"holds an adapter on \[.*'v_proj'\], but .*q_proj",
+        ("actor_rollout_ref.model.exclude_modules=[down_proj]",): r"exclude_modules=\['down_proj'\]: remove it",
+        (f"actor_rollout_ref.model.lora_adapter_path={tmp_path}",): r"no adapter_config\.json there",
+    }
+    for overrides, words in refused.items():
+        with pytest.raises(ConfigError, match=words) as info:
+            check_lora_adapter(load_config(None, [*user_model, *LORA, adapter, *overrides]))
+        assert "\n" not in str(info.value) and "lora_adapter_path=" in str(info.value)
 
 
 def test_lora_with_megatron_is_refused_in_one_line():
@@ -869,6 +904,51 @@ def test_gpu_fsdp_yaml_loads_with_every_key_honoured_or_refused():
         assert key.split(".")[0] in PROJECT_SECTIONS or is_read(key), key
         rule = READ_ONLY_WHEN.get(key)
         assert rule is None or rule.holds(OmegaConf.merge(cfg, {"trainer": {"device": "cuda"}})), key
+
+
+def test_gpu_lora_yaml_loads_with_every_key_honoured_and_engines_that_hold_eta_plus_one_adapters():
+    """config/gpu_fsdp_sglang_lora.yaml (a 7B-class LoRA run on one 8-GPU node), checked on CPU as a GPU host would
+    load it: verl's LoRA keys reach the trainer's peft adapter, SGLang's LoRA flags the engine command lines, every
+    engine holds the η+1 versions the staleness bound admits, and the GPUs add up to one node."""
+    from rllm.experimental.fully_async.engines.from_config import engine_command
+
+    path = REPO / "config" / "gpu_fsdp_sglang_lora.yaml"
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match=r"'trainer.device=cuda' but CUDA is not available"):
+            load_config(path)
+    cfg = load_config(path, ["trainer.device=cpu"] if not torch.cuda.is_available() else [])
+    spec = build_run_spec(cfg)
+    lora, engines = spec.trainer.lora, spec.engines
+    assert lora is not None and lora.peft_kwargs() == {
+        "r": 32,
+        "lora_alpha": 64.0,
+        "target_modules": "all-linear",
+        "exclude_modules": None,
+        "bias": "none",
+    }
+    assert engines.backend == "sglang" and engines.lora is not None
+    eta = spec.schedule.max_staleness
+    assert engines.lora.max_loaded_loras >= eta + 1 and engines.lora.max_loras_per_batch >= eta + 1
+    assert engines.lora.max_lora_rank == lora.rank and engines.lora.target_modules == ("all",)
+    argv = " ".join(engine_command(engines).build("127.0.0.1", 30000, 0))
+    flags = (
+        "--enable-lora --max-lora-rank 32 --lora-target-modules all --max-loras-per-batch 4 --max-loaded-loras 4 "
+        "--lora-eviction-policy lru --lora-backend csgmv"
+    )
+    assert flags in argv and "Qwen2.5-7B" in argv
+    assert engines.num_engines * 1 + spec.trainer.world_size == 8 and spec.trainer.nnodes == 1  # tp 1 per engine
+    assert cfg.param_sync.transport == "disk"  # SGLang loads adapters from a folder only
+    written = OmegaConf.to_container(OmegaConf.load(path))
+    written.pop("defaults")
+    for key, _ in _leaves(written, ""):
+        key = key[1:]
+        assert key.split(".")[0] in PROJECT_SECTIONS or is_read(key), key
+        rule = READ_ONLY_WHEN.get(key)
+        assert rule is None or rule.holds(OmegaConf.merge(cfg, {"trainer": {"device": "cuda"}})), key
+    # η above what the engines hold is refused in one line naming the flag to raise
+    with pytest.raises(ConfigError, match=r"'engines\.lora\.max_loaded_loras=4' cannot hold the η\+1=5") as info:
+        load_config(path, ["trainer.device=cpu", "async_training.max_staleness=4"], check_host=False)
+    assert "\n" not in str(info.value)
 
 
 def test_gpu_megatron_yaml_is_refused_without_cuda_in_one_line():

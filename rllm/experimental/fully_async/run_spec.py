@@ -144,17 +144,20 @@ class TrainerLoRASpec:
     alpha: float  # actor_rollout_ref.model.lora_alpha
     target_modules: str | tuple[str, ...]  # actor_rollout_ref.model.target_modules: all-linear or module names
     exclude_modules: str | tuple[str, ...] | None  # actor_rollout_ref.model.exclude_modules
+    adapter_path: str | None = None  # actor_rollout_ref.model.lora_adapter_path: a saved peft adapter to start from
 
     def peft_kwargs(self) -> dict[str, Any]:
-        """LoraConfig's arguments, as verl 0.7.1's fsdp_workers builds them (task CAUSAL_LM, bias none)."""
+        """LoraConfig's arguments, as verl 0.7.1's fsdp_workers builds them (task CAUSAL_LM, bias none), and the
+        saved adapter to start from (`adapter_path`, when set: backends/fsdp.py loads it instead)."""
         listed = lambda m: m if m is None or isinstance(m, str) else list(m)  # noqa: E731
-        return {
+        kwargs: dict[str, Any] = {
             "r": self.rank,
             "lora_alpha": self.alpha,
             "target_modules": listed(self.target_modules),
             "exclude_modules": listed(self.exclude_modules),
             "bias": "none",
         }
+        return kwargs if self.adapter_path is None else {**kwargs, "adapter_path": self.adapter_path}
 
 
 @dataclass(frozen=True)
@@ -390,6 +393,7 @@ def trainer_lora_spec(cfg: DictConfig) -> TrainerLoRASpec | None:
         alpha=float(model.lora_alpha),
         target_modules=modules(model.target_modules),
         exclude_modules=modules(model.get("exclude_modules")),
+        adapter_path=None if model.get("lora_adapter_path") is None else str(model.lora_adapter_path),
     )
 
 

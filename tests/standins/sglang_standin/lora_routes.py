@@ -26,6 +26,7 @@ HTTP layer (source functions in brackets):
   (lru | fifo), `--lora-backend` (triton | csgmv | ascend; default csgmv), `--max-lora-chunk-size` (16..128);
   `check_lora_server_args`'s asserts stop the server. The eviction policy and backend pick GPU buffer slots and
   kernels: accepted, with nothing on a CPU to act on.
+Not SGLang's: the test-only `--test-only-fail-lora-*` flags (`lora_fault.py`) make a load fail or the process end.
 Not reproduced: SGLang reads an adapter inside its scheduler loop, so its forward passes stall for the read; here the
 read runs beside them.
 """
@@ -37,6 +38,7 @@ import time
 from typing import Any
 
 from aiohttp import web
+from lora_fault import injected_failure
 
 
 class InternalServerError(Exception):
@@ -65,6 +67,9 @@ async def load_lora_adapter(request: web.Request, st: Any) -> web.Response:
     for key in ("lora_name", "lora_path"):
         if body is None or not isinstance(body.get(key), str):
             return _detail(key)
+    fault = injected_failure(st.args, body["lora_name"])  # test-only (lora_fault.py), not SGLang's
+    if fault is not None:
+        return fault
     work = st.lora.load_lora_adapter(body["lora_name"], body["lora_path"], bool(body.get("pinned", False)))
     return _lora_answer(await asyncio.shield(asyncio.ensure_future(work)))  # FastAPI does not cancel it
 

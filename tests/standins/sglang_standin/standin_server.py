@@ -45,6 +45,8 @@ against this server. Its HTTP layer reproduces what `sglang/srt/entrypoints/http
 - A running request aborted (by `/abort_request`, a pause or `abort_all_requests`) ends with SGLang's `FINISH_ABORT`
   (`{type: abort, message: "Aborted", status_code: null, err_type: null}`); one aborted in the waiting queue with
   `_handle_abort_req`'s `{type: abort, message: "Abort in waiting queue"}`.
+- The `--test-only-fail-lora-*` flags (`lora_fault.py`: an adapter load that fails, or kills the process) are NOT
+  SGLang's either.
 - The `/test_only/*` routes (the embedded engine's `decode_hold.py`: hold forward passes while chosen requests
   decode) are NOT SGLang's; the stand-in serves them always, being a test fixture itself.
 The distributed weight-update routes are in `distributed_routes.py`. `/get_server_info` carries
@@ -69,6 +71,7 @@ from typing import Any
 import torch
 from aiohttp import web
 from distributed_routes import add_routes as _add_distributed_routes
+from lora_fault import add_fault_flags
 from lora_routes import InternalServerError, lora_paths
 from lora_routes import add_routes as _add_lora_routes
 
@@ -521,6 +524,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lora-eviction-policy", default="lru", choices=["lru", "fifo"])
     p.add_argument("--lora-backend", default="csgmv", choices=["triton", "csgmv", "ascend"])
     p.add_argument("--max-lora-chunk-size", type=int, default=16, choices=[16, 32, 64, 128])
+    add_fault_flags(p)  # test-only, not SGLang's (lora_fault.py)
     args = p.parse_args(argv)
     try:
         check_lora_flags(args)  # SGLang's check_lora_server_args (its asserts stop the server)

@@ -63,7 +63,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from peft import LoraConfig, TaskType, get_peft_model
+from peft import LoraConfig, PeftModel, TaskType, get_peft_model
 from peft.utils.save_and_load import get_peft_model_state_dict
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -196,10 +196,21 @@ def _shard_fsdp2(model: nn.Module, config: FSDPActorConfig, device_type: str) ->
 def _with_lora(model: nn.Module, lora: Mapping[str, Any]) -> nn.Module:
     """The HF model wrapped with peft's LoRA adapter, as verl 0.7.1's FSDP workers wrap it (fsdp_workers.py,
     `_build_model_optimizer`): input embeddings' outputs require grad (so gradient checkpointing reaches the
-    adapter through a frozen embedding), then get_peft_model with task CAUSAL_LM and no bias."""
+    adapter through a frozen embedding), then get_peft_model with task CAUSAL_LM and no bias; or, with
+    `adapter_path` (actor_rollout_ref.model.lora_adapter_path), the saved adapter loaded trainable with
+    `PeftModel.from_pretrained(..., is_trainable=True)`, its own adapter_config.json deciding rank, alpha and
+    modules (settings/model_source.py has checked them against the lora_* keys), its task type made the enum."""
 
     model.enable_input_require_grads()
-    return get_peft_model(model, LoraConfig(task_type=TaskType.CAUSAL_LM, **dict(lora)))
+    options = dict(lora)
+    adapter_path = options.pop("adapter_path", None)
+    if adapter_path is None:
+        return get_peft_model(model, LoraConfig(task_type=TaskType.CAUSAL_LM, **options))
+    model = PeftModel.from_pretrained(model, str(adapter_path), is_trainable=True)
+    config = model.peft_config["default"]
+    if isinstance(config.task_type, str):
+        config.task_type = TaskType.CAUSAL_LM
+    return model
 
 
 def _on_every_rank(flag: bool, device: torch.device) -> bool:

@@ -131,6 +131,11 @@ class EngineClient:
         if self.lora_version is None or self.lora_keep is None:
             return
         self.lora_version = int(version)
+        # ParamSync loaded it on every engine before the version was bumped: engines whose adapters are known serve it
+        name = adapter_name(self.lora_version)
+        for url, known in self.pool.lora_adapters().items():
+            if known is not None:
+                self.pool.set_lora_adapters(url, known | {name})
         oldest_kept = self.lora_version - self.lora_keep + 1
         self.retired.update(range(self._retire_from, oldest_kept))
         self._retire_from = max(self._retire_from, oldest_kept)
@@ -233,6 +238,21 @@ class EngineClient:
     def moves(self, url: str) -> int:
         """Samples that left `url` for another engine (see `EnginePool.moves`)."""
         return self.pool.moves(url)
+
+    async def read_lora_adapters(self, *, timeout_s: float | None = None) -> dict[str, frozenset[str] | None]:
+        """Read back what every live engine serves (/v1/models) and route by it: after a restart (LoRA), where the
+        restarted engine holds only the newest adapter (`ParamSync.replace_engine`) while the others still hold the
+        older versions their requests name. A request naming an older version then goes to an engine that serves
+        it, never to the restarted one, which would refuse it (SGLang: "never been loaded") and fail its sample.
+        An engine that does not answer stays unknown (requests may still go there). Returns the records."""
+        urls = self.alive_urls
+        listed = await asyncio.gather(
+            *(self.lora_adapters(u, timeout_s=timeout_s) for u in urls), return_exceptions=True
+        )
+        for url, result in zip(urls, listed, strict=True):
+            if isinstance(result, BaseException):
+                logger.warning("could not read the LoRA adapters %s serves: %s", url, result)
+        return self.pool.lora_adapters()
 
     async def aclose(self) -> None:
         """Close the pooled session (idempotent)."""

@@ -14,6 +14,7 @@ of retrying the Hub.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -42,6 +43,8 @@ TOKENIZER_FILES = (
     "spiece.model",
     "sentencepiece.bpe.model",
 )
+LORA_ADAPTER_KEY = "actor_rollout_ref.model.lora_adapter_path"
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")  # what peft's save_pretrained writes
 HUB_PROBE_TIMEOUT_S = 3.0  # one HEAD to the Hub's endpoint; its DNS look-up included (a thread bounds it)
 
 
@@ -136,3 +139,62 @@ def _go_offline() -> None:
     # the environment carries it to the engines and actors started after this.
     os.environ["HF_HUB_OFFLINE"] = "1"
     hf_constants.HF_HUB_OFFLINE = True
+
+
+def check_lora_adapter(cfg: DictConfig) -> None:
+    """actor_rollout_ref.model.lora_adapter_path (verl 0.7.1: the LoRA policy starts from a saved peft adapter, loaded
+    with `PeftModel.from_pretrained(..., is_trainable=True)`, whose own adapter_config.json decides rank, alpha and
+    modules): refuse, in one line naming the key, a folder peft did not write, and an adapter the other lora_* keys
+    contradict. `lora_rank` must be the adapter's r (it sizes the engines' --max-lora-rank), `lora_alpha` its
+    lora_alpha, `exclude_modules` null or its own; `target_modules` all-linear (the default: the adapter's modules
+    are trained) or its own modules. So no key is silently overridden by the adapter's file."""
+    model = cfg.actor_rollout_ref.model
+    path = model.get("lora_adapter_path")
+    if path is None:
+        return
+    named = f"'{LORA_ADAPTER_KEY}={path}'"
+    folder = Path(str(path))
+    config_file = folder / "adapter_config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"{named}: no adapter_config.json there; set it to a folder peft's save_pretrained wrote")
+    if not any((folder / name).is_file() for name in ADAPTER_WEIGHTS):
+        raise ConfigError(f"{named}: no {' or '.join(ADAPTER_WEIGHTS)} there; set it to a folder peft wrote")
+    try:
+        adapter = json.loads(config_file.read_text())
+    except ValueError as exc:
+        raise ConfigError(f"{named}: adapter_config.json is not JSON ({exc})") from exc
+    if adapter.get("peft_type") != "LORA":
+        raise ConfigError(f"{named}: a {adapter.get('peft_type')!r} adapter; only a LoRA adapter can be trained here")
+    r, alpha = int(adapter.get("r", 0)), float(adapter.get("lora_alpha", 0))
+    if int(model.lora_rank or 0) != r:
+        raise ConfigError(
+            f"{named} holds an adapter of r={r}, but actor_rollout_ref.model.lora_rank={model.lora_rank}: set "
+            f"lora_rank={r} (it sizes the engines' --max-lora-rank)"
+        )
+    if float(model.lora_alpha) != alpha:
+        raise ConfigError(
+            f"{named} holds an adapter of lora_alpha={adapter.get('lora_alpha')}, but actor_rollout_ref.model."
+            f"lora_alpha={model.lora_alpha}: set lora_alpha={adapter.get('lora_alpha')} (peft loads the adapter's)"
+        )
+    theirs = adapter.get("target_modules")
+    ours = model.target_modules
+    if ours != "all-linear" and _module_names(ours) != _module_names(theirs):
+        raise ConfigError(
+            f"{named} holds an adapter on {sorted(_module_names(theirs))}, but actor_rollout_ref.model.target_modules="
+            f"{list(ours) if not isinstance(ours, str) else ours}: set target_modules to those, or all-linear"
+        )
+    excluded = model.get("exclude_modules")
+    if excluded is not None and _module_names(excluded) != _module_names(adapter.get("exclude_modules")):
+        raise ConfigError(
+            f"{named} holds an adapter excluding {adapter.get('exclude_modules')}, but actor_rollout_ref.model."
+            f"exclude_modules={list(excluded) if not isinstance(excluded, str) else excluded}: remove it"
+        )
+
+
+def _module_names(value: object) -> set[str]:
+    """The module names (last dotted parts, as SGLang's --lora-target-modules) of a target_modules/exclude_modules
+    value: a name, a list (peft saves all-linear as every module's full path), or None."""
+    if value is None:
+        return set()
+    names = [value] if isinstance(value, str) else list(value)  # type: ignore[call-overload]
+    return {str(name).split(".")[-1] for name in names}

@@ -23,6 +23,7 @@ from rllm.experimental.fully_async.errors import ConfigError
 # Keys that name a file or folder on this machine (a value may be a list, as data.train_files).
 PATH_KEYS: tuple[str, ...] = (
     "actor_rollout_ref.model.path",
+    "actor_rollout_ref.model.lora_adapter_path",
     "data.train_files",
     "data.val_files",
     "reward.custom_reward_function.path",

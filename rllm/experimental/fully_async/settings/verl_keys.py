@@ -39,6 +39,7 @@ VERL_KEYS_READ: dict[str, str] = {
     "actor_rollout_ref.model.lora_alpha": "the adapter's LoraConfig lora_alpha (scaling alpha / r)",
     "actor_rollout_ref.model.target_modules": "the adapter's LoraConfig target_modules (and --lora-target-modules)",
     "actor_rollout_ref.model.exclude_modules": "the adapter's LoraConfig exclude_modules",
+    "actor_rollout_ref.model.lora_adapter_path": "a saved peft adapter the policy starts from (backends/fsdp.py)",
     "data.train_files": "prompt dataset (RunSpec.executor.data)",
     "data.val_files": "validation prompts (RunSpec.executor.data)",
     "data.max_prompt_length": "prompt filter/truncation (RunSpec.executor.data)",
@@ -211,9 +212,6 @@ VERL_KEYS_NOT_READ: dict[str, str] = {
     f"{_FSDP}.qat.": "quantisation-aware training is not run",
     "actor_rollout_ref.model.use_remove_padding": "the padding-free path needs flash-attention; the trainer runs sdpa",
     "actor_rollout_ref.model.enable_activation_offload": "verl applies it in its Ray worker, which is not run",
-    "actor_rollout_ref.model.lora_adapter_path": (
-        "a LoRA run starts from a fresh adapter (peft's zero lora_B): remove it, or merge the adapter into the model"
-    ),
     "actor_rollout_ref.model.use_fused_kernels": "verl patches the model's forward for it in its Ray worker",
     "actor_rollout_ref.model.use_liger": "verl patches the model for it in its Ray worker, which is not run",
     "actor_rollout_ref.model.trust_remote_code": "models load with transformers' own classes only",
@@ -307,7 +305,7 @@ _LORA = "with actor_rollout_ref.model.lora_rank > 0 (the policy trains a LoRA ad
 READ_ONLY_WHEN: dict[str, ReadOnlyWhen] = {
     **{
         f"actor_rollout_ref.model.{leaf}": ReadOnlyWhen(_lora, _LORA)
-        for leaf in ("lora_alpha", "target_modules", "exclude_modules")
+        for leaf in ("lora_alpha", "target_modules", "exclude_modules", "lora_adapter_path")
     },
     f"{_FSDP}.dtype": ReadOnlyWhen(_on_cuda, f"{_CUDA} (verl's autocast dtype; on CPU the trainer computes in fp32)"),
     f"{_FSDP}.offload_policy": ReadOnlyWhen(_on_cuda, f"{_CUDA} (on CPU the parameters are in CPU memory already)"),

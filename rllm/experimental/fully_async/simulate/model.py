@@ -13,7 +13,9 @@ Models, each written once here:
 - response lengths: log-normal with the given mean and log-space sigma, rounded, clipped to [1, max_tokens]
   (response length distributions of reasoning models are heavy-tailed; sigma sets how heavy).
 - trainer step: fixed_s + per_token_s · tokens (a forward+backward over the batch is linear in its tokens).
-- weight sync: the trainer is busy `total_s`; engines are paused `pause_s` of it (pause_s ≤ total_s).
+- weight sync: the trainer is busy `total_s`; engines are paused `pause_s` of it (pause_s ≤ total_s); `nbytes` is
+  what one sync moves (`ModelShape.sync_bytes`: every weight, or with LoRA the adapter alone: rank · (in + out)
+  per wrapped linear layer, which is why a LoRA sync is small and needs no pause).
 - host sharing (`host.cores` set: engines and trainer on the same cores, as in a CPU run): processor sharing.
   With the trainer training (demand d_t), b engines decoding (demand d_e each) and other jobs keeping
   `background` cores busy (null: 0), every busy component runs at
@@ -119,6 +121,79 @@ class TrainerModel:
 class SyncModel:
     total_s: float = 0.0  # the trainer's time for one weight sync (write, push, engines' update)
     pause_s: float = 0.0  # the part of it during which engines decode nothing (<= total_s)
+    nbytes: float = 0.0  # bytes one sync moves (ModelShape.sync_bytes); 0: not known
+
+
+# The linear layers of a decoder layer LoRA can wrap (SGLang 0.5.6's --lora-target-modules names; `all`: each).
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A Llama/Qwen2-style decoder's sizes (its HF config.json names), for the bytes a weight sync moves."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+    head_dim: int | None = None  # null: hidden_size / num_attention_heads
+    attention_bias: bool = True  # q, k and v projections with a bias (Qwen2's; Llama's config says false)
+
+    @classmethod
+    def from_hf_config(cls, config: dict) -> ModelShape:
+        """From a parsed config.json (`attention_bias` absent: Qwen2's bias, as its modelling code has it)."""
+        return cls(
+            hidden_size=int(config["hidden_size"]),
+            intermediate_size=int(config["intermediate_size"]),
+            num_hidden_layers=int(config["num_hidden_layers"]),
+            num_attention_heads=int(config["num_attention_heads"]),
+            num_key_value_heads=int(config.get("num_key_value_heads") or config["num_attention_heads"]),
+            vocab_size=int(config["vocab_size"]),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            head_dim=config.get("head_dim"),
+            attention_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
+        )
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each linear layer of one decoder layer."""
+        h, i = self.hidden_size, self.intermediate_size
+        d = self.head_dim or h // self.num_attention_heads
+        q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
+        return {
+            "q_proj": (h, q),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (q, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
+
+    def parameters(self) -> int:
+        """Every parameter: the layers' linears, q/k/v biases and two norms, the embedding, the head unless tied,
+        the final norm."""
+        shapes = self.linear_shapes()
+        bias = sum(shapes[m][1] for m in ("q_proj", "k_proj", "v_proj")) if self.attention_bias else 0
+        layer = sum(a * b for a, b in shapes.values()) + bias + 2 * self.hidden_size
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_hidden_layers * layer + embeddings + self.hidden_size
+
+    def lora_parameters(self, rank: int, targets: tuple[str, ...] = ("all",)) -> int:
+        """A LoRA adapter's parameters: A (rank x in) and B (out x rank) for each wrapped linear of every layer."""
+        shapes = self.linear_shapes()
+        wrapped = LORA_MODULES if "all" in targets else targets
+        unknown = sorted(set(wrapped) - set(shapes))
+        if unknown:
+            raise ValueError(f"LoRA target modules {unknown}: use {', '.join(LORA_MODULES)} or all")
+        return self.num_hidden_layers * sum(rank * (shapes[m][0] + shapes[m][1]) for m in wrapped)
+
+    def sync_bytes(self, dtype_bytes: int, lora_rank: int = 0, targets: tuple[str, ...] = ("all",)) -> int:
+        """What one weight sync moves: every weight, or with `lora_rank` > 0 the adapter alone."""
+        count = self.lora_parameters(lora_rank, targets) if lora_rank > 0 else self.parameters()
+        return count * dtype_bytes
 
 
 @dataclass

@@ -3,7 +3,8 @@
 Two kinds of input (the CLI reads the file; everything here takes parsed mappings):
 - a project config (loaded by `settings.load_config`): its pipeline keys are read by `pipeline_from_project`
   (async_training.*, actor_rollout_ref.rollout.n, engines.num_engines / max_running_requests,
-  data.max_response_length, trainer.total_training_steps), its hardware by layout.py; the timing models are
+  data.max_response_length, trainer.total_training_steps; with LoRA no sync pause, and the bytes a sync moves:
+  `sync_from_project`), its hardware by layout.py; the timing models are
   `project_timing`'s defaults unless `simulate.*=` overrides (or `--timing FILE`) set them:
   - on GPUs, model.py's defaults (an SGLang engine at 20,000 tokens/s saturated, ...);
   - on CPU, `CPU_TIMING`: the embedded default's engines and trainer as fitted to the committed run of it
@@ -23,16 +24,19 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from rllm.experimental.fully_async.errors import EXIT_BAD_INPUT, FullyAsyncError
-from rllm.experimental.fully_async.simulate.model import SCHEDULE_EXAMPLE, LengthModel, SimConfig, check
+from rllm.experimental.fully_async.simulate.model import SCHEDULE_EXAMPLE, LengthModel, ModelShape, SimConfig, check
 
 SCENARIO_KEYS = frozenset({"description", "simulate", "published"})
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}  # param_sync.dtype's choices
 # The embedded default on CPU, fitted to tests/fixtures/report_run (60 steps of config/tiny_cpu.yaml, 2 cores):
 # uncontended engine and trainer speeds (the fit divides the other jobs' load out), the mean weight sync.
 CPU_TIMING: dict[str, Any] = {
@@ -126,7 +130,32 @@ def pipeline_from_project(cfg: Any) -> dict[str, Any]:
         "engine": {"max_running_requests": int(cfg.engines.max_running_requests)},
         "lengths": {"max_tokens": int(cfg.data.max_response_length)},
         "steps": int(cfg.trainer.total_training_steps or 20),
+        "sync": sync_from_project(cfg),
     }
+
+
+def sync_from_project(cfg: Any) -> dict[str, Any]:
+    """What a project config says of its weight syncs: with LoRA (actor_rollout_ref.model.lora_rank > 0) no pause
+    (an adapter loads beside the versions before it, docs/design.md#rule-one-version-per-lora-sample), and, when
+    the model's config.json can be read here, the bytes one sync moves (`ModelShape.sync_bytes`, in the dtype the
+    weights travel in: param_sync.dtype, auto = bfloat16 on CUDA, else the trainer's fp32)."""
+    rank = int(OmegaConf.select(cfg, "actor_rollout_ref.model.lora_rank", default=0) or 0)
+    layer: dict[str, Any] = {"pause_s": 0.0} if rank > 0 else {}
+    path = OmegaConf.select(cfg, "actor_rollout_ref.model.path", default=None)
+    config_file = Path(str(path)) / "config.json" if path else None
+    if config_file is None or not config_file.is_file():
+        return layer  # a built-in task's model is made at start; a GPU host's folder may not be here
+    try:
+        shape = ModelShape.from_hf_config(json.loads(config_file.read_text()))
+    except (ValueError, KeyError) as exc:
+        raise ScenarioError(f"{config_file}: not a decoder's config.json the sync-bytes model reads ({exc})") from exc
+    dtype = str(OmegaConf.select(cfg, "param_sync.dtype", default="auto"))
+    if dtype == "auto":
+        device = str(OmegaConf.select(cfg, "trainer.device", default="cpu"))
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    targets = tuple(OmegaConf.select(cfg, "engines.lora.target_modules", default=None) or ("all",))
+    layer["nbytes"] = float(shape.sync_bytes(DTYPE_BYTES[dtype], rank, targets))
+    return layer
 
 
 def project_timing(device: str, max_response_length: int | None) -> dict[str, Any]:
@@ -148,7 +177,7 @@ def timing_models(cfg: SimConfig) -> str:
         f"engine {e.peak_tokens_per_s:,.0f} tokens/s saturated ({e.single_tokens_per_s:,.0f} for one request, "
         f"{hardware} each); responses {n.mean_tokens:,.3g} tokens mean (log-normal sigma {n.sigma:g}{clip}); "
         f"trainer {t.fixed_s:g}s + {t.per_token_s * 1e3:g}ms/token{reference}; sync {s.total_s:g}s "
-        f"(pause {s.pause_s:g}s)"
+        f"(pause {s.pause_s:g}s{f', {s.nbytes / 1e6:,.4g} MB' if s.nbytes else ''})"
     )
 
 

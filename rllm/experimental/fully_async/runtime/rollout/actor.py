@@ -19,6 +19,7 @@ from typing import Any
 import ray
 
 from rllm.experimental.fully_async.api.step_messages import Ack, Batch, BatchRequest
+from rllm.experimental.fully_async.engines.lora import adapter_version
 from rllm.experimental.fully_async.observe.dumps import write_episodes
 from rllm.experimental.fully_async.run_spec import RunSpec
 from rllm.experimental.fully_async.runtime.rollout.build import build_rollout_process
@@ -80,9 +81,14 @@ class RolloutServiceActor:
     def metrics(self) -> dict[str, float]:
         return self.service.metrics()
 
-    def replace_engine(self, old_url: str, new_url: str) -> None:
-        """Route rollouts to a restarted engine (already at the trainer's weights) instead of its dead predecessor."""
+    async def replace_engine(self, old_url: str, new_url: str) -> None:
+        """Route rollouts to a restarted engine (already at the trainer's weights) instead of its dead predecessor.
+        LoRA: it holds only the newest adapter; what each engine serves is read back so that requests naming an
+        older version (re-sent from the dead engine, or started before the client heard of the newest) go to
+        engines that still serve it (`EngineClient.read_lora_adapters`)."""
         self.client.replace_engine(old_url, new_url)
+        if getattr(self.client, "lora_keep", None) is not None:
+            await self.client.read_lora_adapters(timeout_s=60.0)
 
     def add_engine(self, url: str, api_key: str | None = None) -> None:
         """Route rollouts to a joining engine too (already at the trainer's weights: the driver synced it first)."""
@@ -128,10 +134,11 @@ class RolloutServiceActor:
             async with self.gate.validation(self.gate_timeout_s):
                 urls = self.client.alive_urls
                 versions = await asyncio.gather(*(self.client.get_weight_version(u) for u in urls))
-                # LoRA: the base never moves; every request names the client's adapter version (engines/client.py)
-                lora_version = getattr(self.client, "lora_version", None)
                 engines = dict(zip(urls, versions, strict=True))
-                pinned = lora_version if lora_version is not None else pinned_version(engines)
+                if getattr(self.client, "lora_version", None) is not None:
+                    pinned = await self._pin_newest_adapter(urls)
+                else:
+                    pinned = pinned_version(engines)
                 result = await self.validate(step)
             off = result.get("val/min_version", pinned) != pinned or result.get("val/version", pinned) != pinned
             result |= {"val/pinned_version": float(pinned), "val/off_version_answers": float(off)}
@@ -147,6 +154,19 @@ class RolloutServiceActor:
             "val/finished_at": time.time(),
         }
         return result
+
+    async def _pin_newest_adapter(self, urls: list[str]) -> int:
+        """LoRA: the base never moves, so a validation is pinned to an adapter: the newest version every live engine
+        serves, read back from them (/v1/models), and every request from now on names it (`use_policy_version`).
+        The client's own version is the one the trainer gave with its last batch request; the sync after that step
+        has loaded a newer adapter already, and the validation of a step measures the weights that step made, as
+        a full-weights validation reads the engines' `weight_version`. Syncs wait meanwhile (the gate)."""
+        listed = await asyncio.gather(*(self.client.lora_adapters(u, timeout_s=60.0) for u in urls))
+        served = [{v for name in names if (v := adapter_version(name)) is not None} for names in listed]
+        common = set.intersection(*served) if served else set()
+        pinned = max(common) if common else int(self.client.lora_version)  # none in common: the engines answer
+        self.client.use_policy_version(pinned)
+        return pinned
 
     async def validate(self, step: int | None = None) -> dict:
         """Held-out accuracy; `step` names the validation dump file (default: the batches taken so far)."""

@@ -17,7 +17,7 @@ from rllm.experimental.fully_async.data.datasets import load_prompt_datasets
 from rllm.experimental.fully_async.data.prompts import DataError
 from rllm.experimental.fully_async.run_spec import data_spec
 from rllm.experimental.fully_async.settings.loader import verl_base_config
-from rllm.experimental.fully_async.settings.model_source import check_model_source
+from rllm.experimental.fully_async.settings.model_source import check_lora_adapter, check_model_source
 from rllm.experimental.fully_async.tasks import apply_task
 from rllm.experimental.fully_async.workflows import check_agent_fits_model
 
@@ -59,6 +59,7 @@ def check_data(cfg: DictConfig) -> int:
     user's model is checked first (a missing folder, an unreachable Hub id: one ConfigError line, in well under 5 s)."""
 
     check_model_source(cfg)
+    check_lora_adapter(cfg)
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.path)
     train, val = load_prompt_datasets(data_spec(cfg), tokenizer)
 

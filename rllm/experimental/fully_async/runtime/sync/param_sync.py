@@ -27,7 +27,8 @@ engine's version is set and read back as for disk.
 
 Engines come and go between syncs: `remove_engine` drops one whose process died (or that left), `replace_engine`
 adds its restarted successor after loading the weights the others were last given, so it joins at the trainer's
-version, and `add_engine` does the same for an engine that joins with no predecessor (`engines add`/`register`:
+version (LoRA: the adapter versions still kept, the newest last, so a request re-sent from the dead engine keeps its
+own), and `add_engine` does the same for an engine that joins with no predecessor (`engines add`/`register`:
 docs/design.md#rule-engine-set-can-change). All take the sync lock, so a membership change never interleaves with a
 sync and versions reach engines in order. With the distributed transport a joiner receives the kept buckets through
 a group of its own, and the next sync rebuilds the group over every engine (runtime/sync/distributed.py).
@@ -312,7 +313,8 @@ class ParamSync:
             self.adapters[new_url] = []
             if staged is None:
                 return int(await self._client.get_weight_version(new_url, timeout_s=self.pause_timeout_s))
-            await self._load_adapter(new_url, staged)  # the newest version only; requests name it from now on
+            for kept in self._kept_adapters(staged):  # oldest first, the newest last: requests name it from now on
+                await self._load_adapter(new_url, kept)
             return staged.version
         if staged is not None and isinstance(self.transport, CollectiveTransport):
             # Several calls (buckets) are atomic for requests only while paused; a disk load is atomic by itself.
@@ -324,6 +326,22 @@ class ParamSync:
         elif staged is not None:
             await self._load_and_verify(new_url, staged)
         return int(await self._client.get_weight_version(new_url, timeout_s=self.pause_timeout_s))
+
+    def _kept_adapters(self, newest: StagedWeights) -> list[StagedWeights]:
+        """LoRA: the adapter versions a restarted engine loads, oldest first: the `lora_keep` newest (η_max + 1, the
+        versions the staleness bound admits) whose folders are still staged. A request re-sent from the dead engine
+        names the version it started with and keeps it (docs/design.md#rule-one-version-per-lora-sample); with the
+        newest alone, one naming an older kept version would fail where no other engine serves it. Older versions
+        are not loaded: the rollout client may have unloaded them everywhere, and a sample of one would be dropped
+        as stale."""
+        if not isinstance(self.transport, DiskTransport) or self.lora_keep is None:
+            return [newest]  # not a LoRA sync (__init__ allows LoRA by disk only)
+        older = []
+        for version in range(max(0, newest.version - self.lora_keep + 1), newest.version):
+            folder = self.transport.path_for(version)
+            if (folder / "adapter_config.json").is_file():
+                older.append(StagedWeights(version=version, location=str(folder), nbytes=0))
+        return [*older, newest]
 
     async def _load_and_verify(self, url: str, staged: StagedWeights) -> None:
         """Load `staged` into engine `url`, set its weight version, and read it back (see the module docstring)."""
