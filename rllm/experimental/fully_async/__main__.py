@@ -243,6 +243,7 @@ def _replay(argv: list[str]) -> int:
 
 @command("engines", "add, remove, register or list the engines of a running run (--run-dir)", True)
 def _engines(argv: list[str]) -> int:
+    # lazy: each command's module loads when it runs (engines: the control client and aiohttp)
     from rllm.experimental.fully_async.cli.engines import main as engines_main
 
     return engines_main(argv)

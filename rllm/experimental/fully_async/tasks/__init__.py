@@ -135,6 +135,7 @@ def entry_paths(entry: Path) -> dict[str, str]:
 
 
 def _locate_addition(task_cfg: Any) -> dict[str, str]:
+    # lazy: a task module pulls torch, transformers and pandas (~9 s); locating its folders needs none of them
     from rllm.experimental.fully_async.tasks import addition
 
     return entry_paths(
@@ -143,6 +144,7 @@ def _locate_addition(task_cfg: Any) -> dict[str, str]:
 
 
 def _locate_smollm2(task_cfg: Any) -> dict[str, str]:
+    # lazy: a task module pulls torch, transformers and pandas (~9 s); locating its folders needs none of them
     from rllm.experimental.fully_async.tasks import smollm2
 
     model_dir, data = smollm2.smollm2_entries(_cache_dir(task_cfg), int(task_cfg.seed))
@@ -210,6 +212,7 @@ def _cache_dir(task_cfg: Any) -> Path:
 
 def _prepare_addition(task_cfg: Any) -> TaskAssets:
     # lazy: a task's module pulls torch, transformers and pandas (~9 s); the config loads without them
+    # lazy: a task module pulls torch, transformers and pandas (~9 s); locating its folders needs none of them
     from rllm.experimental.fully_async.tasks import addition
 
     assets = addition.prepare_addition_assets(
@@ -226,6 +229,7 @@ def _prepare_addition(task_cfg: Any) -> TaskAssets:
 
 def _prepare_smollm2(task_cfg: Any) -> TaskAssets:
     # lazy: a task's module pulls torch, transformers and pandas (~9 s); the config loads without them
+    # lazy: a task module pulls torch, transformers and pandas (~9 s); locating its folders needs none of them
     from rllm.experimental.fully_async.tasks import smollm2
 
     assets = smollm2.prepare_smollm2_assets(_cache_dir(task_cfg), seed=int(task_cfg.seed))
