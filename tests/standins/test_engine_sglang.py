@@ -400,6 +400,7 @@ def sglang_cfg(**extra_args: object) -> EnginesSpec:
                 "sampling_seed": None,
                 "deterministic_inference": False,
                 "forward_sleep_s": 0.0,
+                "no_engine_timeout_s": 600.0,
             },
             "actor_rollout_ref": {
                 "model": {"path": "/models/qwen"},
