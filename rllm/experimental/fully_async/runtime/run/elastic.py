@@ -381,10 +381,7 @@ class ElasticEngines:
         ray.get(self.ctx.trainer.remove_engine.remote(member.url), timeout=self.ctx.sync_timeout_s)
         if member.slot is not None:
             self.ctx.supervisor.release(member.slot)
-        self._forget(member)
-        if moved:
-            self._record("move", member, moved)
-        self._record("leave", member)
+        self._retire(member, "leave", moved)
         self.ctx.message(
             f"engine {member.id} left ({member.url}); {moved} sample(s) in flight moved to other engines; "
             f"{len(self.membership.active)} engine(s) active"
@@ -393,6 +390,13 @@ class ElasticEngines:
     def _forget(self, member: Member) -> None:
         self.membership.drop(member.id)
         unclaim(member.url, self.ctx.run_dir)
+
+    def _retire(self, member: Member, event: str, moved: int) -> None:
+        """Forget an engine that left or was lost; its `move` line (the samples it handed on) precedes its own."""
+        self._forget(member)
+        if moved:
+            self._record("move", member, moved)
+        self._record(event, member)
 
     def on_supervisor_event(self, event: EngineEvent) -> None:
         if isinstance(event, EngineStarted):
@@ -429,10 +433,7 @@ class ElasticEngines:
                 moved = ray.get(self.ctx.rollouts.forget_engine.remote(event.url), timeout=60)
                 ray.get(self.ctx.trainer.remove_engine.remote(event.url), timeout=self.ctx.sync_timeout_s)
             if member is not None:
-                self._forget(member)
-                if moved:
-                    self._record("move", member, moved)
-                self._record("lost", member)
+                self._retire(member, "lost", moved)
             self.ctx.message(
                 f"engine {event.index} lost ({event.url}: {event.reason}); "
                 f"continuing with {len(self.membership.active)} engine(s)"
