@@ -53,6 +53,7 @@ from rllm.experimental.fully_async.tasks.addition import (
     write_addition_parquets,
 )
 from rllm.experimental.fully_async.workflows import SingleTurnWorkflow, score_safely
+from rllm.experimental.fully_async.workflows import base as reward_workflows
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -297,9 +298,13 @@ def test_hung_reward_threads_do_not_make_later_rewards_time_out(engine_urls, dat
     assert ledger.counts()["failed/reward_timeout"] == hang_rows * samples
 
 
-def test_reward_threads_are_reused_and_a_hung_one_is_never_handed_another_call():
+def test_reward_threads_are_reused_and_a_hung_one_is_never_handed_another_call(monkeypatch):
     """Synchronous rewards run on daemon threads that are reused (a thread start per sample was ~10% of the rollout
-    service's CPU) but never shared: while one call hangs, later calls still answer, on other threads."""
+    service's CPU) but never shared: while one call hangs, later calls still answer, on other threads.
+
+    The pool is the process's, so the test gets a fresh one: a call left hanging by an earlier test in this worker
+    can return mid-test and go idle, and the next call may then take that thread (CI saw two threads here)."""
+    monkeypatch.setattr(reward_workflows, "_REWARD_THREADS", reward_workflows._DaemonThreads())
     release = threading.Event()
     threads: list[str] = []
 
