@@ -234,6 +234,9 @@ def _first_step_generations(tmp_path, addition_cache, name: str, *overrides: str
     env = dict(os.environ, RLLM_LOG_LEVEL="WARNING")
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    # η=0 with K=1 is synchronous training, and a real run says so in one line at its start (issue 32).
+    notices = [line for line in done.stdout.splitlines() if line.startswith("training synchronously")]
+    assert len(notices) == 1 and "async_training.max_staleness=1" in notices[0], done.stdout[-2000:]
     generated = {}
     for line in (run_dir / "dumps" / "1.jsonl").read_text().splitlines():
         record = json.loads(line)

@@ -92,8 +92,7 @@ class Run:
         self.progress.header(self.spec, self.run_dir)
         notice = synchronous_notice(cfg)
         if notice is not None:  # an rLLM script's default staleness_threshold: said at start, not left to find
-            logger.warning(notice)
-            self.progress.message(notice)
+            self.progress.message(notice)  # once: also logging it printed the same line twice on a terminal
         self.step_count = resumed.step if resumed is not None else 0
         processes = start_processes(self.spec, self._stack, self.run_dir, resumed, self.container, phase=self._phase)
         self.supervisor, self.rollouts, self.trainer = processes.supervisor, processes.rollouts, processes.trainer
