@@ -9,7 +9,8 @@ stopped with SIGTERM (a checkpoint, every process ended) and checked: the event 
 fields, the ledger journal audits clean (no sample issued or ended twice, nothing lost: issued = in flight + ended,
 none failed), and the engines/* metrics counted the joins and leaves. That a moved sample continues from exactly its
 saved tokens is held on real engines in tests/engines/test_engine_membership.py, where the decode hold can catch
-requests decoding.
+requests decoding. A second, shorter run is stopped with SIGTERM while no engine is left and the trainer waits for a
+batch: it checkpoints its last step and ends in seconds.
 """
 
 from __future__ import annotations
@@ -220,3 +221,51 @@ def test_nothing_is_left_running(elastic_run):
     proc, _, run_dir, _, model = elastic_run
     assert not (run_dir / CONTROL_FILE).exists()
     assert leftover_processes(proc.pid, model) == []
+
+
+def test_sigterm_while_no_engine_is_left_checkpoints_the_step_and_stops_at_once(tmp_path, addition_cache):
+    """The trainer waits for a batch that cannot come (its only engine left); SIGTERM then saves a checkpoint at
+    the last step and ends the run in seconds. Before, the trainer's checkpoint call queued behind that wait: the
+    run waited 300 s, then stopped with no new checkpoint."""
+    run_dir = tmp_path / "run"
+    command = addition_run_command(
+        run_dir,
+        addition_cache,
+        "engines.num_engines=1",
+        "trainer.total_training_steps=2000",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=0",
+        "task.val_size=8",
+        "data.train_batch_size=16",
+        "async_training.required_samples=16",
+        "actor_rollout_ref.rollout.n=4",
+        "data.max_response_length=16",
+        "engines.no_engine_timeout_s=600",  # the run would wait this long for an engine; the test stops it first
+    )
+    env = dict(os.environ, RLLM_LOG_LEVEL="WARNING")
+    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for("control file", lambda: (run_dir / CONTROL_FILE).exists(), proc)
+        rows = lambda: [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+        wait_for("a first step", lambda: (run_dir / "metrics.jsonl").exists() and rows(), proc)
+        send(run_dir, {"op": "remove", "engine": "0"})
+        wait_for("engine 0 leaving", has_event(run_dir, "leave", "0"), proc)
+
+        # A step that ended after the engine had left: from then on nothing can add a group, so the trainer waits
+        # as soon as the queue holds less than a batch (here at once: the queue is empty at every step). Were the
+        # queue to hold a batch, the trainer would be mid-step instead and the checkpoint would not wait either:
+        # what is asserted below holds in both cases, and it failed (300 s, no checkpoint) before the fix.
+        wait_for("a step ending with no engine", lambda: any(r.get("engines/active") == 0 for r in rows()), proc)
+        last_step = int([r for r in rows() if "trainer/step" in r][-1]["trainer/step"])
+        proc.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        output, _ = proc.communicate(timeout=240)
+        stopped_s = time.monotonic() - started
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, output[-3000:]
+    assert f"checkpoint at step {last_step} saved" in output, output[-3000:]
+    assert stopped_s < 120, f"the run took {stopped_s:.0f}s to stop"
+    assert (run_dir / "checkpoints" / f"step_{last_step:08d}").is_dir(), list((run_dir / "checkpoints").iterdir())

@@ -105,6 +105,38 @@ def test_a_request_that_times_out_takes_nothing_but_its_acknowledgement_counts()
     assert counts["trained"] == 1
 
 
+def test_an_interrupt_answers_the_waiting_request_at_once_and_takes_nothing():
+    """A trainer waiting for a batch that will not come (generation paused: no engine left) is released by
+    `interrupt()` within the wait, not after its timeout; the groups already queued stay queued for the checkpoint,
+    and every later request is answered at once the same way."""
+
+    async def scenario():
+        service, _ = make_service(20)
+        rollouts = asyncio.create_task(service.run())
+        assert await service.queue.wait_for(lambda: len(service.queue) >= 2, WAIT_S)
+        service.executor.set_paused(True)  # as with no engine: nothing more arrives
+        queued = len(service.queue)
+        started = asyncio.get_running_loop().time()
+        waiting = asyncio.create_task(service.take_batch(BatchRequest(queued + 1, 0, Ack(), timeout_s=WAIT_S)))
+        await asyncio.sleep(0.2)
+        assert not waiting.done(), "the request waits while the queue cannot fill it"
+        service.interrupt()
+        batch = await asyncio.wait_for(waiting, 5.0)
+        waited = asyncio.get_running_loop().time() - started
+        later = await asyncio.wait_for(service.take_batch(BatchRequest(1, 0, Ack(), timeout_s=WAIT_S)), 5.0)
+        left = len(service.queue)
+        service.stop()
+        service.executor.set_paused(False)
+        await rollouts
+        return batch, later, waited, queued, left
+
+    batch, later, waited, queued, left = run(scenario())
+    assert (batch.status, batch.groups) == ("interrupted", [])
+    assert waited < WAIT_S / 2
+    assert (later.status, later.groups) == ("interrupted", [])
+    assert left == queued, "an interrupted request takes nothing"
+
+
 @ray.remote(num_cpus=0)
 class _ServiceOverRay:
     """The RolloutService in an async Ray actor, as RolloutServiceActor hosts it (that one builds from the run spec)."""

@@ -50,11 +50,12 @@ class Batch:
 
     status "ok": `groups` holds n_groups groups, or fewer when the rollouts have ended and this is what is left;
     "timeout": no groups (nothing was taken; the trainer decides whether to fail); "closed": the rollouts have
-    ended and nothing is left.
+    ended and nothing is left; "interrupted": no groups (nothing was taken) because the run is stopping on an
+    interrupt or a failure, so the trainer takes no step and its checkpoint need not wait for a batch.
     """
 
     groups: list[VersionedGroup]
-    status: Literal["ok", "timeout", "closed"]
+    status: Literal["ok", "timeout", "closed", "interrupted"]
     stale_groups: int  # groups dropped as too stale while serving this request (ledger: dropped_stale)
     wait_s: float  # time the service spent waiting for groups
     metrics: dict[str, float] = field(default_factory=dict)  # queue/*, ledger/*, rollout/*: for the step's report

@@ -75,6 +75,10 @@ class RolloutServiceActor:
     def stop(self) -> None:
         self.service.stop()
 
+    def interrupt(self) -> None:
+        """The run is stopping: release the trainer's wait for a batch (RolloutService.interrupt)."""
+        self.service.interrupt()
+
     def ledger_counts(self) -> dict:
         return self.service.ledger.counts()
 

@@ -109,6 +109,10 @@ class MessageQueue:
             self.buffer.close()
         self._notify()
 
+    def wake(self) -> None:
+        """Wake every `wait_for` to check its predicate again (a change outside the queue that a waiter reads)."""
+        self._notify()
+
     def _notify(self) -> None:
         if self._changed is not None:
             self._changed.set()

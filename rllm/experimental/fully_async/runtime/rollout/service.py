@@ -65,6 +65,7 @@ class RolloutService:
         self._last_tokens = 0
         self._last_busy: dict[str, float] = {}
         self.batches_taken = 0  # batches handed to the trainer: its step count (names validation dumps)
+        self.interrupted = False  # `interrupt()`: the run is stopping; take_batch answers at once, taking nothing
 
     async def run(self) -> dict[str, Any]:
         """Run the executor until the data is exhausted or `stop()`; then close the queue so the trainer drains it."""
@@ -76,6 +77,15 @@ class RolloutService:
 
     def stop(self) -> None:
         self.executor.stop()
+
+    def interrupt(self) -> None:
+        """The run is stopping (Ctrl-C, SIGTERM, a failure) and the driver wants a checkpoint: a `take_batch`
+        waiting for groups, and every later one, returns "interrupted" with none. The trainer's wait for a batch
+        would otherwise hold up its checkpoint (the trainer's calls run one at a time) until groups came, which
+        with no engine left is never: the driver gave up after 300 s and saved nothing. Generation and the
+        tokens in flight are untouched, so the rollout part of the checkpoint still holds them."""
+        self.interrupted = True
+        self.queue.wake()
 
     def acknowledge(self, ack: Ack) -> None:
         """The trainer trained these samples and groups: ledger them trained and count them consumed."""
@@ -95,6 +105,9 @@ class RolloutService:
         stale = 0
         while True:
             stale += self._drop_stale(request.version)
+            if self.interrupted:
+                groups, status = [], "interrupted"
+                break
             if len(self.queue) >= n:
                 groups, status = self.queue.pop(n), "ok"
                 break
@@ -107,7 +120,7 @@ class RolloutService:
                 groups, status = [], "timeout"
                 break
             # Woken by every change; a group that arrives stale is dropped at the top of the loop.
-            await self.queue.wait_for(lambda: len(self.queue) >= n or self.queue.closed, remaining)
+            await self.queue.wait_for(lambda: len(self.queue) >= n or self.queue.closed or self.interrupted, remaining)
         wait_s = time.monotonic() - started
         self.batches_taken += bool(groups)
         metrics = self.metrics() | self._filter_metrics() | self._generation_metrics()

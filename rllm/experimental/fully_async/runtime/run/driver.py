@@ -203,8 +203,12 @@ class Run:
         return path
 
     def try_checkpoint(self) -> str:
-        """Checkpoint on the way out of a failure; a description of what was saved (the previous stays usable)."""
+        """Checkpoint on the way out of a failure or an interrupt; a description of what was saved (the previous
+        stays usable). The trainer may be waiting for a batch that will not come (no engine left, rollouts
+        stalled), and its checkpoint call would queue behind that wait: the rollout service first answers it
+        with nothing (RolloutService.interrupt), so the trainer takes no step and writes its part at once."""
         try:
+            ray.get(self.rollouts.interrupt.remote(), timeout=30)
             self.checkpoint()
             return f"checkpoint at step {self.step_count} saved in {self.checkpoints.root}"
         except Exception as exc:

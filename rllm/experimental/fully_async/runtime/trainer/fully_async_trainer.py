@@ -200,7 +200,7 @@ class FullyAsyncTrainer:
 
     def train_step(self) -> dict[str, float] | None:
         """One optimizer step on one batch, then a weight sync when due. Returns flat float metrics, or None
-        when the rollouts have ended and nothing is left to train."""
+        when the rollouts have ended and nothing is left to train, or the run is stopping (RolloutService.interrupt)."""
         step_started = time.monotonic()
         groups, metrics = self.take_batch()
         if not groups:
