@@ -367,11 +367,16 @@ class ElasticEngines:
     def join(self, member: Member) -> None:
         """Weights first, then traffic: the rollouts must not reach an engine below the trainer's version."""
         key = member.api_key
+        began = time.monotonic()
         self._version = ray.get(self.ctx.trainer.add_engine.remote(member.url, key), timeout=self.ctx.sync_timeout_s)
+        loaded_s = time.monotonic() - began  # the joiner's weight load, as the progress line reports it
         ray.get(self.ctx.rollouts.add_engine.remote(member.url, key), timeout=60)
         member.state = "active"
         self._record("join", member)
-        self.ctx.message(f"engine {member.id} joined at {member.url} (weight version {self._version}, {member.source})")
+        self.ctx.message(
+            f"engine {member.id} joined at {member.url} "
+            f"(weight version {self._version} loaded in {loaded_s:.2f}s, {member.source})"
+        )
 
     def leave(self, member: Member) -> None:
         member.state = "draining"
