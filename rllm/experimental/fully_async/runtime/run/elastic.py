@@ -414,7 +414,7 @@ class ElasticEngines:
             except Exception as exc:  # it never served: stop it, the run goes on as it was
                 logger.warning("engine %s at %s could not join: %s", member.id, member.url, exc)
                 self.ctx.supervisor.release(event.index)
-                self._forget(member)
+                self._retire(member, "lost", 0)
                 self.ctx.message(f"engine {member.id} ({member.url}) could not join and was stopped: {exc}")
         elif isinstance(event, EngineReplaced):
             member = self.membership.by_slot(event.index)
@@ -433,11 +433,16 @@ class ElasticEngines:
             self.ctx.message(f"engine {event.index} restarted at {event.new_url} (weight version {version})")
         elif isinstance(event, EngineLost):
             member = self.membership.by_slot(event.index)
-            moved = 0
-            if member is not None and member.state != "starting":
+            if member is not None and member.state == "starting":  # `engines add`ed, never served: nothing moves
+                self._retire(member, "lost", 0)
+                self.ctx.message(
+                    f"engine {member.id} ({event.url}) could not join: {event.reason}; "
+                    f"continuing with {len(self.membership.active)} engine(s)"
+                )
+                return
+            if member is not None:
                 moved = ray.get(self.ctx.rollouts.forget_engine.remote(event.url), timeout=60)
                 ray.get(self.ctx.trainer.remove_engine.remote(event.url), timeout=self.ctx.sync_timeout_s)
-            if member is not None:
                 self._retire(member, "lost", moved)
             self.ctx.message(
                 f"engine {event.index} lost ({event.url}: {event.reason}); "
