@@ -9,7 +9,8 @@
 - `ElasticEngines`: applies them and the supervisor's events. Join: ParamSync loads the current weights and version
   into the engine (the trainer's `add_engine`) BEFORE the rollout service routes anything to it. Leave: the rollout
   service drains it (no new request; its in-flight samples are aborted there and continue elsewhere from their
-  tokens), the trainer stops syncing to it, and an engine the run launched is stopped. Register: a server someone
+  tokens; calls still on it after DRAIN_TIMEOUT_S are cut off and sent elsewhere from the tokens they were sent
+  with), the trainer stops syncing to it, and an engine the run launched is stopped. Register: a server someone
   launched elsewhere, checked first (it answers, serves this run's model, takes its API key, belongs to no other
   run), then joined like a launched one. With no engine left generation waits (`engines.no_engine_timeout_s`).
 - `EngineEvents`: RUN_DIR/engine_events.jsonl, one JSON line per join, leave, lost, restart and move
@@ -69,7 +70,7 @@ logger = logging.getLogger(__name__)
 
 ANSWER_TIMEOUT_S = 900.0  # a request's wait for the driver (a join loads weights; a leave drains)
 PROBE_TIMEOUT_S = 5.0  # each call to a server being registered
-DRAIN_TIMEOUT_S = 120.0  # a leaving engine's calls to come back after its abort
+DRAIN_TIMEOUT_S = 120.0  # a leaving engine's calls to come back after its abort; then they are cut off and re-sent
 ENGINE_CLAIMS_DIR = Path(tempfile.gettempdir()) / f"rllm-fully-async-engines-{os.getuid()}"
 
 
@@ -334,7 +335,7 @@ class ElasticEngines:
             return f"engine {member.id} was still starting; stopped"
         try:
             self.leave(member)
-        except Exception as exc:  # its calls did not come back in time: it stays out of routing, still synced
+        except Exception as exc:  # an actor call failed or ran out of time: it stays out of routing, still synced
             raise ElasticError(
                 f"engine {member.id} ({member.url}) is draining but has not left: {type(exc).__name__}: {exc}; "
                 f"it gets no new request; retry `engines remove {member.id}`"
