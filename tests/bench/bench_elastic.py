@@ -1,7 +1,7 @@
 """Benchmark (issue 34): an engine joins a running run, and one leaves with requests in flight.
 
     PYTHONPATH=. .venv/bin/python tests/bench/bench_elastic.py [--configs default default-long]
-        [--steps-before 4] [--steps-after 4] [--poll-s 0.05] [--out DIR] [-- key=value ...]
+        [--steps-before 4] [--steps-after 6] [--poll-s 0.05] [--out DIR] [-- key=value ...]
 
 One run per config (`default`: the embedded default, `python -m rllm.experimental.fully_async train`,
 config/tiny_cpu.yaml; `default-long`: the same with long generations, so that requests are running when an engine
@@ -22,7 +22,8 @@ Printed side by side:
   trainer's `add_engine` call, load and version read-back);
 - throughput before and after the join: trained samples/s (`batch/samples` over the steps' span, from
   metrics.jsonl's `time`) and the mean `rollout/tokens_per_s`, over the `--steps-before` steps before the add and
-  the `--steps-after` steps after the `join` line;
+  the `--steps-after` steps after the joiner's first token (not the `join` line: the requests issued before the
+  join wait on engine 0, so the joiner's first request is one issued after it);
 - the leave: samples in flight that moved (the `move` line's `samples_moved`), the ledger audit after the run
   (`read_journal`: no sample issued or ended twice; issued = in flight + ended, none failed).
   Tokens regenerated per move are not recorded by the run (see tests/bench/README.md, issue 34); that a moved
@@ -272,7 +273,9 @@ def measure(name: str, args: argparse.Namespace, run_dir: Path) -> dict[str, Any
         "join": join_timeline(t_add, seen, join["time"]),
         "weight_load_s": float(loaded.group(3)) if loaded else None,
         "before": throughput(rows, after=_window_start(rows, t_add, args.steps_before), count=args.steps_before),
-        "after": throughput(rows, after=join["time"], count=args.steps_after),
+        # From the joiner's first token: until then it has no request (those issued before it joined wait on
+        # engine 0), so the steps between the join and it are still one engine's.
+        "after": throughput(rows, after=max(join["time"], seen["first_token"]), count=args.steps_after),
         "leave": {
             "running_when_sent": running,
             "answered_s": answered_s,
@@ -295,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     parser.add_argument("--steps-before", type=int, default=4, help="steps measured before the add (and waited)")
-    parser.add_argument("--steps-after", type=int, default=4, help="steps measured after the join")
+    parser.add_argument("--steps-after", type=int, default=6, help="steps measured after the joiner's first token")
     parser.add_argument("--poll-s", type=float, default=0.05, help="how often the engines' counters are read")
     parser.add_argument("--out", type=Path, default=None, help="default runs/bench/bench_elastic/<timestamp>/")
     parser.add_argument("overrides", nargs="*", help="key=value for every run (after --)")
