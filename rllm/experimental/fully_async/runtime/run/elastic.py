@@ -12,7 +12,8 @@
   tokens; calls still on it after DRAIN_TIMEOUT_S are cut off and sent elsewhere from the tokens they were sent
   with), the trainer stops syncing to it, and an engine the run launched is stopped. Register: a server someone
   launched elsewhere, checked first (it answers, serves this run's model, takes its API key, belongs to no other
-  run), then joined like a launched one. With no engine left generation waits (`engines.no_engine_timeout_s`).
+  run), then joined like a launched one; it is lost once its /health fails LOST_AFTER_FAILED_PROBES checks in a row.
+  With no engine left generation waits (`engines.no_engine_timeout_s`).
 - `EngineEvents`: RUN_DIR/engine_events.jsonl, one JSON line per join, leave, lost, restart and move
   (core/elastic.py's `event_record`, fields `EVENT_FIELDS`): what `report` and `simulate` read.
 - Claims: a run claims each engine it serves in a per-user folder of this host (ENGINE_CLAIMS_DIR), so a second run
@@ -70,6 +71,8 @@ logger = logging.getLogger(__name__)
 
 ANSWER_TIMEOUT_S = 900.0  # a request's wait for the driver (a join loads weights; a leave drains)
 PROBE_TIMEOUT_S = 5.0  # each call to a server being registered
+REGISTERED_PROBE_S = 5.0  # how often the driver checks /health of the servers registered by URL (no process to watch)
+LOST_AFTER_FAILED_PROBES = 3  # failed checks in a row before one is lost: a server restarting briefly is not
 DRAIN_TIMEOUT_S = 120.0  # a leaving engine's calls to come back after its abort; then they are cut off and re-sent
 ENGINE_CLAIMS_DIR = Path(tempfile.gettempdir()) / f"rllm-fully-async-engines-{os.getuid()}"
 
@@ -199,6 +202,16 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def health_error(url: str, api_key: str | None, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
+    """Why `url`/health does not answer 200, or None when it does."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        answer = httpx.get(f"{url}/health", headers=headers, timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        return f"/health: {type(exc).__name__}"
+    return None if answer.status_code == 200 else f"/health answered HTTP {answer.status_code}"
+
+
 def probe_server(url: str, api_key: str | None, timeout_s: float = PROBE_TIMEOUT_S) -> ServerAnswers:
     """Ask a server to register what `refusal_to_register` judges: /health, /get_model_info, /get_weight_version."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -266,6 +279,8 @@ class ElasticEngines:
         self.no_engine = NoEngineClock(ctx.no_engine_timeout_s)
         self.control = ControlServer()
         self._version = 0  # the weight version the last joiner serves
+        self._failed_probes: Counter[str] = Counter()  # registered engine id -> failed /health checks in a row
+        self._next_probe = clock() + REGISTERED_PROBE_S
         for url in launched_urls:
             claim(url, ctx.run_dir)
 
@@ -287,6 +302,9 @@ class ElasticEngines:
         EngineDiedError naming engines.no_engine_timeout_s once it has passed)."""
         for event in self.ctx.supervisor.poll():
             self.on_supervisor_event(event)
+        if self.clock() >= self._next_probe:
+            self._next_probe = self.clock() + REGISTERED_PROBE_S
+            self.check_registered()
         for body, answer in self.control.pending():
             answer.set_result(self.apply(body))
         active = len(self.membership.active)
@@ -442,13 +460,32 @@ class ElasticEngines:
                 )
                 return
             if member is not None:
-                moved = ray.get(self.ctx.rollouts.forget_engine.remote(event.url), timeout=60)
-                ray.get(self.ctx.trainer.remove_engine.remote(event.url), timeout=self.ctx.sync_timeout_s)
-                self._retire(member, "lost", moved)
+                self._lose(member, event.url)
             self.ctx.message(
                 f"engine {event.index} lost ({event.url}: {event.reason}); "
                 f"continuing with {len(self.membership.active)} engine(s)"
             )
+
+    def check_registered(self) -> None:
+        """A server registered by URL has no process the supervisor watches: it is lost once its /health fails
+        LOST_AFTER_FAILED_PROBES checks in a row (its requests already fail over to the other engines)."""
+        for member in [m for m in self.membership.active if m.source == "registered"]:
+            error = health_error(member.url, member.api_key)
+            self._failed_probes[member.id] = 0 if error is None else self._failed_probes[member.id] + 1
+            if self._failed_probes[member.id] < LOST_AFTER_FAILED_PROBES:
+                continue
+            del self._failed_probes[member.id]
+            self._lose(member, member.url)
+            self.ctx.message(
+                f"engine {member.id} lost ({member.url}: {error}, {LOST_AFTER_FAILED_PROBES} health checks in a row); "
+                f"continuing with {len(self.membership.active)} engine(s)"
+            )
+
+    def _lose(self, member: Member, url: str) -> None:
+        """An engine that served is gone: the rollouts and the trainer forget it, its samples moved, its lines."""
+        moved = ray.get(self.ctx.rollouts.forget_engine.remote(url), timeout=60)
+        ray.get(self.ctx.trainer.remove_engine.remote(url), timeout=self.ctx.sync_timeout_s)
+        self._retire(member, "lost", moved)
 
     def _record(self, event: Any, member: Member, moved: int = 0) -> None:
         self.events.write(
