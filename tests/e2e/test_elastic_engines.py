@@ -3,7 +3,8 @@
 One real run (the addition task, Ray, the patched verl actor) starts with 1 embedded engine; through the
 `engines` command's client, the test adds 2, removes the first (its in-flight samples move to the others), SIGKILLs
 one (the supervisor restarts it), and registers two servers launched outside the run by URL with their API key:
-an embedded engine and the SGLang 0.5.6 stand-in; then every engine leaves (generation waits) and one is added.
+an embedded engine and the SGLang 0.5.6 stand-in; the registered embedded one is stopped (the run's health checks
+find it lost); then every engine leaves (generation waits) and one is added.
 Each step waits for the run's own record of it (RUN_DIR/engine_events.jsonl), never for a clock. Then the run is
 stopped with SIGTERM (a checkpoint, every process ended) and checked: the event lines carry exactly the contract's
 fields, the ledger journal audits clean (no sample issued or ended twice, nothing lost: issued = in flight + ended,
@@ -132,9 +133,13 @@ def elastic_run(tmp_path_factory, addition_cache):
         answers["list"] = send(run_dir, {"op": "list"})
         two_more_steps(run_dir, proc)  # the run trains on with its new set
 
+        # The registered embedded server dies: no process of the run to watch, so its failed health checks say so.
+        outside[0].stop()
+        wait_for("engine 3 lost", has_event(run_dir, "lost", "3"), proc)
+
         # Every engine leaves: generation waits (engines.no_engine_timeout_s) instead of the run ending, and goes on
         # once one joins.
-        for engine in ("1", "2", "3", "4"):
+        for engine in ("1", "2", "4"):
             send(run_dir, {"op": "remove", "engine": engine})
         answers["empty"] = send(run_dir, {"op": "list"})
         send(run_dir, {"op": "add", "count": 1})
@@ -171,6 +176,7 @@ def test_each_change_is_answered_in_one_line_and_the_engines_are_the_new_set(ela
         "engine 0 left (",
         "engine 1 restarted at",
         "engine 4 joined at",
+        "engine 3 lost (",
         "no inference engine left: generation waits up to 120s (engines.no_engine_timeout_s)",
         "engine 5 joined at",
     ):
@@ -192,9 +198,9 @@ def test_every_event_is_one_line_with_the_contract_fields_in_order(elastic_run):
         ("restart", "1", 2, "launched"),
         ("join", "3", 3, "registered"),
         ("join", "4", 4, "registered"),
-        ("leave", "1", 3, "launched"),
-        ("leave", "2", 2, "launched"),
-        ("leave", "3", 1, "registered"),
+        ("lost", "3", 3, "registered"),
+        ("leave", "1", 2, "launched"),
+        ("leave", "2", 1, "launched"),
         ("leave", "4", 0, "registered"),
         ("join", "5", 1, "launched"),
     ]
@@ -214,7 +220,7 @@ def test_the_ledger_is_exact_through_every_change(elastic_run):
     assert counts["failed"] == 0, "no sample failed for an engine leaving, dying or joining"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last = [r for r in rows if "engines/active" in r][-1]
-    assert last["engines/active"] == 1 and last["engines/joined"] == 5 and last["engines/left"] == 5
+    assert last["engines/active"] == 1 and last["engines/joined"] == 5 and last["engines/left"] == 4
 
 
 def test_nothing_is_left_running(elastic_run):

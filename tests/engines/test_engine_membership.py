@@ -9,7 +9,10 @@ tokens the hold found, however loaded the machine.
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
+import signal
+import time
 from collections.abc import Callable
 
 import pytest
@@ -68,6 +71,56 @@ def test_a_leaving_engines_samples_continue_on_the_joined_one_from_their_saved_t
         assert result.output_ids[: len(before)] == before, "the moved sample continued from its saved tokens"
         assert len(result.output_ids) == MAX_NEW, "no token was regenerated or lost across the move"
         assert result.num_resumes == 1 and result.finish_reason == "length"
+
+
+def test_a_drain_out_of_time_cuts_the_leaving_engines_calls_off_and_they_finish_elsewhere_from_their_tokens(
+    two_engines,
+):
+    """The leaving engine stops answering (SIGSTOP) while two requests decode there, each already holding tokens from
+    an earlier piece. The drain's abort gets no answer; at the drain's timeout the calls are cut off and sent to the
+    joined engine with the input they were sent with: both finish there from exactly their saved tokens, the drain
+    counts them moved, and the leaving engine is out of routing. (What it generated after the saved tokens never
+    came back: those tokens are generated again, the only ones.)"""
+    leaving, joining = two_engines.urls
+    sampling = {"temperature": 1.0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
+
+    async def scenario():
+        async with EngineClient([joining], backoff_base_s=0.01, request_timeout_s=120) as client:
+            # Each sample's first piece, on the other engine: the tokens the cut-off calls must continue from.
+            first = [
+                await client.generate([4, 5, 6], {**sampling, "max_new_tokens": HELD_TOKENS}, rid=f"first-{i}")
+                for i in range(2)
+            ]
+        records = [
+            GenerationProgress(list(r.output_ids), list(r.logprobs), list(r.versions), num_resumes=1) for r in first
+        ]
+        saved = [list(r.output_ids) for r in records]
+        async with EngineClient([leaving], backoff_base_s=0.01, request_timeout_s=120) as client:
+            async with decode_hold(leaving, running=2, min_tokens=1) as on_leaving:
+                tasks = [
+                    asyncio.create_task(client.generate([4, 5, 6], sampling, rid=f"cut-{i}", progress=records[i]))
+                    for i in range(2)
+                ]
+                await on_leaving.reached()
+                os.kill(two_engines.processes[0].pid, signal.SIGSTOP)  # it hangs: no answer to anything
+                try:
+                    client.add_engine(joining)
+                    began = time.monotonic()
+                    moved = await client.drain_engine(leaving, timeout_s=2.0)
+                    drain_s = time.monotonic() - began
+                    results = await asyncio.gather(*tasks)
+                finally:
+                    os.kill(two_engines.processes[0].pid, signal.SIGCONT)
+            return saved, moved, drain_s, results, client.urls, client.moves(leaving)
+
+    saved, moved, drain_s, results, urls, moves = asyncio.run(scenario())
+    assert moved == 2 and moves == 2
+    assert drain_s < 30, "the drain ended at its timeout, not at the requests' own"
+    assert urls == [joining]
+    for before, result in zip(saved, results, strict=True):
+        assert len(before) == HELD_TOKENS
+        assert result.output_ids[: len(before)] == before, "the cut-off sample continued from its saved tokens"
+        assert len(result.output_ids) == MAX_NEW and result.finish_reason == "length"
 
 
 def test_with_every_engine_gone_a_request_waits_for_one_to_join_and_finishes_there(two_engines):

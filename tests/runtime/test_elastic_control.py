@@ -6,21 +6,28 @@ model, a wrong API key, an engine already in this run or claimed by another run,
 control token, no run at the run dir. The requests go to a real `ControlServer`; a thread plays the driver's watch
 (it takes each request as it is queued and applies it with the real `ElasticEngines.apply`). A refused request makes
 no actor call, so none is started here; what joins and leaves for real is tests/e2e/test_elastic_engines.py.
+An engine `engines add` starts that exits or never gets healthy makes none either: the real supervisor and launcher
+report it, and the watch turns that into its line and its `lost` event.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import stat
+import sys
 import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from rllm.experimental.fully_async.cli.engines import NoRunError, RefusedError, main, send
-from rllm.experimental.fully_async.core.elastic import CONTROL_FILE
+from rllm.experimental.fully_async.core.elastic import CONTROL_FILE, EVENTS_FILE
 from rllm.experimental.fully_async.engines import EmbeddedEngineCommand, EngineLauncher
+from rllm.experimental.fully_async.engines.supervisor import EngineSupervisor
 from rllm.experimental.fully_async.runtime.run.elastic import ElasticContext, ElasticEngines
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_torch_thread")]
@@ -170,3 +177,93 @@ def test_the_command_line_prints_one_line_and_exits_2_refused_or_1_no_run(driver
         "launched",
         "http://127.0.0.1:1",
     ]
+
+
+# --- an engine `engines add` starts that never serves ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FirstOnly:
+    """The run's engine command for slot 0; every slot added later runs a process that exits at once with code 3,
+    or sleeps and never answers /health (the only stand-ins here: an engine launch that fails)."""
+
+    first: EmbeddedEngineCommand
+    exits: bool
+
+    def build(self, host: str, port: int, index: int) -> list[str]:
+        if index == 0:
+            return self.first.build(host, port, index)
+        return [sys.executable, "-c", "raise SystemExit(3)" if self.exits else "import time; time.sleep(600)"]
+
+    def env(self, index: int) -> dict[str, str]:
+        return self.first.env(index) if index == 0 else {}
+
+
+@pytest.mark.parametrize("exits", [True, False], ids=["dies", "never-healthy"])
+def test_an_added_engine_that_does_not_start_is_reported_lost_and_the_run_keeps_its_engines(
+    tmp_path, tiny_model_dir, exits
+):
+    """`engines add 1` answers at once; the engine's start fails (it exits, or is not healthy within the
+    supervisor's startup timeout). The driver's watch reports it in one line and one `lost` event, spends no restart
+    and, even under `on_engine_failure=stop`, does not end the run: engine 0 stays the run's only engine."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    command = FirstOnly(EmbeddedEngineCommand(str(tiny_model_dir), num_threads=1), exits)
+    with EngineLauncher(command, 1, log_dir=tmp_path / "logs") as launcher:
+        supervisor = EngineSupervisor(launcher, "stop", startup_timeout_s=3.0, stop_when_all_lost=False)
+        lines: list[str] = []
+        ctx = ElasticContext(
+            run_dir=run_dir,
+            supervisor=supervisor,
+            trainer=None,  # nothing is synced or routed: the engine never joins
+            rollouts=None,
+            model_path=str(tiny_model_dir),
+            weights_dir=str(run_dir / "weights"),
+            no_engine_timeout_s=60,
+            sync_timeout_s=60,
+            step=lambda: 7,
+            message=lines.append,
+        )
+        elastic = ElasticEngines(ctx, launcher.urls)
+        elastic.start()
+        try:
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                answer = pool.submit(send, run_dir, {"op": "add", "count": 1})
+                deadline = time.monotonic() + 60
+                while not (run_dir / EVENTS_FILE).exists():  # the driver's watch, as between steps
+                    assert time.monotonic() < deadline, f"no event within 60s; lines {lines}"
+                    elastic.watch()
+                    time.sleep(0.1)
+                added = answer.result(timeout=10)
+            elastic.watch()  # the run goes on: nothing raises, engine 0 stays
+            listing = send_applied(elastic, run_dir, {"op": "list"})
+        finally:
+            elastic.close()
+        failed = launcher.processes[1]
+        assert not failed.alive(), "the engine that did not start is not left running"
+
+    assert added["message"].startswith("starting 1 engine(s): 1;")
+    (event,) = [json.loads(line) for line in (run_dir / EVENTS_FILE).read_text().splitlines()]
+    assert (event["event"], event["engine"], event["step"], event["samples_moved"], event["engines_active"]) == (
+        "lost",
+        "1",
+        7,
+        0,
+        1,
+    )
+    (line,) = lines
+    assert line.startswith(f"engine 1 ({failed.url}) could not join: ") and "\n" not in line
+    assert ("start failed" if exits else "start not healthy within 3s") in line
+    assert line.endswith("; continuing with 1 engine(s)")
+    assert supervisor.restarts == 0 and supervisor.num_alive == 1
+    assert [(e["id"], e["state"]) for e in listing["engines"]] == [("0", "active")]
+
+
+def send_applied(elastic: ElasticEngines, run_dir: Path, body: dict) -> dict:
+    """`send` from a thread while this one plays the driver's watch until the answer comes."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(send, run_dir, body)
+        while not answer.done():
+            elastic.watch()
+            time.sleep(0.05)
+        return answer.result()

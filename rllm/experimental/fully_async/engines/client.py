@@ -216,21 +216,30 @@ class EngineClient:
         aborted piece comes back with its tokens and is re-sent to another engine from them (resumable.py), exactly
         as after a weight sync's pause. A call that reached the engine after the abort is aborted at the next
         HELD_RECHECK_S. An engine that no longer answers is left to the failover (its calls fail and are re-sent).
-        Raises TimeoutError naming it if calls are still on it after `timeout_s`, leaving it draining.
+        Calls still on it after `timeout_s` (it hangs, or ignores the abort) are cut off (`EnginePool.cut_off`): each
+        is sent again elsewhere from the tokens its sample had when it was sent, and the engine leaves all the same.
         """
         engine = self.pool.begin_drain(url)
         deadline = time.monotonic() + timeout_s
         while engine.in_flight > 0:
-            with contextlib.suppress(EngineConnectionError):  # dead: its calls fail over by themselves
-                await self.abort_request(engine.url, abort_all=True, timeout_s=max(1.0, deadline - time.monotonic()))
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                cut = self.pool.cut_off(engine.url)
+                logger.warning(
+                    "engine %s: %d request(s) still on it %gs after it was asked to abort them; cut off and sent "
+                    "to other engines from their tokens",
+                    engine.url,
+                    cut,
+                    timeout_s,
+                )
+                await self.pool.wait_drained(engine.url, HELD_RECHECK_S)  # the cancelled calls end in a loop turn
+                break
+            # Dead or hung: its calls fail over by themselves, or are cut off at the deadline.
+            with contextlib.suppress(EngineConnectionError, EngineTimeoutError):
+                await self.abort_request(engine.url, abort_all=True, timeout_s=max(0.5, min(remaining, 5.0)))
             remaining = deadline - time.monotonic()
             if await self.pool.wait_drained(engine.url, max(0.0, min(HELD_RECHECK_S, remaining))):
                 break
-            if time.monotonic() >= deadline:
-                raise TimeoutError(
-                    f"engine {engine.url}: {engine.in_flight} request(s) still on it {timeout_s:g}s after it was "
-                    "asked to abort them"
-                )
         self.pool.remove_engine(engine.url)
         logger.info("engine %s drained: %d sample(s) moved to other engines", engine.url, engine.moved)
         return engine.moved

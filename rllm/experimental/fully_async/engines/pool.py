@@ -7,8 +7,9 @@
 - Health: consecutive connection failures past `dead_after_failures` mark an engine dead (routed around); a
   successful call or `/health` probe revives it. When every engine is dead a request waits up to
   `wait_for_engine_s` for one to come back or be replaced, then raises `NoHealthyEngineError`.
-- Moves: a draining engine's pieces that come back aborted (`moved`), and requests re-sent elsewhere after a
-  connection failure (`failed_over`), per engine: the samples that continue on another engine from their tokens.
+- Moves: a draining engine's pieces that come back aborted, or that a drain out of time cut off (`cut_off`), as
+  `moved`, and requests re-sent elsewhere after a connection failure (`failed_over`), per engine: the samples that
+  continue on another engine from their tokens.
 - Routing: `post_generate` sends one `/generate` to the live engine with the fewest requests in flight from this
   pool, failing over to another engine on connection errors with bounded exponential back-off.
 - Calls in flight: every `post_generate` takes a ticket in send order, so a checkpoint that pauses the engines can
@@ -29,7 +30,7 @@ import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import aiohttp
@@ -67,6 +68,7 @@ class EngineState:
     draining: bool = False  # leaving: routed around like a dead engine, its calls awaited (`wait_drained`)
     moved: int = 0  # pieces it returned aborted while draining: each continues elsewhere from its tokens
     failed_over: int = 0  # requests re-sent elsewhere after a connection failure on it
+    calls: dict[asyncio.Future[Any], int] = field(default_factory=dict)  # its /generate calls now: prompts in each
 
     def begin_request(self, n: int = 1) -> None:
         if self.in_flight == 0:
@@ -264,6 +266,16 @@ class EnginePool:
                 return engine.in_flight == 0
         return True
 
+    def cut_off(self, url: str) -> int:
+        """Cancel the /generate calls still on `url`, a leaving engine that did not hand them back in time (it hangs,
+        or ignores the abort): each is sent again to another engine with the input it was sent with, so its sample
+        continues from the tokens it had then (what the engine made since never came back). Returns the prompts."""
+        engine = self.engine(url)
+        calls = {call: n for call, n in engine.calls.items() if not call.done()}
+        for call in calls:
+            call.cancel()
+        return sum(calls.values())
+
     def remove_engine(self, url: str) -> None:
         """Stop routing to `url` (idempotent); its counters stay readable in `removed`."""
         engine = self._engines.pop(url.rstrip("/"), None)
@@ -408,8 +420,18 @@ class EnginePool:
             engine = await self.pick(failed_on, payload.get("lora_path"))
             engine.begin_request(n)
             rids = [f"{r}-{attempt}" for r in rid] if isinstance(rid, list) else f"{rid}-{attempt}"
+            # A task of its own, so that `cut_off` can cancel this call without cancelling the caller.
+            call = asyncio.ensure_future(engine.http.generate({**payload, "rid": rids}, timeout_s))
+            engine.calls[call] = n
             try:
-                data = await engine.http.generate({**payload, "rid": rids}, timeout_s)
+                data = await call
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if not call.cancelled() or (current is not None and current.cancelling()):
+                    raise  # the caller was cancelled, not this call
+                engine.moved += n  # cut off (a drain ran out of time): sent again elsewhere, from the same tokens
+                failed_on.add(engine.url)
+                continue
             except CONNECTION_ERRORS as exc:
                 self.record_failure(engine, exc)
                 engine.failed_over += n
@@ -419,7 +441,10 @@ class EnginePool:
                 await asyncio.sleep(self.backoff(min(attempt, 10)))
                 continue
             finally:
+                engine.calls.pop(call, None)
                 engine.end_request(n)
+                if engine.draining and self._request_ended is not None:
+                    self._request_ended.set()  # `wait_drained` watches this engine's calls, not the whole request
             self.record_success(engine)
             if engine.draining:
                 engine.moved += _aborted_pieces(data)

@@ -9,7 +9,8 @@
 - `stop`: the run ends with a checkpoint and an error naming the engine.
 
 Slots come and go with the run's membership (docs/design.md#rule-engine-set-can-change): `add_slot()` starts an
-engine in a new slot, reported as `EngineStarted` once healthy (the caller syncs it, then routes to it); `release`
+engine in a new slot, reported as `EngineStarted` once healthy (the caller syncs it, then routes to it), or as
+`EngineLost` if it exits or is not healthy within `startup_timeout_s` (never restarted: it never served); `release`
 stops a slot whose engine left, which is never restarted. With `stop_when_all_lost=False` (the driver's: with no
 engine left it waits for one to join, `engines.no_engine_timeout_s`) losing every slot is reported, not raised.
 
@@ -213,7 +214,8 @@ class EngineSupervisor:
         try:
             healthy = self.launcher.probe(index)
         except EngineStartupError as exc:
-            self._on_death(index, slot, proc.url, f"restart failed: {str(exc).splitlines()[0]}", events)
+            what = "restart failed" if slot.joined else "start failed"
+            self._start_failed(index, slot, proc.url, f"{what}: {str(exc).splitlines()[0]}", events)
             return
         if healthy:
             slot.state = "running"
@@ -227,5 +229,19 @@ class EngineSupervisor:
             return
         if self.clock() - slot.started_at > self.startup_timeout_s:
             self.launcher.kill(index)
-            reason = f"restart not healthy within {self.startup_timeout_s:g}s (log {proc.log_path})"
-            self._on_death(index, slot, proc.url, reason, events)
+            what = "restart" if slot.joined else "start"
+            reason = f"{what} not healthy within {self.startup_timeout_s:g}s (log {proc.log_path})"
+            self._start_failed(index, slot, proc.url, reason, events)
+
+    def _start_failed(self, index: int, slot: _Slot, url: str, reason: str, events: list[EngineEvent]) -> None:
+        """A start that failed: a restart is a death (the policy decides); an engine added during the run that never
+        served is lost at once, whatever the policy: it held no request and no weights, so neither a restart budget
+        spent on it nor `on_engine_failure=stop` ending the run would help, and the run goes on with the engines it
+        has (the caller reports it as failed to join)."""
+        if slot.joined:
+            self._on_death(index, slot, url, reason, events)
+            return
+        logger.warning("engine %d (%s) added during the run did not start: %s", index, url, reason)
+        slot.state = "lost"
+        slot.lost_reason = f"{url} {reason}"
+        events.append(EngineLost(index, url, reason))

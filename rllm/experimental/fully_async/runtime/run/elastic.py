@@ -9,9 +9,11 @@
 - `ElasticEngines`: applies them and the supervisor's events. Join: ParamSync loads the current weights and version
   into the engine (the trainer's `add_engine`) BEFORE the rollout service routes anything to it. Leave: the rollout
   service drains it (no new request; its in-flight samples are aborted there and continue elsewhere from their
-  tokens), the trainer stops syncing to it, and an engine the run launched is stopped. Register: a server someone
+  tokens; calls still on it after DRAIN_TIMEOUT_S are cut off and sent elsewhere from the tokens they were sent
+  with), the trainer stops syncing to it, and an engine the run launched is stopped. Register: a server someone
   launched elsewhere, checked first (it answers, serves this run's model, takes its API key, belongs to no other
-  run), then joined like a launched one. With no engine left generation waits (`engines.no_engine_timeout_s`).
+  run), then joined like a launched one; it is lost once its /health fails LOST_AFTER_FAILED_PROBES checks in a row.
+  With no engine left generation waits (`engines.no_engine_timeout_s`).
 - `EngineEvents`: RUN_DIR/engine_events.jsonl, one JSON line per join, leave, lost, restart and move
   (core/elastic.py's `event_record`, fields `EVENT_FIELDS`): what `report` and `simulate` read.
 - Claims: a run claims each engine it serves in a per-user folder of this host (ENGINE_CLAIMS_DIR), so a second run
@@ -69,7 +71,9 @@ logger = logging.getLogger(__name__)
 
 ANSWER_TIMEOUT_S = 900.0  # a request's wait for the driver (a join loads weights; a leave drains)
 PROBE_TIMEOUT_S = 5.0  # each call to a server being registered
-DRAIN_TIMEOUT_S = 120.0  # a leaving engine's calls to come back after its abort
+REGISTERED_PROBE_S = 5.0  # how often the driver checks /health of the servers registered by URL (no process to watch)
+LOST_AFTER_FAILED_PROBES = 3  # failed checks in a row before one is lost: a server restarting briefly is not
+DRAIN_TIMEOUT_S = 120.0  # a leaving engine's calls to come back after its abort; then they are cut off and re-sent
 ENGINE_CLAIMS_DIR = Path(tempfile.gettempdir()) / f"rllm-fully-async-engines-{os.getuid()}"
 
 
@@ -198,6 +202,16 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def health_error(url: str, api_key: str | None, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
+    """Why `url`/health does not answer 200, or None when it does."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        answer = httpx.get(f"{url}/health", headers=headers, timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        return f"/health: {type(exc).__name__}"
+    return None if answer.status_code == 200 else f"/health answered HTTP {answer.status_code}"
+
+
 def probe_server(url: str, api_key: str | None, timeout_s: float = PROBE_TIMEOUT_S) -> ServerAnswers:
     """Ask a server to register what `refusal_to_register` judges: /health, /get_model_info, /get_weight_version."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -265,6 +279,8 @@ class ElasticEngines:
         self.no_engine = NoEngineClock(ctx.no_engine_timeout_s)
         self.control = ControlServer()
         self._version = 0  # the weight version the last joiner serves
+        self._failed_probes: Counter[str] = Counter()  # registered engine id -> failed /health checks in a row
+        self._next_probe = clock() + REGISTERED_PROBE_S
         for url in launched_urls:
             claim(url, ctx.run_dir)
 
@@ -286,6 +302,9 @@ class ElasticEngines:
         EngineDiedError naming engines.no_engine_timeout_s once it has passed)."""
         for event in self.ctx.supervisor.poll():
             self.on_supervisor_event(event)
+        if self.clock() >= self._next_probe:
+            self._next_probe = self.clock() + REGISTERED_PROBE_S
+            self.check_registered()
         for body, answer in self.control.pending():
             answer.set_result(self.apply(body))
         active = len(self.membership.active)
@@ -334,7 +353,7 @@ class ElasticEngines:
             return f"engine {member.id} was still starting; stopped"
         try:
             self.leave(member)
-        except Exception as exc:  # its calls did not come back in time: it stays out of routing, still synced
+        except Exception as exc:  # an actor call failed or ran out of time: it stays out of routing, still synced
             raise ElasticError(
                 f"engine {member.id} ({member.url}) is draining but has not left: {type(exc).__name__}: {exc}; "
                 f"it gets no new request; retry `engines remove {member.id}`"
@@ -367,11 +386,16 @@ class ElasticEngines:
     def join(self, member: Member) -> None:
         """Weights first, then traffic: the rollouts must not reach an engine below the trainer's version."""
         key = member.api_key
+        began = time.monotonic()
         self._version = ray.get(self.ctx.trainer.add_engine.remote(member.url, key), timeout=self.ctx.sync_timeout_s)
+        loaded_s = time.monotonic() - began  # the joiner's weight load, as the progress line reports it
         ray.get(self.ctx.rollouts.add_engine.remote(member.url, key), timeout=60)
         member.state = "active"
         self._record("join", member)
-        self.ctx.message(f"engine {member.id} joined at {member.url} (weight version {self._version}, {member.source})")
+        self.ctx.message(
+            f"engine {member.id} joined at {member.url} "
+            f"(weight version {self._version} loaded in {loaded_s:.2f}s, {member.source})"
+        )
 
     def leave(self, member: Member) -> None:
         member.state = "draining"
@@ -409,7 +433,7 @@ class ElasticEngines:
             except Exception as exc:  # it never served: stop it, the run goes on as it was
                 logger.warning("engine %s at %s could not join: %s", member.id, member.url, exc)
                 self.ctx.supervisor.release(event.index)
-                self._forget(member)
+                self._retire(member, "lost", 0)
                 self.ctx.message(f"engine {member.id} ({member.url}) could not join and was stopped: {exc}")
         elif isinstance(event, EngineReplaced):
             member = self.membership.by_slot(event.index)
@@ -428,16 +452,40 @@ class ElasticEngines:
             self.ctx.message(f"engine {event.index} restarted at {event.new_url} (weight version {version})")
         elif isinstance(event, EngineLost):
             member = self.membership.by_slot(event.index)
-            moved = 0
-            if member is not None and member.state != "starting":
-                moved = ray.get(self.ctx.rollouts.forget_engine.remote(event.url), timeout=60)
-                ray.get(self.ctx.trainer.remove_engine.remote(event.url), timeout=self.ctx.sync_timeout_s)
+            if member is not None and member.state == "starting":  # `engines add`ed, never served: nothing moves
+                self._retire(member, "lost", 0)
+                self.ctx.message(
+                    f"engine {member.id} ({event.url}) could not join: {event.reason}; "
+                    f"continuing with {len(self.membership.active)} engine(s)"
+                )
+                return
             if member is not None:
-                self._retire(member, "lost", moved)
+                self._lose(member, event.url)
             self.ctx.message(
                 f"engine {event.index} lost ({event.url}: {event.reason}); "
                 f"continuing with {len(self.membership.active)} engine(s)"
             )
+
+    def check_registered(self) -> None:
+        """A server registered by URL has no process the supervisor watches: it is lost once its /health fails
+        LOST_AFTER_FAILED_PROBES checks in a row (its requests already fail over to the other engines)."""
+        for member in [m for m in self.membership.active if m.source == "registered"]:
+            error = health_error(member.url, member.api_key)
+            self._failed_probes[member.id] = 0 if error is None else self._failed_probes[member.id] + 1
+            if self._failed_probes[member.id] < LOST_AFTER_FAILED_PROBES:
+                continue
+            del self._failed_probes[member.id]
+            self._lose(member, member.url)
+            self.ctx.message(
+                f"engine {member.id} lost ({member.url}: {error}, {LOST_AFTER_FAILED_PROBES} health checks in a row); "
+                f"continuing with {len(self.membership.active)} engine(s)"
+            )
+
+    def _lose(self, member: Member, url: str) -> None:
+        """An engine that served is gone: the rollouts and the trainer forget it, its samples moved, its lines."""
+        moved = ray.get(self.ctx.rollouts.forget_engine.remote(url), timeout=60)
+        ray.get(self.ctx.trainer.remove_engine.remote(url), timeout=self.ctx.sync_timeout_s)
+        self._retire(member, "lost", moved)
 
     def _record(self, event: Any, member: Member, moved: int = 0) -> None:
         self.events.write(
