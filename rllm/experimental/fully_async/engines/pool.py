@@ -29,11 +29,12 @@ import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import aiohttp
 
+from rllm.experimental.fully_async.core.engine_activity import EngineActivity
 from rllm.experimental.fully_async.engines.http import (
     CONNECTION_ERRORS,
     EngineConnectionError,
@@ -56,32 +57,29 @@ class EngineState:
     """What the pool knows about one engine."""
 
     http: EngineHTTP
-    in_flight: int = 0
     consecutive_failures: int = 0
     dead: bool = False
     last_error: str = ""
     weight_version: str | None = None  # as last read back from the engine (None: not read yet)
-    busy_s: float = 0.0  # wall time with at least one of this pool's requests in flight, finished spans only
-    busy_since: float | None = None  # start of the current busy span (in_flight > 0), time.monotonic()
+    # Busy time and output tokens on time.monotonic(), counted where each call starts and returns
+    # (core/engine_activity.py: the two agree in every interval by construction).
+    activity: EngineActivity = field(default_factory=EngineActivity)
     lora_adapters: frozenset[str] | None = None  # adapter names it serves, as last loaded/listed (None: not known)
     draining: bool = False  # leaving: routed around like a dead engine, its calls awaited (`wait_drained`)
     moved: int = 0  # pieces it returned aborted while draining: each continues elsewhere from its tokens
     failed_over: int = 0  # requests re-sent elsewhere after a connection failure on it
 
+    @property
+    def in_flight(self) -> int:
+        """This pool's requests on it now (a batched /generate counts each of its prompts)."""
+        return self.activity.in_flight
+
     def begin_request(self, n: int = 1) -> None:
-        if self.in_flight == 0:
-            self.busy_since = time.monotonic()
-        self.in_flight += n  # a batched /generate counts each of its prompts
+        self.activity.begin(time.monotonic(), n)
 
-    def end_request(self, n: int = 1) -> None:
-        self.in_flight -= n
-        if self.in_flight == 0 and self.busy_since is not None:
-            self.busy_s += time.monotonic() - self.busy_since
-            self.busy_since = None
-
-    def busy_time(self, now: float) -> float:
-        """Busy seconds so far, the current span included."""
-        return self.busy_s + (now - self.busy_since if self.busy_since is not None else 0.0)
+    def end_request(self, n: int = 1, tokens: int = 0) -> None:
+        """`n` requests came back with `tokens` output tokens between them (0 when the call failed)."""
+        self.activity.end(time.monotonic(), n, tokens)
 
     @property
     def url(self) -> str:
@@ -138,6 +136,7 @@ class EnginePool:
         self._ticket_closed: asyncio.Event | None = None  # set while someone waits in generates_before
         self._request_ended: asyncio.Event | None = None  # set whenever a /generate call returns (wait_drained)
         self.removed: dict[str, EngineState] = {}  # engines removed from routing, their counters kept (by URL)
+        self._retired: list[EngineState] = []  # removed or replaced engines, kept while their calls may return
 
     # ---------------------------------------------------------------- calls in flight
     def generate_mark(self) -> int:
@@ -189,7 +188,12 @@ class EnginePool:
         paused for a weight sync count as busy.
         """
         now = time.monotonic()
-        return {e.url: e.busy_time(now) for e in self._engines.values()}
+        return {e.url: e.activity.busy_time(now) for e in self._engines.values()}
+
+    def activities(self) -> tuple[list[EngineActivity], list[EngineActivity]]:
+        """(serving, retired): each engine's busy time and output tokens, for `core.engine_activity.IntervalMeter`.
+        Retired: engines removed or replaced, whose calls may still have been returning tokens."""
+        return [e.activity for e in self._engines.values()], [e.activity for e in self._retired]
 
     def weight_versions(self) -> dict[str, str | None]:
         """Each engine's weight version as last read back from it (None: not read yet)."""
@@ -224,7 +228,9 @@ class EnginePool:
         old_url, new_url = old_url.rstrip("/"), new_url.rstrip("/")
         if new_url in self._engines and new_url != old_url:
             raise ValueError(f"{new_url} is already one of this pool's engines")
-        self._engines.pop(old_url, None)
+        old = self._engines.pop(old_url, None)
+        if old is not None:
+            self._retire(old)
         self._add(new_url)
         logger.info("engine %s replaced by %s; %d engine(s) alive", old_url, new_url, len(self.alive_urls))
         self._signal_engine_usable()
@@ -269,6 +275,11 @@ class EnginePool:
         engine = self._engines.pop(url.rstrip("/"), None)
         if engine is not None:
             self.removed[engine.url] = engine
+            self._retire(engine)
+
+    def _retire(self, engine: EngineState) -> None:
+        """Keep a leaving engine's activity readable until its last call has returned (`activities`)."""
+        self._retired = [e for e in self._retired if e.in_flight > 0] + [engine]
 
     def moves(self, url: str) -> int:
         """Samples that left `url` and continue elsewhere from their tokens: aborted while it drained, or re-sent
@@ -411,6 +422,7 @@ class EnginePool:
             try:
                 data = await engine.http.generate({**payload, "rid": rids}, timeout_s)
             except CONNECTION_ERRORS as exc:
+                engine.end_request(n)
                 self.record_failure(engine, exc)
                 engine.failed_over += n
                 failed_on.add(engine.url)
@@ -418,8 +430,11 @@ class EnginePool:
                 logger.info("generate on %s failed (%s); retrying", engine.url, engine.last_error)
                 await asyncio.sleep(self.backoff(min(attempt, 10)))
                 continue
-            finally:
+            except BaseException:  # an engine error or a cancellation: the call is over, with no tokens taken
                 engine.end_request(n)
+                raise
+            # The tokens are credited where the call ends, on the clock of its busy time (core/engine_activity.py).
+            engine.end_request(n, _output_tokens(data))
             self.record_success(engine)
             if engine.draining:
                 engine.moved += _aborted_pieces(data)
@@ -453,6 +468,13 @@ class EnginePool:
         version = await self.call(url, "/get_weight_version", lambda h: h.get_weight_version(timeout_s))
         self.engine(url).weight_version = version
         return version
+
+
+def _output_tokens(data: Any) -> int:
+    """Output tokens in a /generate answer (one, or a batch's list): every piece, aborted ones included, since an
+    aborted piece's tokens were generated and are continued from (engines/resumable.py)."""
+    items = data if isinstance(data, list) else [data]
+    return sum(len(item.get("output_ids") or ()) for item in items if isinstance(item, dict))
 
 
 def _aborted_pieces(data: Any) -> int:
