@@ -29,6 +29,7 @@ from rllm.experimental.fully_async.engines.client import (
     GenerationResult,
     NoHealthyEngineError,
 )
+from rllm.experimental.fully_async.engines.pool import EnginePool
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_torch_thread")]
 
@@ -357,3 +358,16 @@ def test_killed_engine_is_routed_around_and_only_an_empty_fleet_raises(engine_la
             assert victim.url in str(err.value) and survivor.url in str(err.value)
 
     asyncio.run(run())
+
+
+def test_an_engine_that_leaves_or_is_replaced_keeps_its_activity_readable():
+    """Its calls may still return tokens after it left: the meter must see them beside its busy time."""
+    pool = EnginePool(["http://127.0.0.1:1", "http://127.0.0.1:2"])
+    leaving, replaced = (pool.engine(u) for u in pool.urls)
+    leaving.begin_request()
+    pool.remove_engine(leaving.url)
+    pool.replace_engine(replaced.url, "http://127.0.0.1:3")
+    leaving.end_request(tokens=9)
+    serving, retired = pool.activities()
+    assert serving == [pool.engine("http://127.0.0.1:3").activity]
+    assert retired == [leaving.activity, replaced.activity] and leaving.activity.tokens == 9

@@ -136,7 +136,7 @@ class EnginePool:
         self._ticket_closed: asyncio.Event | None = None  # set while someone waits in generates_before
         self._request_ended: asyncio.Event | None = None  # set whenever a /generate call returns (wait_drained)
         self.removed: dict[str, EngineState] = {}  # engines removed from routing, their counters kept (by URL)
-        self._retired: list[EngineState] = []  # removed or replaced engines, kept while their calls may return
+        self._retired: list[EngineState] = []  # removed or replaced engines (`_retire`)
 
     # ---------------------------------------------------------------- calls in flight
     def generate_mark(self) -> int:
@@ -278,8 +278,10 @@ class EnginePool:
             self._retire(engine)
 
     def _retire(self, engine: EngineState) -> None:
-        """Keep a leaving engine's activity readable until its last call has returned (`activities`)."""
-        self._retired = [e for e in self._retired if e.in_flight > 0] + [engine]
+        """Keep a leaving engine's activity readable (`activities`): its calls may still return tokens, after the
+        last read too. Kept for the run (one small record per engine that ever left); the meter averages only
+        those active in an interval."""
+        self._retired.append(engine)
 
     def moves(self, url: str) -> int:
         """Samples that left `url` and continue elsewhere from their tokens: aborted while it drained, or re-sent
