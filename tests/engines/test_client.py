@@ -21,6 +21,7 @@ from engine_helpers import (
 )
 
 from rllm.experimental.fully_async.api.progress import GenerationProgress
+from rllm.experimental.fully_async.core.engine_activity import Interval, IntervalMeter
 from rllm.experimental.fully_async.engines import EngineLauncher
 from rllm.experimental.fully_async.engines.client import (
     EngineClient,
@@ -28,6 +29,7 @@ from rllm.experimental.fully_async.engines.client import (
     GenerationResult,
     NoHealthyEngineError,
 )
+from rllm.experimental.fully_async.engines.pool import EnginePool
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_torch_thread")]
 
@@ -105,6 +107,33 @@ def test_aborted_generation_is_resumed_across_a_weight_update_and_stitched(engin
     assert max_abs_diff(result.logprobs[:split], ref_a[:split]) < LOGPROB_TOL
     assert max_abs_diff(result.logprobs[split:], ref_b[split:]) < LOGPROB_TOL
     assert max_abs_diff(result.logprobs[split:], ref_a[split:]) > 1e-2
+
+
+def test_the_pool_counts_each_pieces_tokens_when_it_returns_beside_its_busy_time(engines, models):
+    """A generation aborted by a weight sync at its 3rd token: the aborted piece's tokens land in the interval in
+    which it came back, beside the engine's busy time there, not when the whole generation ends
+    (core/engine_activity.py); the intervals add up to the tokens generated."""
+    url = engines[0]
+    path_a, path_b = models["a"][0], models["b"][0]
+
+    async def run() -> tuple[GenerationResult, list[Interval]]:
+        async with EngineClient([url]) as client:
+            meter = IntervalMeter(time.monotonic())
+            async with decode_hold(url, min_tokens=3, rid_prefix="meter/") as hold:
+                task = asyncio.ensure_future(client.generate([5, 6, 7], LONG, rid="meter/0"))
+                await hold.reached()
+                await sync_weights(client, url, path_b, "1")  # the piece comes back aborted with its tokens
+            during = meter.read(time.monotonic(), *client.pool.activities())
+            result = await asyncio.wait_for(task, 60)
+            after = meter.read(time.monotonic(), *client.pool.activities())
+            await load_weights(client, url, path_a, "0")  # restore for other tests
+            return result, [during, after]
+
+    result, (during, after) = asyncio.run(run())
+    assert result.num_resumes == 1 and len(result.output_ids) == 200
+    assert during.tokens >= 3 and during.idle_frac < 1.0  # the aborted piece, before the sample finished
+    assert after.tokens > 0 and after.idle_frac < 1.0
+    assert during.tokens + after.tokens == 200
 
 
 def test_without_partial_rollout_an_interrupted_generation_restarts_on_the_new_weights(engines, models):
@@ -329,3 +358,16 @@ def test_killed_engine_is_routed_around_and_only_an_empty_fleet_raises(engine_la
             assert victim.url in str(err.value) and survivor.url in str(err.value)
 
     asyncio.run(run())
+
+
+def test_an_engine_that_leaves_or_is_replaced_keeps_its_activity_readable():
+    """Its calls may still return tokens after it left: the meter must see them beside its busy time."""
+    pool = EnginePool(["http://127.0.0.1:1", "http://127.0.0.1:2"])
+    leaving, replaced = (pool.engine(u) for u in pool.urls)
+    leaving.begin_request()
+    pool.remove_engine(leaving.url)
+    pool.replace_engine(replaced.url, "http://127.0.0.1:3")
+    leaving.end_request(tokens=9)
+    serving, retired = pool.activities()
+    assert serving == [pool.engine("http://127.0.0.1:3").activity]
+    assert retired == [leaving.activity, replaced.activity] and leaving.activity.tokens == 9

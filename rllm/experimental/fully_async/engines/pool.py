@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 
+from rllm.experimental.fully_async.core.engine_activity import EngineActivity
 from rllm.experimental.fully_async.engines.http import (
     CONNECTION_ERRORS,
     EngineConnectionError,
@@ -57,33 +58,30 @@ class EngineState:
     """What the pool knows about one engine."""
 
     http: EngineHTTP
-    in_flight: int = 0
     consecutive_failures: int = 0
     dead: bool = False
     last_error: str = ""
     weight_version: str | None = None  # as last read back from the engine (None: not read yet)
-    busy_s: float = 0.0  # wall time with at least one of this pool's requests in flight, finished spans only
-    busy_since: float | None = None  # start of the current busy span (in_flight > 0), time.monotonic()
+    # Busy time and output tokens on time.monotonic(), counted where each call starts and returns
+    # (core/engine_activity.py: the two agree in every interval by construction).
+    activity: EngineActivity = field(default_factory=EngineActivity)
     lora_adapters: frozenset[str] | None = None  # adapter names it serves, as last loaded/listed (None: not known)
     draining: bool = False  # leaving: routed around like a dead engine, its calls awaited (`wait_drained`)
     moved: int = 0  # pieces it returned aborted while draining: each continues elsewhere from its tokens
     failed_over: int = 0  # requests re-sent elsewhere after a connection failure on it
     calls: dict[asyncio.Future[Any], int] = field(default_factory=dict)  # its /generate calls now: prompts in each
 
+    @property
+    def in_flight(self) -> int:
+        """This pool's requests on it now (a batched /generate counts each of its prompts)."""
+        return self.activity.in_flight
+
     def begin_request(self, n: int = 1) -> None:
-        if self.in_flight == 0:
-            self.busy_since = time.monotonic()
-        self.in_flight += n  # a batched /generate counts each of its prompts
+        self.activity.begin(time.monotonic(), n)
 
-    def end_request(self, n: int = 1) -> None:
-        self.in_flight -= n
-        if self.in_flight == 0 and self.busy_since is not None:
-            self.busy_s += time.monotonic() - self.busy_since
-            self.busy_since = None
-
-    def busy_time(self, now: float) -> float:
-        """Busy seconds so far, the current span included."""
-        return self.busy_s + (now - self.busy_since if self.busy_since is not None else 0.0)
+    def end_request(self, n: int = 1, tokens: int = 0) -> None:
+        """`n` requests came back with `tokens` output tokens between them (0 when the call failed)."""
+        self.activity.end(time.monotonic(), n, tokens)
 
     @property
     def url(self) -> str:
@@ -140,6 +138,7 @@ class EnginePool:
         self._ticket_closed: asyncio.Event | None = None  # set while someone waits in generates_before
         self._request_ended: asyncio.Event | None = None  # set whenever a /generate call returns (wait_drained)
         self.removed: dict[str, EngineState] = {}  # engines removed from routing, their counters kept (by URL)
+        self._retired: list[EngineState] = []  # removed or replaced engines (`_retire`)
 
     # ---------------------------------------------------------------- calls in flight
     def generate_mark(self) -> int:
@@ -191,7 +190,12 @@ class EnginePool:
         paused for a weight sync count as busy.
         """
         now = time.monotonic()
-        return {e.url: e.busy_time(now) for e in self._engines.values()}
+        return {e.url: e.activity.busy_time(now) for e in self._engines.values()}
+
+    def activities(self) -> tuple[list[EngineActivity], list[EngineActivity]]:
+        """(serving, retired): each engine's busy time and output tokens, for `core.engine_activity.IntervalMeter`.
+        Retired: engines removed or replaced, whose calls may still have been returning tokens."""
+        return [e.activity for e in self._engines.values()], [e.activity for e in self._retired]
 
     def weight_versions(self) -> dict[str, str | None]:
         """Each engine's weight version as last read back from it (None: not read yet)."""
@@ -226,7 +230,9 @@ class EnginePool:
         old_url, new_url = old_url.rstrip("/"), new_url.rstrip("/")
         if new_url in self._engines and new_url != old_url:
             raise ValueError(f"{new_url} is already one of this pool's engines")
-        self._engines.pop(old_url, None)
+        old = self._engines.pop(old_url, None)
+        if old is not None:
+            self._retire(old)
         self._add(new_url)
         logger.info("engine %s replaced by %s; %d engine(s) alive", old_url, new_url, len(self.alive_urls))
         self._signal_engine_usable()
@@ -281,6 +287,13 @@ class EnginePool:
         engine = self._engines.pop(url.rstrip("/"), None)
         if engine is not None:
             self.removed[engine.url] = engine
+            self._retire(engine)
+
+    def _retire(self, engine: EngineState) -> None:
+        """Keep a leaving engine's activity readable (`activities`): its calls may still return tokens, after the
+        last read too. Kept for the run (one small record per engine that ever left); the meter averages only
+        those active in an interval."""
+        self._retired.append(engine)
 
     def moves(self, url: str) -> int:
         """Samples that left `url` and continue elsewhere from their tokens: aborted while it drained, or re-sent
@@ -416,15 +429,21 @@ class EnginePool:
         n = len(rid) if isinstance(rid, list) else 1
         failed_on: set[str] = set()
         max_attempts = self.connect_retries * max(1, len(self._engines)) + 1
+        backoff_s = 0.0
         for attempt in range(max_attempts):
+            if backoff_s:  # after a connection failure; slept outside the call, so its engine is not busy meanwhile
+                await asyncio.sleep(backoff_s)
+                backoff_s = 0.0
             engine = await self.pick(failed_on, payload.get("lora_path"))
             engine.begin_request(n)
             rids = [f"{r}-{attempt}" for r in rid] if isinstance(rid, list) else f"{rid}-{attempt}"
             # A task of its own, so that `cut_off` can cancel this call without cancelling the caller.
             call = asyncio.ensure_future(engine.http.generate({**payload, "rid": rids}, timeout_s))
             engine.calls[call] = n
+            tokens = 0
             try:
                 data = await call
+                tokens = _output_tokens(data)
             except asyncio.CancelledError:
                 current = asyncio.current_task()
                 if not call.cancelled() or (current is not None and current.cancelling()):
@@ -438,11 +457,13 @@ class EnginePool:
                 failed_on.add(engine.url)
                 # Every request on a dead engine passes here: the one warning is the engine's "marked dead".
                 logger.info("generate on %s failed (%s); retrying", engine.url, engine.last_error)
-                await asyncio.sleep(self.backoff(min(attempt, 10)))
+                backoff_s = self.backoff(min(attempt, 10))
                 continue
             finally:
                 engine.calls.pop(call, None)
-                engine.end_request(n)
+                # The tokens are credited where the call ends, on the clock of its busy time
+                # (core/engine_activity.py); a call that failed or was cut off took none.
+                engine.end_request(n, tokens)
                 if engine.draining and self._request_ended is not None:
                     self._request_ended.set()  # `wait_drained` watches this engine's calls, not the whole request
             self.record_success(engine)
@@ -478,6 +499,13 @@ class EnginePool:
         version = await self.call(url, "/get_weight_version", lambda h: h.get_weight_version(timeout_s))
         self.engine(url).weight_version = version
         return version
+
+
+def _output_tokens(data: Any) -> int:
+    """Output tokens in a /generate answer (one, or a batch's list): every piece, aborted ones included, since an
+    aborted piece's tokens were generated and are continued from (engines/resumable.py)."""
+    items = data if isinstance(data, list) else [data]
+    return sum(len(item.get("output_ids") or ()) for item in items if isinstance(item, dict))
 
 
 def _aborted_pieces(data: Any) -> int:

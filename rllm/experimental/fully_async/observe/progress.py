@@ -11,10 +11,11 @@ prints once what is about to run (mode, η, K, engines, trainer ranks, steps, ba
 
 Throughput and idle shares (gen and train tok/s, trainer and engine idle) are shown over the last `WINDOW_STEPS`
 steps, each step weighted by its step time (`timing/step_s`): the same weighting the end-of-run summary uses, over a
-moving window. A step's engine figures cover the interval since the previous batch, and tokens count when their
-sample finishes while busy time accrues as it runs, so one interval can credit tokens generated in the one before
-(an interval with "idle 100%" and thousands of tok/s); over a window the two agree, and the share stops swinging
-with the queue's step-to-step rhythm.
+moving window, so the shares stop swinging with the queue's step-to-step rhythm. A step's engine figures cover
+the interval since the previous batch, and agree in every interval, not only over a window: generated tokens are
+counted when each /generate call returns on its engine, on the clock and at the place its busy time is measured
+(core/engine_activity.py), so an interval with tokens has busy time and one with "engines idle 100%" has no tokens.
+(They used to count when the whole sample finished, which could be an interval after the engine did the work.)
 
 `elapsed` is the run's wall time as `observe/wall_time.py` defines it (from the start of the first trainer step),
 the same figure the end-of-run summary and the report print. Held-out accuracy is shown with the step whose weights

@@ -10,8 +10,8 @@ both print the same numbers. Definitions, each written once here:
 - idle: trainer = Σ `timing/wait_batch_s` / Σ `timing/step_s` (the share of its wall time the trainer waited for a
   batch); engines = the mean of `engines/idle_frac` weighted by step time (each value covers the interval since
   the previous batch);
-- throughput: generated = the mean of `rollout/tokens_per_s` weighted by step time; trained = Σ `batch/tokens` /
-  wall time;
+- throughput: generated = the mean of `rollout/tokens_per_s` weighted by step time (the engines' output tokens,
+  counted as each call returns: core/engine_activity.py); trained = Σ `batch/tokens` / wall time;
 - staleness: the mean of `staleness/mean` weighted by the step's samples, the max of `staleness/max`; the share
   of trained rows whose tokens come from several policy versions = Σ `partial/mixed_version_samples` / Σ rows;
 - ledger: the last record's `ledger/*` counts, each with its share of `ledger/issued`; after a resume, its
