@@ -24,7 +24,13 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rllm.experimental.fully_async.core.placement import PlacementError, PlacementPlan, node_bundles, plan_on_nodes
+from rllm.experimental.fully_async.core.placement import (
+    FreeNode,
+    PlacementError,
+    PlacementPlan,
+    node_bundles,
+    plan_on_nodes,
+)
 from rllm.experimental.fully_async.errors import ConfigError
 from rllm.experimental.fully_async.runtime.cluster.engine_hosts import cluster_engines
 from rllm.experimental.fully_async.runtime.cluster.ray_session import init_ray, ray_lifetime
@@ -54,6 +60,20 @@ def cluster_gpu_nodes() -> list[ClusterNode]:
         if n.get("Alive") and n["Resources"].get("GPU", 0) >= 1
     ]
     return sorted(nodes, key=lambda n: (n.node_id != driver, n.node_id))
+
+
+def free_gpu_nodes() -> list[tuple[ClusterNode, FreeNode]]:
+    """Every alive node with GPUs (`cluster_gpu_nodes`' order, nodes that joined after the run started included)
+    with the GPUs no placement group or task holds there now."""
+
+    # Ray has no public per-node "available" view; ray.available_resources() sums over nodes.
+    from ray._private.state import available_resources_per_node
+
+    available = available_resources_per_node()
+    return [
+        (n, FreeNode(n.node_id, n.address, int(available.get(n.node_id, {}).get("GPU", 0))))
+        for n in cluster_gpu_nodes()
+    ]
 
 
 @dataclass
@@ -91,8 +111,11 @@ class ClusterPlacement:
         self.group = None
 
 
-def reserve(plan: PlacementPlan, nodes: list[ClusterNode], timeout_s: float = 120.0) -> ClusterPlacement:
+def reserve(
+    plan: PlacementPlan, nodes: list[ClusterNode], timeout_s: float = 120.0, name: str = ""
+) -> ClusterPlacement:
     """Reserve the plan's nodes (plan node i = `nodes[i]`) as one placement group; wait at most `timeout_s`.
+    `name` tells the group apart from the run's others (an engine added during the run has its own).
 
     Raises PlacementError (one line) when the group is not placed in time, e.g. another job holds GPUs there.
     """
@@ -104,7 +127,7 @@ def reserve(plan: PlacementPlan, nodes: list[ClusterNode], timeout_s: float = 12
         [{"GPU": b.gpus, "CPU": b.cpus} for b in bundles],
         strategy="STRICT_SPREAD",
         bundle_label_selector=[{NODE_ID_LABEL: nodes[b.node].node_id} for b in bundles],
-        name=f"rllm-fully-async-{ray.get_runtime_context().get_job_id()}",
+        name=f"rllm-fully-async-{ray.get_runtime_context().get_job_id()}{name}",
     )
     if not group.wait(timeout_seconds=timeout_s):
         remove_placement_group(group)
