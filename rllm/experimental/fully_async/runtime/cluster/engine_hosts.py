@@ -206,21 +206,9 @@ class ClusterEngines:
         its own there. Raises PlacementError (a ValueError, one line) when no such node exists or it lacks the
         free GPUs; nodes the run's placement group holds have none free (it reserves all their GPUs).
         """
-        # lazy: multi_node imports this module (cluster_engines)
-        from rllm.experimental.fully_async.core.placement import place_added_engines, plan_placement
-        from rllm.experimental.fully_async.runtime.cluster.multi_node import free_gpu_nodes, reserve
-
         tp = len(self.placement.plan.engines[0].gpus) if self.placement.plan.engines else 1
-        nodes = free_gpu_nodes()
-        [target] = place_added_engines([free for _, free in nodes], 1, tp, node)
-        cluster_node = next(n for n, free in nodes if free is target)
         index = len(self.processes)
-        placement = reserve(
-            plan_placement([tp], num_engines=1, tp_size=tp, trainer_ranks=0),
-            [cluster_node],
-            timeout_s=HOST_CALL_TIMEOUT_S,
-            name=f"-engine-{index}",
-        )
+        placement, target = self.placement.reserve_added(tp, node, f"-engine-{index}", HOST_CALL_TIMEOUT_S)
         host = None
         try:
             host = EngineHost.options(**placement.engine_host_options(0)).remote(

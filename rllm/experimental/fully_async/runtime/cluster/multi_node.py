@@ -29,7 +29,9 @@ from rllm.experimental.fully_async.core.placement import (
     PlacementError,
     PlacementPlan,
     node_bundles,
+    place_added_engines,
     plan_on_nodes,
+    plan_placement,
 )
 from rllm.experimental.fully_async.errors import ConfigError
 from rllm.experimental.fully_async.runtime.cluster.engine_hosts import cluster_engines
@@ -102,6 +104,18 @@ class ClusterPlacement:
         """Ray `.options` for the engine host of plan node `node`: its engines' GPUs and one CPU of the bundle."""
         gpus = sum(len(slot.gpus) for slot in self.plan.engines_on(node))
         return {"num_gpus": gpus, "num_cpus": 1, "scheduling_strategy": self._strategy(node)}
+
+    def reserve_added(
+        self, tp_size: int, node: str | None, name: str, timeout_s: float
+    ) -> tuple[ClusterPlacement, FreeNode]:
+        """A one-engine reservation for an engine added during the run (`ClusterEngines.add`): on `node`, else the
+        node with the most free GPUs now (`place_added_engines`), one bundle of `tp_size` GPUs + 1 CPU there
+        (`reserve`; its engine host's options are `engine_host_options(0)`). PlacementError (one line) if none fits."""
+        nodes = free_gpu_nodes()
+        [target] = place_added_engines([free for _, free in nodes], 1, tp_size, node)
+        cluster_node = next(n for n, free in nodes if free is target)
+        one = plan_placement([tp_size], num_engines=1, tp_size=tp_size, trainer_ranks=0)
+        return reserve(one, [cluster_node], timeout_s=timeout_s, name=name), target
 
     def release(self) -> None:
         """Give the reservation back (idempotent); processes scheduled into it must be ended first."""
