@@ -231,3 +231,55 @@ def test_the_host_plan_follows_the_run_spec():
     assert trainer_actor_gpus(gpu) == 0  # two ranks: they ask for their GPUs, the coordinating actor for none
     one_rank = build_run_spec(load_config(GPU_CONFIG, overrides, check_host=False))
     assert trainer_actor_gpus(one_rank) == 1
+
+
+def test_added_engines_go_to_the_node_with_the_most_free_gpus_or_to_the_node_named():
+    from rllm.experimental.fully_async.core.placement import FreeNode, place_added_engines
+
+    nodes = [FreeNode("aaaa11", "10.0.0.1", 0), FreeNode("bbbb22", "10.0.0.2", 2), FreeNode("bbcc33", "10.0.0.3", 4)]
+    # Each engine to the emptiest node at that moment (ties: the first listed): 4 free, then 2 and 2 (tie), ...
+    assert [n.node_id for n in place_added_engines(nodes, 3, 2)] == ["bbcc33", "bbbb22", "bbcc33"]
+    assert [n.node_id for n in place_added_engines(nodes, 1, 1, node="bbbb")] == ["bbbb22"]  # a unique id prefix
+    assert [n.node_id for n in place_added_engines(nodes, 2, 1, node="10.0.0.3")] == ["bbcc33"] * 2  # an address
+    with pytest.raises(PlacementError, match=r"--node bb: 2 nodes of the cluster match") as ambiguous:
+        place_added_engines(nodes, 1, 1, node="bb")
+    with pytest.raises(PlacementError, match=r"--node zz: no node of the cluster match") as unknown:
+        place_added_engines(nodes, 1, 1, node="zz")
+    with pytest.raises(PlacementError, match=r"added engine 2 of 2 needs 2 free GPU\(s\) on one node, but node bbbb22"):
+        place_added_engines(nodes, 2, 2, node="bbbb22")
+    with pytest.raises(PlacementError, match=r"added engine 1 of 1 needs 1 free GPU\(s\) on one node, but node aaaa11"):
+        place_added_engines(nodes, 1, 1, node="aaaa11")  # a node the run holds whole has none free
+    with pytest.raises(PlacementError, match=r"added engine 4 of 4 needs 2 free GPU\(s\) on one node, but any node"):
+        place_added_engines(nodes, 4, 2)
+    for caught in (ambiguous, unknown):
+        assert "\n" not in str(caught.value) and "aaaa11 (10.0.0.1)" in str(caught.value)  # it lists the nodes
+
+
+def test_plan_shows_where_added_engines_would_go_beyond_the_nodes_the_run_holds(capsys):
+    from rllm.experimental.fully_async.cli import plan
+
+    overrides = ["engines.num_engines=2", "trainer.n_gpus_per_node=2", "trainer.nnodes=2"]
+    base = ["--config", str(GPU_CONFIG), "--gpus-per-node", "4", "--nodes", "3", *overrides]
+    assert plan.main([*base, "--add-engines", "2"]) == 0
+    out = capsys.readouterr().out
+    added = [line for line in out.splitlines() if line.startswith("added engine")]
+    assert added == [
+        "added engine 2: node node-2 (NODE2_ADDRESS), 1 GPU(s) + 1 CPU in a placement group of its own",
+        "added engine 3: node node-2 (NODE2_ADDRESS), 1 GPU(s) + 1 CPU in a placement group of its own",
+    ]
+    assert plan.main([*base, "--add-engines", "1", "--node", "node-0"]) == 1  # the run holds node 0 whole
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "plan --add-engines 1: added engine 1 of 1 needs 1 free GPU(s)" in err
+    assert plan.main([*base, "--add-engines", "5"]) == 1  # node 2 has 4 GPUs
+    assert "added engine 5 of 5" in capsys.readouterr().err
+
+
+def test_plan_refuses_a_node_for_a_local_run_in_one_line(capsys):
+    from rllm.experimental.fully_async.cli import plan
+
+    assert plan.main(["--add-engines", "1", "--node", "abc"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "trainer.nnodes=1 is a local run" in err and "drop --node" in err
+    assert plan.main(["--add-engines", "1"]) == 0
+    assert "engines add 1: a local run (trainer.nnodes=1) starts them on its own host" in capsys.readouterr().out
+    assert plan.main(["--node", "abc"]) == 2  # --node alone plans nothing

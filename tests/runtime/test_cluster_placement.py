@@ -269,3 +269,122 @@ def test_a_cpu_driver_may_start_a_cluster_run_whose_ranks_are_on_gpu_nodes():
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match=r"'trainer\.device=cuda' but CUDA is not available here"):
             load_config(gpu_config, [])  # on one node the ranks run here
+
+
+JOIN_SCRIPT = """
+import json, sys, time
+t0 = time.monotonic()
+import httpx, ray
+from ray._private.state import available_resources_per_node
+from ray.cluster_utils import Cluster
+from ray.util.placement_group import placement_group_table
+from rllm.experimental.fully_async.core.placement import plan_on_nodes
+from rllm.experimental.fully_async.engines.launcher import EmbeddedEngineCommand
+from rllm.experimental.fully_async.engines.supervisor import EngineStarted, EngineSupervisor
+from rllm.experimental.fully_async.runtime.cluster.engine_hosts import ClusterEngines
+from rllm.experimental.fully_async.runtime.cluster.multi_node import cluster_gpu_nodes, reserve
+
+model_path, log_dir = sys.argv[1], sys.argv[2]
+
+
+def gone(pid):
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def refusal(node):
+    try:
+        supervisor.add_slot(node)
+    except ValueError as exc:
+        return str(exc)
+
+
+common = dict(node_ip_address="127.0.0.1", object_store_memory=80_000_000)
+cluster = Cluster(initialize_head=True, head_node_args=dict(
+    num_cpus=2, num_gpus=1, resources={"node_a": 1}, include_dashboard=False, **common))
+ray.init(address=cluster.address, configure_logging=False, log_to_driver=False)
+out = {"t": {}}
+try:
+    nodes = cluster_gpu_nodes()
+    placement = reserve(plan_on_nodes([n.gpus for n in nodes], 1, num_engines=1, tp_size=1, trainer_ranks=0), nodes)
+    key = "run-secret"
+    command = EmbeddedEngineCommand(model_path, max_running_requests=4, num_threads=1, extra_args=("--api-key", key))
+    with ClusterEngines(command, placement, api_key=key, bind_host="127.0.0.1", startup_timeout_s=90,
+                        log_dir=log_dir) as engines:
+        out["t"]["started"] = time.monotonic() - t0
+        supervisor = EngineSupervisor(engines, "restart", startup_timeout_s=90, stop_when_all_lost=False)
+        out["held"] = refusal(None)  # the run's group holds the head's only GPU
+        out["unknown"] = refusal("ffffnotanode")
+        # A node joins the cluster after the engines started.
+        cluster.add_node(num_cpus=2, num_gpus=2, resources={"node_b": 1}, **common)
+        cluster.wait_for_nodes()
+        new_id = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and "node_b" in n["Resources"])
+        out["t"]["joined"] = time.monotonic() - t0
+        proc = supervisor.add_slot(new_id[:10])
+        events, deadline = [], time.monotonic() + 120
+        while not events and time.monotonic() < deadline:
+            events = supervisor.poll()
+            time.sleep(0.3)
+        out["t"]["added"] = time.monotonic() - t0
+        out["events"] = [(type(e).__name__, e.index, e.url == proc.url) for e in events]
+        out["host_on_new_node"] = ray.get(proc.host.where.remote(), timeout=30)["node_id"] == new_id
+        environ = open(f"/proc/{proc.pid}/environ", "rb").read().split(b"\\0")
+        out["devices"] = next(v.split(b"=", 1)[1].decode() for v in environ if v.startswith(b"CUDA_VISIBLE_DEVICES="))
+        body = {"input_ids": [[3, 4, 5]], "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+        answer = httpx.post(f"{proc.url}/generate", json=body, timeout=60, headers={"Authorization": f"Bearer {key}"})
+        out["generate"] = (answer.status_code, len(answer.json()[0]["output_ids"]) if answer.status_code == 200 else 0)
+        table = placement_group_table(engines.added[1].group)
+        out["bundle"] = [table["bundles_to_node_id"][0] == new_id, table["bundles"][0]]
+        out["free_on_new_node"] = [available_resources_per_node()[new_id].get("GPU", 0)]
+        group_id = engines.added[1].group.id
+        supervisor.release(1)
+        deadline = time.monotonic() + 30
+        while not gone(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        out["released_gone"] = gone(proc.pid)
+        time.sleep(1)
+        out["free_on_new_node"].append(available_resources_per_node()[new_id].get("GPU", 0))
+        out["group_after_release"] = ray.util.placement_group_table().get(group_id.hex(), {}).get("state")
+        out["first_alive"] = engines.processes[0].alive() and not engines.added
+finally:
+    out["t"]["end"] = time.monotonic() - t0
+    print("RESULT " + json.dumps(out), flush=True)
+    ray.shutdown()
+    cluster.shutdown()
+"""
+
+
+@pytest.mark.slow  # a Ray cluster that grows by a node, two real engines (~60 s on 2 cores)
+def test_an_engine_added_during_the_run_is_placed_on_a_node_that_joined_after_the_start(tmp_path, tiny_model_dir):
+    """`ClusterEngines.add(node)` (what `engines add N --node NODE` reaches through the supervisor): the run starts
+    with one engine on the head node, which its placement group holds whole; a node joins; the added engine runs on
+    that node (seen from inside), in a bundle of its own there, joins once healthy and generates; released, its
+    process ends and its GPU is free again. A node that does not exist, or no free GPU anywhere: one line."""
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", JOIN_SCRIPT, str(tiny_model_dir), str(tmp_path / "engines")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    out = json.loads(lines[-1].removeprefix("RESULT "))
+    print("seconds since start:", out["t"])
+    assert out["held"] and "\n" not in out["held"], out
+    assert "added engine 1 of 1 needs 1 free GPU(s) on one node, but any node has fewer" in out["held"]
+    assert out["unknown"] and "--node ffffnotanode: no node of the cluster match" in out["unknown"], out
+    assert "\n" not in out["unknown"]
+    assert out["events"] == [["EngineStarted", 1, True]], out
+    assert out["host_on_new_node"] and out["devices"] in ("0", "1"), out  # one of the new node's two GPUs
+    assert out["generate"] == [200, 4], out
+    assert out["bundle"] == [True, {"GPU": 1.0, "CPU": 1.0}], out
+    assert out["free_on_new_node"] == [1.0, 2.0], out  # the bundle held one GPU; released, both are free
+    assert out["released_gone"] and out["group_after_release"] == "REMOVED", out
+    assert out["first_alive"], out

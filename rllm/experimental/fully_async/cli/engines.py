@@ -2,6 +2,7 @@
 (docs/design.md#rule-engine-set-can-change).
 
     python -m rllm.experimental.fully_async engines add N --run-dir D          # N more engines of the run's kind
+    python -m rllm.experimental.fully_async engines add N --node NODE --run-dir D   # on that Ray cluster node
     python -m rllm.experimental.fully_async engines remove ID --run-dir D      # its samples move to the others
     python -m rllm.experimental.fully_async engines register URL [--api-key K] --run-dir D   # your own SGLang server
     python -m rllm.experimental.fully_async engines list --run-dir D
@@ -90,6 +91,12 @@ def main(argv: list[str]) -> int:
     sub = parser.add_subparsers(dest="op", required=True)
     add = sub.add_parser("add", help="start N more engines of the run's own kind; each joins once synced")
     add.add_argument("count", type=int, metavar="N")
+    add.add_argument(
+        "--node",
+        default=None,
+        help="a cluster run (trainer.nnodes > 1): the Ray node (id, address or id prefix) to start them on; default: "
+        "the node with the most free GPUs. `plan --add-engines N` shows where they would go",
+    )
     remove = sub.add_parser("remove", help="take engine ID out of the run; its in-flight samples move to others")
     remove.add_argument("engine", metavar="ID")
     register = sub.add_parser("register", help="add an SGLang server launched elsewhere, by URL")
@@ -102,6 +109,8 @@ def main(argv: list[str]) -> int:
     body: dict[str, Any] = {"op": args.op}
     if args.op == "add":
         body["count"] = args.count
+        if args.node is not None:
+            body["node"] = args.node
     elif args.op == "remove":
         body["engine"] = args.engine
     elif args.op == "register":

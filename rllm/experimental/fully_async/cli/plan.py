@@ -10,6 +10,12 @@ fewest GPUs that hold the engines (`engines.num_engines` x the tensor-parallel s
 placement itself is
 `core.placement.plan_on_nodes` over the first `trainer.nnodes` nodes, the function the runtime uses. Every process is
 printed with its node; on several nodes, engines listen on their node's address with the run's secret.
+
+`--add-engines N [--node NODE]` also shows where `engines add N [--node NODE]` would put N more engines of a
+running cluster run (`core.placement.place_added_engines`, the rule the runtime applies): on the Ray cluster at
+RAY_ADDRESS, the GPUs free there now (nodes the run holds have none; nodes that joined since it started count);
+from the flags, the nodes beyond the plan's `trainer.nnodes`. A local run (`trainer.nnodes=1`) starts them on its
+host, and refuses `--node`.
 Exit codes: 0 a plan fits, 1 the GPUs do not suffice (one line says what is missing), 2 bad config.
 """
 
@@ -23,10 +29,17 @@ import sys
 import torch
 from omegaconf import DictConfig
 
-from rllm.experimental.fully_async.core.placement import PlacementError, PlacementPlan, node_bundles, plan_on_nodes
+from rllm.experimental.fully_async.core.placement import (
+    FreeNode,
+    PlacementError,
+    PlacementPlan,
+    node_bundles,
+    place_added_engines,
+    plan_on_nodes,
+)
 from rllm.experimental.fully_async.engines.from_config import engine_command
 from rllm.experimental.fully_async.run_spec import engine_lora_spec, engines_spec
-from rllm.experimental.fully_async.runtime.cluster.multi_node import cluster_gpu_nodes
+from rllm.experimental.fully_async.runtime.cluster.multi_node import cluster_gpu_nodes, free_gpu_nodes
 from rllm.experimental.fully_async.settings import ConfigError, load_config
 from rllm.experimental.fully_async.settings.derive import largest_staleness
 
@@ -51,6 +64,35 @@ def detect_gpus_per_node() -> tuple[list[int], str]:
         return [torch.cuda.device_count()], "this machine (torch.cuda.device_count())"
     except Exception:  # torch without CUDA support: no GPUs
         return [0], "this machine (no CUDA)"
+
+
+def detect_free_nodes() -> list[FreeNode]:
+    """The GPU nodes of the Ray cluster at RAY_ADDRESS with the GPUs free there now."""
+    import ray
+
+    ray.init(address=os.environ["RAY_ADDRESS"], configure_logging=False, log_to_driver=False)
+    try:
+        return [free for _, free in free_gpu_nodes()]
+    finally:
+        ray.shutdown()
+
+
+def planned_free_nodes(gpus_per_node: list[int], nnodes: int) -> list[FreeNode]:
+    """The nodes of `gpus_per_node` as a started run leaves them: its first `nnodes` nodes with GPUs are held whole
+    (no GPU free), every later one is free. Named `node-i` / `NODEi_ADDRESS` as the plan's lines name them."""
+    with_gpus = [n for n in gpus_per_node if n > 0]
+    return [FreeNode(f"node-{i}", f"NODE{i}_ADDRESS", 0 if i < nnodes else n) for i, n in enumerate(with_gpus)]
+
+
+def added_engine_lines(
+    nodes: list[FreeNode], first_index: int, count: int, tp_size: int, node: str | None
+) -> list[str]:
+    """`added engine i: node ...` per engine of `engines add count [--node node]`; PlacementError if they do not fit."""
+    placed = place_added_engines(nodes, count, tp_size, node)
+    return [
+        f"added engine {first_index + i}: node {where.name}, {tp_size} GPU(s) + 1 CPU in a placement group of its own"
+        for i, where in enumerate(placed)
+    ]
 
 
 def trainer_ranks(cfg: DictConfig) -> int:
@@ -89,17 +131,33 @@ def lora_line(cfg: DictConfig) -> str | None:
     )
 
 
-def run_plan(cfg: DictConfig, gpus_per_node: list[int] | None = None, source: str = "flags") -> int:
-    """Print the plan; returns the exit code (0 fits, 1 does not)."""
+def run_plan(
+    cfg: DictConfig,
+    gpus_per_node: list[int] | None = None,
+    source: str = "flags",
+    add_engines: int = 0,
+    node: str | None = None,
+) -> int:
+    """Print the plan, and where `add_engines` more engines would go (on `node`); returns the exit code (0 fits,
+    1 does not, 2 `node` given for a local run)."""
     if (line := lora_line(cfg)) is not None:
         print(line)
+    nnodes = int(cfg.trainer.nnodes or 1)
+    if add_engines and nnodes == 1:
+        if node is not None:
+            print(
+                f"plan --node {node}: trainer.nnodes=1 is a local run, its engines start on the driver's host; --node "
+                "places engines on a Ray cluster's nodes (trainer.nnodes > 1); drop --node",
+                file=sys.stderr,
+            )
+            return 2
+        print(f"engines add {add_engines}: a local run (trainer.nnodes=1) starts them on its own host")
     if str(cfg.engines.backend) == "embedded":
         num_engines = int(cfg.engines.num_engines)
         print(f"CPU run: {num_engines} embedded engine process(es) on loopback, 1 trainer rank; no GPU needed")
         print("\n".join(engine_lines(cfg, [(i, 0, {}) for i in range(num_engines)])))
         return 0
     num_engines, tp, ranks = int(cfg.engines.num_engines), engine_tp_size(cfg), trainer_ranks(cfg)
-    nnodes = int(cfg.trainer.nnodes or 1)
     if gpus_per_node is None:
         gpus_per_node, source = detect_gpus_per_node()
         if sum(gpus_per_node) == 0 and not os.environ.get("RAY_ADDRESS"):
@@ -122,6 +180,14 @@ def run_plan(cfg: DictConfig, gpus_per_node: list[int] | None = None, source: st
         print(f"one placement group, one bundle per node: {_bundles(plan)}; one engine host actor per engine node")
     slots = [(slot.index, slot.node, {"CUDA_VISIBLE_DEVICES": slot.cuda_visible_devices}) for slot in plan.engines]
     print("\n".join(engine_lines(cfg, slots, multi_node=nnodes > 1)))
+    if add_engines and nnodes > 1:
+        on_cluster = bool(os.environ.get("RAY_ADDRESS")) and source.startswith("Ray cluster")
+        nodes = detect_free_nodes() if on_cluster else planned_free_nodes(gpus_per_node, nnodes)
+        try:
+            print("\n".join(added_engine_lines(nodes, num_engines, add_engines, tp, node)))
+        except PlacementError as exc:
+            print(f"plan --add-engines {add_engines}: {exc}", file=sys.stderr)
+            return 1
     return 0
 
 
@@ -154,7 +220,18 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--nodes", type=int, default=None, help="number of nodes, with --gpus-per-node (default: trainer.nnodes)"
     )
+    parser.add_argument(
+        "--add-engines",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also show where `engines add N` would put N more engines of the running run",
+    )
+    parser.add_argument("--node", default=None, help="with --add-engines: the node `engines add N --node NODE` names")
     args, overrides = parser.parse_known_args(argv)
+    if args.add_engines < 0 or (args.node is not None and not args.add_engines):
+        print("plan: --add-engines N needs N >= 1, and --node needs --add-engines", file=sys.stderr)
+        return 2
     try:
         cfg = load_config(args.config, overrides, check_host=False)  # planning a GPU host from anywhere
     except ConfigError as exc:
@@ -162,4 +239,5 @@ def main(argv: list[str]) -> int:
         return 2
     nodes = args.nodes if args.nodes is not None else int(cfg.trainer.nnodes or 1)
     gpus = [args.gpus_per_node] * nodes if args.gpus_per_node is not None else None
-    return run_plan(cfg, gpus, source=f"--gpus-per-node {args.gpus_per_node} --nodes {nodes}")
+    source = f"--gpus-per-node {args.gpus_per_node} --nodes {nodes}"
+    return run_plan(cfg, gpus, source=source, add_engines=args.add_engines, node=args.node)

@@ -119,14 +119,15 @@ def normalize_url(url: str) -> str:
 
 @dataclass(frozen=True)
 class ElasticRequest:
-    """One control request: `op` with its argument (`count` for add, `engine` for remove, `url`/`api_key` for
-    register)."""
+    """One control request: `op` with its argument (`count` and `node` for add, `engine` for remove, `url`/`api_key`
+    for register)."""
 
     op: str
     count: int = 0
     engine: str = ""
     url: str = ""
     api_key: str | None = None
+    node: str | None = None  # add: the Ray cluster node to place the engines on (None: the launcher chooses)
 
 
 def parse_request(body: Any) -> ElasticRequest:
@@ -139,7 +140,10 @@ def parse_request(body: Any) -> ElasticRequest:
         count = body.get("count")
         if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_ADD:
             raise ElasticError(f"engines add N: N must be an integer from 1 to {MAX_ADD}, got {count!r}")
-        return ElasticRequest(op, count=count)
+        node = body.get("node")
+        if node is not None and (not isinstance(node, str) or not node):
+            raise ElasticError(f"engines add --node: NODE must be a node id, address or id prefix, got {node!r}")
+        return ElasticRequest(op, count=count, node=node)
     if op == "remove":
         engine = body.get("engine")
         if not isinstance(engine, str) or not engine:

@@ -162,3 +162,58 @@ def _cluster(gpus_per_node: Sequence[int]) -> str:
     if len(set(gpus_per_node)) == 1 and gpus_per_node:
         return f"{len(gpus_per_node)} node(s) x {gpus_per_node[0]} GPUs"
     return f"nodes with {list(gpus_per_node)} GPUs"
+
+
+@dataclass(frozen=True)
+class FreeNode:
+    """A node engines may be added on during a run: its id, its address and the GPUs no one holds there now (a node
+    the run's placement group holds has none: the group reserves every GPU of its nodes, see NodeBundle)."""
+
+    node_id: str
+    address: str
+    free_gpus: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.node_id[:12]} ({self.address})"
+
+
+def pick_node(nodes: Sequence[FreeNode], node: str) -> FreeNode:
+    """The node `node` names: its id or address exactly, else a unique prefix of its id; PlacementError (one line)
+    when none or several match."""
+    exact = [n for n in nodes if node in (n.node_id, n.address)]
+    found = exact if len(exact) == 1 else [n for n in nodes if n.node_id.startswith(node)]
+    if len(found) != 1:
+        known = ", ".join(n.name for n in nodes) or "none"
+        what = "no node" if not found else f"{len(found)} nodes"
+        raise PlacementError(
+            f"--node {node}: {what} of the cluster match (nodes with GPUs: {known}); give a node id or a unique prefix "
+            "of one (`ray list nodes`)"
+        )
+    return found[0]
+
+
+def place_added_engines(nodes: Sequence[FreeNode], count: int, tp_size: int, node: str | None = None) -> list[FreeNode]:
+    """Where `count` engines added to a running run go, one node per engine, each needing `tp_size` free GPUs on
+    that node. With `node` every engine goes there (an id, an address or a unique id prefix, `pick_node`); without
+    it each engine goes to the node with the most free GPUs at that moment (ties: the first in `nodes`), so the
+    added engines spread over the emptiest nodes. PlacementError (one line) when they do not fit.
+    """
+    if count < 1 or tp_size < 1:
+        raise ValueError(f"count and tp_size must be >= 1, got {count} and {tp_size}")
+    free = {n.node_id: n.free_gpus for n in nodes}
+    candidates = [pick_node(nodes, node)] if node is not None else list(nodes)
+    placed: list[FreeNode] = []
+    for index in range(count):
+        best = max(candidates, key=lambda n: free[n.node_id], default=None)
+        if best is None or free[best.node_id] < tp_size:
+            where = f"node {best.name}" if node is not None and best is not None else "any node"
+            left = ", ".join(f"{n.name}: {free[n.node_id]}" for n in nodes) or "no node with GPUs"
+            raise PlacementError(
+                f"added engine {index + 1} of {count} needs {tp_size} free GPU(s) on one node, but {where} has fewer "
+                f"(free GPUs: {left}); nodes the run already holds have none free: add a node to the cluster, or "
+                "add fewer engines"
+            )
+        free[best.node_id] -= tp_size
+        placed.append(best)
+    return placed

@@ -227,8 +227,9 @@ class EngineLauncher:
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
-    def start(self) -> list[str]:
-        """Start every engine and wait until all are healthy; returns their URLs. Stops all of them on failure."""
+    def start(self, *, wait: bool = True) -> list[str]:
+        """Start every engine and wait until all are healthy; returns their URLs. Stops all of them on failure.
+        `wait=False` only spawns them (an engine added during a run on a cluster node: the supervisor probes it)."""
         if self.processes:
             raise RuntimeError("engines already started; stop() them first")
         self._spawns = {}
@@ -237,7 +238,8 @@ class EngineLauncher:
         try:
             for i in range(self.num_engines):  # one by one: an interrupt between spawns still stops the first
                 self.processes.append(self._spawn(i))
-            self._wait_healthy()
+            if wait:
+                self._wait_healthy()
         except BaseException:
             self.stop()
             raise

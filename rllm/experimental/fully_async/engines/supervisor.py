@@ -104,7 +104,8 @@ class SupervisedLauncher(Protocol):
 
 
 class ElasticLauncher(SupervisedLauncher, Protocol):
-    """A launcher that can also start and stop single slots during the run (`launcher.EngineLauncher`)."""
+    """A launcher that can also start and stop single slots during the run (`launcher.EngineLauncher`; a cluster's
+    `ClusterEngines`, whose `places_on_nodes` is True, also takes `add(node)`)."""
 
     def add(self) -> WatchedProcess: ...
 
@@ -142,13 +143,19 @@ class EngineSupervisor:
         self.stop_when_all_lost = stop_when_all_lost
         self._slots = [_Slot() for _ in launcher.processes]
 
-    def add_slot(self) -> WatchedProcess:
+    def add_slot(self, node: str | None = None) -> WatchedProcess:
         """Start an engine in a new slot (`launcher.add`); `poll()` reports `EngineStarted` once it is healthy.
-        Raises ValueError when the launcher cannot add engines (a cluster's engine hosts)."""
+        `node` places it on that Ray cluster node (a cluster run's launcher, `ClusterEngines.add`). Raises
+        ValueError (one line) when the launcher cannot add engines, or cannot place one on `node`."""
         add = getattr(self.launcher, "add", None)
         if add is None:
-            raise ValueError("this run's engines cannot grow: its engine hosts start a fixed set (a Ray cluster run)")
-        proc = add()
+            raise ValueError("this run's engines cannot grow: its launcher has no add()")
+        if node is not None and not getattr(self.launcher, "places_on_nodes", False):
+            raise ValueError(
+                f"engines add --node {node}: this run's engines are local (trainer.nnodes=1), started on the driver's "
+                "host; --node places engines on a Ray cluster's nodes (trainer.nnodes > 1); drop --node"
+            )
+        proc = add(node) if node is not None else add()
         self._slots.append(_Slot(state="starting", started_at=self.clock(), joined=False))
         return proc
 

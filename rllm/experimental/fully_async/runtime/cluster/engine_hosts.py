@@ -8,11 +8,14 @@ address, and answers for them: start, alive, restart, probe, kill, stop.
 `ClusterEngines` is the driver's side: it has the launcher's interface (`urls`, `api_key`, `processes`, `restart`,
 `probe`, `kill`, `stop`, a context manager), so `engines.supervisor.EngineSupervisor` and the run watch remote
 engines as they watch local ones. Engines beyond loopback need the per-run secret (`--api-key`): `cluster_engines`
-makes one.
+makes one. It also has the elastic launcher's `add(node)` and `release(index)` (`engines add N [--node NODE]`):
+an added engine is placed on a node of the cluster as it is then, nodes that joined after the start included, in a
+placement group of its own (one bundle on that node) with an engine host of its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -32,12 +35,20 @@ HOST_CALL_TIMEOUT_S = 60.0  # one call to an engine host that does not wait for 
 
 @ray.remote
 class EngineHost:
-    """The engines of one node: an EngineLauncher on this node for `slots` ((engine index, CUDA_VISIBLE_DEVICES))."""
+    """The engines of one node: an EngineLauncher on this node for `slots` ((engine index, CUDA_VISIBLE_DEVICES));
+    devices None: the GPUs Ray gave this actor (an engine added during the run reserves a count, not indices)."""
 
     def __init__(
-        self, command: Any, slots: list[tuple[int, str]], bind_host: str | None, startup_timeout_s: float, log_dir: str
+        self,
+        command: Any,
+        slots: list[tuple[int, str | None]],
+        bind_host: str | None,
+        startup_timeout_s: float,
+        log_dir: str,
     ) -> None:
 
+        mine = ",".join(str(g) for g in ray.get_gpu_ids())
+        slots = [(index, mine if devices is None else devices) for index, devices in slots]
         host = bind_host or ray.util.get_node_ip_address()  # reachable from the other nodes
         self.launcher = EngineLauncher(
             PlacedEngineCommand(command, tuple(slots)),
@@ -53,8 +64,8 @@ class EngineHost:
 
         return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
-    def start(self) -> list[dict[str, Any]]:
-        self.launcher.start()
+    def start(self, wait: bool = True) -> list[dict[str, Any]]:
+        self.launcher.start(wait=wait)
         return [self._info(i) for i in range(len(self.launcher.processes))]
 
     def status(self, local: int) -> tuple[bool, int | None]:
@@ -71,6 +82,9 @@ class EngineHost:
 
     def kill(self, local: int) -> None:
         self.launcher.kill(local)
+
+    def release(self, local: int) -> None:
+        self.launcher.release(local)
 
     def stop(self) -> None:
         self.launcher.stop()
@@ -104,6 +118,8 @@ class RemoteEngineProcess:
 class ClusterEngines:
     """The run's engines spread over the placement's nodes; see the module docstring."""
 
+    places_on_nodes = True  # add(node) takes a node (engines.supervisor.EngineSupervisor.add_slot)
+
     def __init__(
         self,
         command: Any,
@@ -120,6 +136,7 @@ class ClusterEngines:
         self.bind_host, self.startup_timeout_s, self.log_dir = bind_host, float(startup_timeout_s), str(log_dir)
         self.hosts: dict[int, Any] = {}  # plan node -> EngineHost
         self.processes: list[RemoteEngineProcess] = []
+        self.added: dict[int, Any] = {}  # engine index -> its own ClusterPlacement (engines added during the run)
 
     @property
     def urls(self) -> list[str]:
@@ -179,9 +196,56 @@ class ClusterEngines:
         proc = self.processes[index]
         ray.get(proc.host.kill.remote(proc.local), timeout=HOST_CALL_TIMEOUT_S)
 
+    def add(self, node: str | None = None) -> RemoteEngineProcess:
+        """Start one more engine, in a new slot, on a node of the cluster as it is NOW (a node that joined after
+        the run started included), without waiting for it to be healthy (the supervisor probes it).
+
+        `node`: a node id, its address or a unique id prefix; None: the node with the most free GPUs (ties: the
+        driver's node first, then by node id; `core.placement.place_added_engines`). The engine gets a placement
+        group of its own, one bundle pinned to that node (its tp GPUs + 1 CPU, `reserve`), and an engine host of
+        its own there. Raises PlacementError (a ValueError, one line) when no such node exists or it lacks the
+        free GPUs; nodes the run's placement group holds have none free (it reserves all their GPUs).
+        """
+        tp = len(self.placement.plan.engines[0].gpus) if self.placement.plan.engines else 1
+        index = len(self.processes)
+        placement, target = self.placement.reserve_added(tp, node, f"-engine-{index}", HOST_CALL_TIMEOUT_S)
+        host = None
+        try:
+            host = EngineHost.options(**placement.engine_host_options(0)).remote(
+                self.command, [(index, None)], self.bind_host, self.startup_timeout_s, self.log_dir
+            )
+            [info] = self._get({index: host.start.remote(wait=False)}, f"start engine {index}")[index]
+        except BaseException as exc:
+            if host is not None:
+                with contextlib.suppress(Exception):
+                    ray.kill(host)
+            placement.release()
+            if isinstance(exc, EngineStartupError):  # a refusal of this request (one line), not the run's end
+                raise ValueError(f"engine {index} on node {target.name}: {exc}") from exc
+            raise
+        self.added[index] = placement
+        self.processes.append(RemoteEngineProcess(index, host, 0, info))
+        logger.info("engine %d added on node %s: %s", index, target.name, info["url"])
+        return self.processes[index]
+
+    def release(self, index: int) -> None:
+        """Stop engine `index` for good (it left the run). An added engine's host ends and its bundle is freed; a
+        started one's host keeps serving its node's other engines (their bundle stays the run's)."""
+        proc = self.processes[index]
+        try:
+            ray.get(proc.host.release.remote(proc.local), timeout=HOST_CALL_TIMEOUT_S)
+        except ray.exceptions.RayActorError:  # its host is gone: so is the engine (die_with_parent)
+            logger.warning("engine %d (%s): its engine host is gone", index, proc.url)
+        placement = self.added.pop(index, None)
+        if placement is not None:
+            ray.kill(proc.host)
+            placement.release()
+        logger.info("engine %d (%s) released", index, proc.url)
+
     def stop(self) -> None:
         """Stop every engine through its host, then end the hosts (idempotent)."""
-        hosts, self.hosts, self.processes = self.hosts, {}, []
+        added = {f"added engine {i}": self.processes[i].host for i in self.added}
+        hosts, self.hosts, self.processes = {**self.hosts, **added}, {}, []
         refs = {node: host.stop.remote() for node, host in hosts.items()}
         # Each host's stop on its own: one dead host must not cut the others' short (ray.get of all would raise).
         ray.wait(list(refs.values()), num_returns=len(refs), timeout=HOST_CALL_TIMEOUT_S)
@@ -189,9 +253,12 @@ class ClusterEngines:
             try:
                 ray.get(ref, timeout=0)
             except Exception as exc:  # a dead host's engines died with it (die_with_parent)
-                logger.warning("engine host on node %d did not stop its engines: %s", node, str(exc).splitlines()[0])
+                logger.warning("engine host on node %s did not stop its engines: %s", node, str(exc).splitlines()[0])
         for host in hosts.values():
             ray.kill(host)
+        placements, self.added = self.added, {}
+        for placement in placements.values():
+            placement.release()
 
     def _get(self, refs: dict[int, Any], what: str) -> dict[int, Any]:
         timeout = self.startup_timeout_s + HOST_CALL_TIMEOUT_S  # the hosts wait startup_timeout_s themselves

@@ -24,7 +24,15 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rllm.experimental.fully_async.core.placement import PlacementError, PlacementPlan, node_bundles, plan_on_nodes
+from rllm.experimental.fully_async.core.placement import (
+    FreeNode,
+    PlacementError,
+    PlacementPlan,
+    node_bundles,
+    place_added_engines,
+    plan_on_nodes,
+    plan_placement,
+)
 from rllm.experimental.fully_async.errors import ConfigError
 from rllm.experimental.fully_async.runtime.cluster.engine_hosts import cluster_engines
 from rllm.experimental.fully_async.runtime.cluster.ray_session import init_ray, ray_lifetime
@@ -56,6 +64,20 @@ def cluster_gpu_nodes() -> list[ClusterNode]:
     return sorted(nodes, key=lambda n: (n.node_id != driver, n.node_id))
 
 
+def free_gpu_nodes() -> list[tuple[ClusterNode, FreeNode]]:
+    """Every alive node with GPUs (`cluster_gpu_nodes`' order, nodes that joined after the run started included)
+    with the GPUs no placement group or task holds there now."""
+
+    # Ray has no public per-node "available" view; ray.available_resources() sums over nodes.
+    from ray._private.state import available_resources_per_node
+
+    available = available_resources_per_node()
+    return [
+        (n, FreeNode(n.node_id, n.address, int(available.get(n.node_id, {}).get("GPU", 0))))
+        for n in cluster_gpu_nodes()
+    ]
+
+
 @dataclass
 class ClusterPlacement:
     """A reserved plan: `nodes[i]` is plan node i, `bundle_of[i]` its bundle in `group`."""
@@ -83,6 +105,18 @@ class ClusterPlacement:
         gpus = sum(len(slot.gpus) for slot in self.plan.engines_on(node))
         return {"num_gpus": gpus, "num_cpus": 1, "scheduling_strategy": self._strategy(node)}
 
+    def reserve_added(
+        self, tp_size: int, node: str | None, name: str, timeout_s: float
+    ) -> tuple[ClusterPlacement, FreeNode]:
+        """A one-engine reservation for an engine added during the run (`ClusterEngines.add`): on `node`, else the
+        node with the most free GPUs now (`place_added_engines`), one bundle of `tp_size` GPUs + 1 CPU there
+        (`reserve`; its engine host's options are `engine_host_options(0)`). PlacementError (one line) if none fits."""
+        nodes = free_gpu_nodes()
+        [target] = place_added_engines([free for _, free in nodes], 1, tp_size, node)
+        cluster_node = next(n for n, free in nodes if free is target)
+        one = plan_placement([tp_size], num_engines=1, tp_size=tp_size, trainer_ranks=0)
+        return reserve(one, [cluster_node], timeout_s=timeout_s, name=name), target
+
     def release(self) -> None:
         """Give the reservation back (idempotent); processes scheduled into it must be ended first."""
 
@@ -91,8 +125,11 @@ class ClusterPlacement:
         self.group = None
 
 
-def reserve(plan: PlacementPlan, nodes: list[ClusterNode], timeout_s: float = 120.0) -> ClusterPlacement:
+def reserve(
+    plan: PlacementPlan, nodes: list[ClusterNode], timeout_s: float = 120.0, name: str = ""
+) -> ClusterPlacement:
     """Reserve the plan's nodes (plan node i = `nodes[i]`) as one placement group; wait at most `timeout_s`.
+    `name` tells the group apart from the run's others (an engine added during the run has its own).
 
     Raises PlacementError (one line) when the group is not placed in time, e.g. another job holds GPUs there.
     """
@@ -104,7 +141,7 @@ def reserve(plan: PlacementPlan, nodes: list[ClusterNode], timeout_s: float = 12
         [{"GPU": b.gpus, "CPU": b.cpus} for b in bundles],
         strategy="STRICT_SPREAD",
         bundle_label_selector=[{NODE_ID_LABEL: nodes[b.node].node_id} for b in bundles],
-        name=f"rllm-fully-async-{ray.get_runtime_context().get_job_id()}",
+        name=f"rllm-fully-async-{ray.get_runtime_context().get_job_id()}{name}",
     )
     if not group.wait(timeout_seconds=timeout_s):
         remove_placement_group(group)

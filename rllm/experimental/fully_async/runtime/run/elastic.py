@@ -336,7 +336,7 @@ class ElasticEngines:
         ids = []
         for _ in range(request.count):
             try:
-                proc = self.ctx.supervisor.add_slot()
+                proc = self.ctx.supervisor.add_slot(request.node)
             except ValueError as exc:
                 raise ElasticError(str(exc)) from exc
             slot = len(self.ctx.supervisor.launcher.processes) - 1
