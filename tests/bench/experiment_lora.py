@@ -1,6 +1,6 @@
 """Experiment (issue 33): does the default task learn with a LoRA adapter, against full fine-tuning at the same steps?
 
-    .venv/bin/python tests/bench/experiment_lora.py [--seeds 0 1 2] [--steps N] [--test-freq N]
+    .venv/bin/python tests/bench/experiment_lora.py [--arms full lora] [--seeds 0 1 2] [--steps N] [--test-freq N]
         [--experiment lora-vs-full] [--timeout-s S] [--quiet] [--dry-run] [-- key=value ...]
 
 Two arms on the embedded default (config/tiny_cpu.yaml's 2-digit addition), differing only in LoRA:
@@ -11,8 +11,10 @@ Two arms on the embedded default (config/tiny_cpu.yaml's 2-digit addition), diff
   few parameters want a larger step than full weights; the rate is part of the arm, so this experiment compares
   "LoRA as the README tells you to run it" with "the default as shipped", not LoRA at equal lr.
 Both arms take the same steps, validation interval and seeds (`run.seed` = `data.seed` = the seed, as
-experiment_staleness.py does); per seed the two arms run in alternating order (seed 0: full first, seed 1: lora
-first, ...), so neither arm always runs first on a machine whose load drifts.
+experiment_staleness.py does); per seed the arms run in an order rotated by the seed (seed 0: full first, seed 1:
+lora first, ...), so neither arm always runs first on a machine whose load drifts.
+`--arms` adds LoRA at other rates (`ARMS`: lora-lr1e-3, and lora-lr3e-4 at full fine-tuning's own rate, where the
+arms differ in LoRA alone); their runs go to the same folder, and the table pairs each with full per seed.
 
 Each finished run writes `tests/bench/results/<experiment>/<arm>-seed<k>.json` (`_results.py`), with, beyond the
 common record, `lora`: the trainable and total parameter counts and their share, counted from the run's own model
@@ -54,19 +56,28 @@ class Arm:
     overrides: tuple[str, ...]
 
 
-ARMS = (
-    Arm("full", "the embedded default as shipped: every weight trains (lr 3e-4)", ()),
-    Arm(
-        "lora",
-        f"LoRA rank {LORA_RANK} over the frozen base, lr {LORA_LR:g} (the README's rate for an adapter)",
-        (f"actor_rollout_ref.model.lora_rank={LORA_RANK}", f"actor_rollout_ref.actor.optim.lr={LORA_LR:g}"),
-    ),
-)
+def lora_arm(name: str, lr: float, why: str) -> Arm:
+    return Arm(
+        name,
+        f"LoRA rank {LORA_RANK} over the frozen base, lr {lr:g} ({why})",
+        (f"actor_rollout_ref.model.lora_rank={LORA_RANK}", f"actor_rollout_ref.actor.optim.lr={lr:g}"),
+    )
 
 
-def run_order(seed: int) -> list[Arm]:
-    """The seed's arms: full first on even seeds, lora first on odd ones."""
-    return list(ARMS) if seed % 2 == 0 else list(reversed(ARMS))
+ARMS = {
+    "full": Arm("full", "the embedded default as shipped: every weight trains (lr 3e-4)", ()),
+    "lora": lora_arm("lora", LORA_LR, "the README's rate for an adapter"),
+    # Not in the default pair: the rate between, and the full arm's own rate (then the arms differ in LoRA alone).
+    "lora-lr1e-3": lora_arm("lora-lr1e-3", 1e-3, "a rate between the README's and full fine-tuning's"),
+    "lora-lr3e-4": lora_arm("lora-lr3e-4", 3e-4, "full fine-tuning's rate: the arms differ in LoRA alone"),
+}
+DEFAULT_ARMS = ("full", "lora")
+
+
+def run_order(arms: Sequence[str], seed: int) -> list[Arm]:
+    """The seed's arms, rotated by the seed: with two arms, the first runs first on even seeds, last on odd ones."""
+    shift = seed % len(arms)
+    return [ARMS[name] for name in (*arms[shift:], *arms[:shift])]
 
 
 def run_overrides(arm: Arm, seed: int, steps: int, test_freq: int, extra: Sequence[str]) -> list[str]:
@@ -130,6 +141,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
     )
     parser.add_argument("--experiment", default="lora-vs-full", help="results folder under tests/bench/results/")
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(DEFAULT_ARMS), help="default: full lora")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="run.seed = data.seed values")
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps per run (both arms)")
     parser.add_argument("--test-freq", type=int, default=25, help="steps between validations")
@@ -142,8 +154,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.test_freq < 1:
         parser.error("--steps and --test-freq must be >= 1")
-    if len(set(args.seeds)) != len(args.seeds):
-        parser.error("--seeds must not repeat a value")
+    for name, values in (("--seeds", args.seeds), ("--arms", args.arms)):
+        if len(set(values)) != len(values):
+            parser.error(f"{name} must not repeat a value")
     bad = [o for o in args.overrides if "=" not in o]
     if bad:
         parser.error(f"overrides must be key=value, got {bad}")
@@ -157,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     results_dir = args.results / args.experiment
-    runs = [(seed, position, arm) for seed in args.seeds for position, arm in enumerate(run_order(seed))]
+    runs = [(seed, position, arm) for seed in args.seeds for position, arm in enumerate(run_order(args.arms, seed))]
     todo = [(s, p, a) for s, p, a in runs if not _results.finished(results_dir, a.name, s)]
     if args.dry_run:
         for seed, position, arm in runs:
