@@ -23,7 +23,10 @@ and its content is the table of KIND (`RENDERERS`) over the result files in `tes
   recompute);
 - `signals`: experiment_staleness.py's runs again, the statistics the adaptive rule reads per arm beside its
   default gates (which gate a task crosses, early and late);
-- `async-vs-sync`: bench_async_vs_sync.py's runs (wall time and trainer idle, fully-async against synchronous).
+- `async-vs-sync`: bench_async_vs_sync.py's runs (wall time and trainer idle, fully-async against synchronous);
+- `lora`: experiment_lora.py's runs (issue 33): held-out accuracy at the start and end per seed for full
+  fine-tuning and a LoRA adapter, the gain in points, the paired lora − full difference per seed, wall time, the
+  trainable-parameter share and the bytes one sync carries.
 Every figure is computed from the files; no column needs a hand analysis. `tests/bench/test_results_tables.py`
 checks that the committed READMEs equal what this script writes.
 """
@@ -407,12 +410,112 @@ def signals_table(records: Sequence[dict[str, Any]]) -> str:
     )
 
 
+LORA_ARMS = ("full", "lora")
+
+
+def _gain(record: dict[str, Any]) -> float | None:
+    """Held-out accuracy points gained from step 0 to the final validation (None for a failed run)."""
+    start, end = record["summary"].get("initial_val_accuracy"), _final(record)
+    return None if start is None or end is None else end - start
+
+
+def lora_table(records: Sequence[dict[str, Any]]) -> str:
+    """The `lora` kind: experiment_lora.py's runs, one row per arm (full, lora): the held-out accuracy at step 0 and
+    at the end per seed, the gain in points (mean ± std), the validation curve's means, wall time and the
+    trainable-parameter share; under it each LoRA arm's gain minus full's, paired per seed, the bytes one sync
+    carries, the run order, load and commits."""
+    by_arm: dict[str, dict[int, dict[str, Any]]] = {}
+    for r in records:
+        by_arm.setdefault(r["arm"], {})[r["seed"]] = r
+    seeds = sorted({r["seed"] for r in records})
+    headers = [
+        "arm",
+        *(f"seed {k}: start → end" for k in seeds),
+        "gain, points",
+        "held-out by step (mean)",
+        "whole command s",
+        "training s",
+        "trainable parameters",
+    ]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    arm_order = sorted(by_arm, key=lambda a: (LORA_ARMS.index(a) if a in LORA_ARMS else len(LORA_ARMS), a))
+    for arm in arm_order:
+        runs = by_arm[arm]
+        cells = [arm]
+        for k in seeds:
+            r = runs.get(k)
+            if r is None:
+                cells.append("—")
+            elif not r["ok"]:
+                cells.append(f"failed (rc {r['returncode']})")
+            else:
+                cells.append(f"{fmt(r['summary']['initial_val_accuracy'], '.1%')} → {fmt(_final(r), '.1%')}")
+        cells.append(_pm(*mean_std(_gain(r) for r in runs.values())[:2], "+.1f", 100))
+        curve: dict[int, list[float]] = {}
+        for r in runs.values():
+            if r["ok"]:
+                for step, _, accuracy in r["summary"]["val_curve"]:
+                    curve.setdefault(int(step), []).append(accuracy)
+        cells.append(", ".join(f"{step}: {statistics.fmean(v):.1%}" for step, v in sorted(curve.items())) or "n/a")
+        cells.append(_pm(*mean_std(r["wall_s"] for r in runs.values() if r["ok"])[:2], ".0f"))
+        cells.append(_pm(*mean_std(r["summary"].get("train_wall_s") for r in runs.values() if r["ok"])[:2], ".0f"))
+        share = next((r["lora"] for r in runs.values() if r.get("lora")), None)
+        cells.append(
+            "n/a"
+            if share is None
+            else f"{share['trainable_params']:,} of {share['total_params']:,} ({share['trainable_share']:.1%})"
+        )
+        lines.append("| " + " | ".join(cells) + " |")
+    full = by_arm.get("full", {})
+    paired_lines = []
+    for arm in [a for a in arm_order if a != "full"]:
+        runs = by_arm[arm]
+        gains = {k: (_gain(runs[k]), _gain(full[k])) for k in seeds if k in full and k in runs}
+        diffs = {k: a - b for k, (a, b) in gains.items() if a is not None and b is not None}
+        per_seed = ", ".join(f"seed {k} {100 * d:+.1f}" for k, d in sorted(diffs.items())) or "n/a"
+        mean, std, n = mean_std(diffs.values())
+        paired_lines.append(
+            f"- {arm} − full, gain in points, paired per seed: {per_seed}; mean {_pm(mean, std, '+.1f', 100)} (n={n})."
+        )
+
+    def sync_cell(arm: str) -> str:
+        share = next((r["lora"] for r in by_arm.get(arm, {}).values() if r.get("lora")), None)
+        if share is None:
+            return f"{arm} n/a"
+        on_disk = share.get("last_sync_file_bytes")
+        disk = "" if on_disk is None else f", {on_disk / 1024:.0f} KiB on disk"
+        return f"{arm} {share['sync_bytes_fp32'] / 1024:.0f} KiB (fp32 tensors{disk})"
+
+    # By the records' dates (a run's end): runs of later invocations (--arms) come after the first pair's.
+    order = "; ".join(
+        f"seed {k}: "
+        + " then ".join(r["arm"] for r in sorted(records, key=lambda r: (r["date"], r["order"])) if r["seed"] == k)
+        for k in seeds
+    )
+    loads = [x for r in records for x in r["load_average"]]
+    params = records[0]["params"]
+    return "\n".join(
+        [
+            *lines,
+            "",
+            *paired_lines,
+            "",
+            f"{params['steps']} steps per run, validation every {params['test_freq']} (1,000 held-out prompts, "
+            f"greedy). One sync carries: {sync_cell('full')}; {sync_cell('lora')}. Trainable share: peft's trainable "
+            "over all parameters of the wrapped model (the adapter counted in the total). Run order: "
+            f"{order}. 1-minute load average at the runs' starts and ends {_range(loads)}; commits "
+            f"{_commits(records)}.",
+        ]
+    )
+
+
 RENDERERS: dict[str, Callable[[Sequence[dict[str, Any]]], str]] = {
     "signals": signals_table,
     "async-vs-sync": async_vs_sync_table,
     "staleness": staleness_table,
     "default-run": default_run_table,
     "previous-cost": previous_cost_table,
+    "lora": lora_table,
 }
 
 

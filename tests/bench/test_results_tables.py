@@ -208,3 +208,41 @@ def test_the_previous_cost_table_reads_the_benchmarks_files(tmp_path):
     _results.write_record(tmp_path / "previous-cost" / "cpu-tiny-fsdp.json", record)
     table = results_tables.render("previous-cost", "previous-cost", tmp_path)
     assert "| cpu | tiny (fsdp) | 0.1M | 10.0 | 12.0 | 1.0 | 1.07x |" in table
+
+
+def test_the_lora_table_pairs_each_seeds_gain_and_reports_the_trainable_share(tmp_path):
+    """experiment_lora.py's records (`_results.run_record` plus its `lora` counts): the gain is end − start per run,
+    and lora − full is paired per seed (seed 0: +4 − +16 = −12 points; seed 1: +20 − +10 = +10)."""
+    folder = tmp_path / "lora-made"
+    finals = {("full", 0): 0.594, ("lora", 0): 0.474, ("full", 1): 0.534, ("lora", 1): 0.634}
+    shares = {
+        "full": {"trainable_params": 124416, "total_params": 124416, "trainable_share": 1.0, "sync_bytes_fp32": 4096},
+        "lora": {"trainable_params": 22528, "total_params": 146944, "trainable_share": 22528 / 146944},
+    }
+    shares["lora"] |= {"sync_bytes_fp32": 2048, "last_sync_file_bytes": 3072}
+    for seed in (0, 1):
+        for position, arm in enumerate(("full", "lora") if seed == 0 else ("lora", "full")):
+            record = _results.run_record(
+                _run_result(tmp_path, finals[arm, seed]),
+                experiment="lora-made",
+                arm=arm,
+                seed=seed,
+                order=position,
+                overrides=[],
+                config=None,
+                invocation="experiment_lora.py",
+                params={"task": "default", "steps": 4, "test_freq": 2},
+                commit="0123456789abcdef",
+            )
+            record["lora"] = shares[arm]
+            _results.write_record(_results.record_path(folder, arm, seed), record)
+    table = results_tables.render("lora", "lora-made", tmp_path)
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in table.splitlines() if line.startswith("| ")}
+    assert "43.4% → 59.4%" in rows["full"] and "43.4% → 53.4%" in rows["full"]
+    assert "+13.0 ± 4.2" in rows["full"] and "+12.0 ± 11.3" in rows["lora"]
+    assert "22,528 of 146,944 (15.3%)" in rows["lora"] and "(100.0%)" in rows["full"]
+    assert (
+        "- lora − full, gain in points, paired per seed: seed 0 -12.0, seed 1 +10.0; mean -1.0 ± 15.6 (n=2)." in table
+    )
+    assert "seed 0: full then lora; seed 1: lora then full" in table
+    assert "full 4 KiB (fp32 tensors); lora 2 KiB (fp32 tensors, 3 KiB on disk)" in table
