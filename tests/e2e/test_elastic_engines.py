@@ -37,6 +37,16 @@ from rllm.experimental.fully_async.runtime.rollout.ledger_journal import read_jo
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
+ONE_ENGINE_RUN = (  # both runs: one engine, small batches, ended by the test (SIGTERM)
+    "engines.num_engines=1",
+    "trainer.total_training_steps=2000",
+    "trainer.val_before_train=false",
+    "trainer.test_freq=0",
+    "task.val_size=8",
+    "data.train_batch_size=16",
+    "async_training.required_samples=16",
+    "actor_rollout_ref.rollout.n=4",
+)
 KEY = "outside-key"
 WAIT_S = 300.0
 
@@ -85,14 +95,7 @@ def elastic_run(tmp_path_factory, addition_cache):
     command = addition_run_command(
         run_dir,
         addition_cache,
-        "engines.num_engines=1",
-        "trainer.total_training_steps=2000",  # ended by the test (SIGTERM) once the scenario is done
-        "trainer.val_before_train=false",
-        "trainer.test_freq=0",
-        "task.val_size=8",
-        "data.train_batch_size=16",
-        "async_training.required_samples=16",
-        "actor_rollout_ref.rollout.n=4",
+        *ONE_ENGINE_RUN,
         # Long generations decoded two at a time: requests are in flight whenever the test acts.
         "actor_rollout_ref.rollout.ignore_eos=true",
         "data.max_response_length=32",
@@ -237,14 +240,7 @@ def test_sigterm_while_no_engine_is_left_checkpoints_the_step_and_stops_at_once(
     command = addition_run_command(
         run_dir,
         addition_cache,
-        "engines.num_engines=1",
-        "trainer.total_training_steps=2000",
-        "trainer.val_before_train=false",
-        "trainer.test_freq=0",
-        "task.val_size=8",
-        "data.train_batch_size=16",
-        "async_training.required_samples=16",
-        "actor_rollout_ref.rollout.n=4",
+        *ONE_ENGINE_RUN,
         "data.max_response_length=16",
         "engines.no_engine_timeout_s=600",  # the run would wait this long for an engine; the test stops it first
     )
