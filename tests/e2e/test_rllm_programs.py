@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from rllm_tool_world import EOS
 
 from rllm.experimental.fully_async.client import choose_parser
 from rllm.experimental.fully_async.message_utils import parse_response
@@ -109,7 +110,7 @@ def tool_world(tmp_path_factory) -> tuple[Path, Path, Path]:
 
 
 def test_a_deepresearch_shaped_tool_agent_calls_its_tool_and_trains(tmp_path, tool_world):
-    from rllm_tool_world import EOS, build_tokenizer
+    from rllm_tool_world import build_tokenizer
 
     model_dir, train, val = tool_world
     log = tmp_path / "tool_calls.jsonl"
@@ -151,11 +152,11 @@ def test_a_deepresearch_shaped_tool_agent_calls_its_tool_and_trains(tmp_path, to
         # result. chat_completion re-renders the messages each turn (as rLLM's client does): a reply that is one
         # well-formed call, spelled as the tokenizer spells it, comes back token for token, so the next turn extends
         # this one and rLLM's Trajectory.merge() makes them one training row (the tool's result in it with mask 0);
-        # anything else (a sampled model now and then writes a stray "</tool_call>" after its call, or spells a
-        # piece byte by byte) comes back as the template renders the parsed message: a row of its own.
+        # anything else (a sampled model now and then writes a stray "</tool_call>" after its call, spells a piece
+        # byte by byte, or writes `"a":7` where the parsed arguments render back as `"a": 7`) comes back as the
+        # template renders the parsed message: a row of its own.
         text = tok.decode(reply, skip_special_tokens=False)
-        one_call = re.fullmatch(r"<tool_call>[^<]*</tool_call>" + re.escape(EOS), text) is not None
-        if one_call and tok.encode(text, add_special_tokens=False) == reply:
+        if _renders_back(tok, text) and tok.encode(text, add_special_tokens=False) == reply:
             canonical_replies += 1
             assert merged, "a turn its successor extends token for token is merged into one row"
         call_text = tok.decode(reply, skip_special_tokens=True)
@@ -198,6 +199,23 @@ def _final_reply(tok, record: dict) -> str | None:
     while start > 0 and mask[start - 1] == 1:
         start -= 1
     return parse_response(tok, choose_parser(tok), ids[start:])["content"]
+
+
+def _renders_back(tok, text: str) -> bool:
+    """Is `text` (a reply) one call that the chat template renders back exactly as written, once parsed as rLLM's
+    Qwen parser parses it (json.loads of the body; the arguments dumped again by json.dumps)?"""
+    match = re.fullmatch(r"<tool_call>([^<]*)</tool_call>" + re.escape(EOS), text)
+    if match is None:
+        return False
+    try:
+        call = json.loads(match.group(1).strip())
+    except json.JSONDecodeError:
+        return False
+    if not isinstance(call, dict) or not {"name", "arguments"} <= set(call) or not isinstance(call["arguments"], dict):
+        return False
+    function = {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}
+    message = {"role": "assistant", "content": "", "tool_calls": [{"function": function}]}
+    return tok.apply_chat_template([message], tokenize=False) == f"<|im_start|>assistant\n{text}"
 
 
 def _first_turn(tok, record: dict) -> tuple[list[int], str, bool, bool]:
