@@ -1,5 +1,6 @@
 """Stopping a run at any moment: SIGTERM while the task, the engines, Ray or the actors are starting, or while it
-trains, leaves no process of that run behind, and the driver exits as interrupted (not killed, not crashed).
+trains, leaves no process of that run behind, and the driver exits as interrupted (not killed, not crashed); one
+SIGTERMed while it trains has checkpointed its step and stopped within 30 s.
 
 Each run carries a marker in its environment (RLLM_TEST_MARKER=<uuid>), which its engines, Ray's daemons and
 Ray's workers inherit; after the driver exits, /proc must hold no process with that marker. Moments are events
@@ -22,6 +23,8 @@ from pathlib import Path
 
 import pytest
 from run_helpers import addition_run_command
+
+from rllm.experimental.fully_async.runtime.checkpoints.store import CheckpointManager
 
 pytestmark = pytest.mark.slow
 
@@ -118,9 +121,16 @@ def test_sigterm_at_any_moment_leaves_no_process_behind(moment, addition_cache, 
             assert proc.poll() is None, f"the run ended before {moment}: {proc.stdout.read()[-3000:]}"
             assert time.monotonic() < deadline, f"never reached {moment}"
             time.sleep(0.05)
+        sent = time.monotonic()
         output = _sigterm_and_check_nothing_is_left(proc, marker, moment)
+        elapsed = time.monotonic() - sent
         assert proc.returncode in (130, -signal.SIGTERM), output[-3000:]
         assert "Traceback" not in output, output[-3000:]
+        if moment == "training":  # SIGTERM while training (test_resume stops one with Ctrl-C): checkpointed, <30 s
+            assert elapsed < 30, f"took {elapsed:.1f}s to stop"
+            assert proc.returncode == 130, output[-3000:]
+            latest = CheckpointManager(run_dir / "checkpoints").latest()
+            assert latest is not None and int(latest.name.split("_")[-1]) >= 1, output[-3000:]
     finally:
         _kill_everything_marked(proc, marker)
 
