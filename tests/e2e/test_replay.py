@@ -12,14 +12,12 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
-from test_resume import _command, _sigkill_tree, _start, _wait_for_line
+from test_resume import _command, _learned_by, _replay, _sigkill_tree, _start, _wait_for_line
 
 from rllm.experimental.fully_async.api.trajectory import (
     TrajectoryStatus,
@@ -156,17 +154,6 @@ RUN_STEPS = 6
 # 0.9%), on which 6-step runs had no gradient at any step (no sample right): the weights then never move and any
 # replay "matches". Sampled at temperature 1 it is right 3-9% of the time, enough for most steps to have a gradient;
 # each run checks that some did (`_learned_by`).
-
-
-def _learned_by(run_dir: Path, step: int) -> bool:
-    """Some step up to `step` had a non-zero gradient (so the weights compared there moved)."""
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return any(line.get("actor/grad_norm", 0.0) > 0 for line in lines if 0 < line["step"] <= step)
-
-
-def _replay(run_dir: Path) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "rllm.experimental.fully_async", "replay", str(run_dir)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=600)
 
 
 def test_replay_of_a_run_without_a_record_says_how_to_keep_one_and_exits_2(tmp_path):
