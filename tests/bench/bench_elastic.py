@@ -24,9 +24,11 @@ Printed side by side:
   metrics.jsonl's `time`) and the mean `rollout/tokens_per_s`, over the `--steps-before` steps before the add and
   the `--steps-after` steps after the joiner's first token (not the `join` line: the requests issued before the
   join wait on engine 0, so the joiner's first request is one issued after it);
-- the leave: samples in flight that moved (the `move` line's `samples_moved`), the ledger audit after the run
-  (`read_journal`: no sample issued or ended twice; issued = in flight + ended, none failed).
-  Tokens regenerated per move are not recorded by the run (see tests/bench/README.md, issue 34); that a moved
+- the leave: samples in flight that moved (the `move` line's `samples_moved`), the tokens their move made another
+  engine generate again (`tokens_regenerated`: what engine 0 reported generating for the aborted pieces,
+  `completion_tokens`, beyond what it handed back; 0 expected) and the moved samples whose call got no answer
+  (`samples_unanswered`: cut off at the drain's timeout, their engine's tokens not known), and the ledger audit after
+  the run (`read_journal`: no sample issued or ended twice; issued = in flight + ended, none failed). That a moved
   sample continues from exactly its tokens is held on real engines in tests/engines/test_engine_membership.py.
 
 Written to OUT (default runs/bench/bench_elastic/<timestamp>/): each config's run dir and `results.json`. On a
@@ -139,6 +141,8 @@ def table(results: list[dict[str, Any]]) -> str:
         row("`engines remove 0`: requests running when sent", lambda r: str(r["leave"]["running_when_sent"])),
         row("  answered in (s)", lambda r: _runs.fmt(r["leave"]["answered_s"], ".1f")),
         row("  samples moved (its move line)", lambda r: str(r["leave"]["samples_moved"])),
+        row("  tokens regenerated (its move line)", lambda r: str(r["leave"].get("tokens_regenerated", "-"))),
+        row("  samples unanswered (its move line)", lambda r: str(r["leave"].get("samples_unanswered", "-"))),
         row("ledger: issued / ended / in flight / failed", lambda r: r["leave"]["ledger"]),
         row("load average (1 min) at start / end", lambda r: "{:.1f} / {:.1f}".format(*r["load_average"])),
     ]
@@ -280,6 +284,8 @@ def measure(name: str, args: argparse.Namespace, run_dir: Path) -> dict[str, Any
             "running_when_sent": running,
             "answered_s": answered_s,
             "samples_moved": sum(e["samples_moved"] for e in moves),
+            "tokens_regenerated": sum(e["tokens_regenerated"] for e in moves),
+            "samples_unanswered": sum(e["samples_unanswered"] for e in moves),
             "ledger": f"{counts['issued']} / {ended} / {counts['in_flight']} / {counts['failed']}"
             + ("" if counts["issued"] == counts["in_flight"] + ended else " (NOT EXACT)"),
         },

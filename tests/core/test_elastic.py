@@ -10,6 +10,7 @@ from rllm.experimental.fully_async.core.elastic import (
     ElasticError,
     Membership,
     NoEngineClock,
+    SampleMoves,
     ServerAnswers,
     authorized,
     event_metrics,
@@ -121,7 +122,8 @@ def test_the_no_engine_clock_starts_at_the_last_leave_and_stops_at_a_join():
 
 def test_an_event_line_has_exactly_the_contract_fields():
     table = Membership.launched(["http://h:1"])
-    record = event_record(time=1.5, step=3, event="move", member=table.get("0"), engines_active=2, samples_moved=4)
+    moves = SampleMoves(samples=4, tokens_regenerated=1, samples_unanswered=2)
+    record = event_record(time=1.5, step=3, event="move", member=table.get("0"), engines_active=2, moves=moves)
     assert tuple(record) == EVENT_FIELDS
     assert record == {
         "time": 1.5,
@@ -130,12 +132,23 @@ def test_an_event_line_has_exactly_the_contract_fields():
         "engine": "0",
         "url": "http://h:1",
         "samples_moved": 4,
+        "tokens_regenerated": 1,
+        "samples_unanswered": 2,
         "engines_active": 2,
         "source": "launched",
     }
+    leave = event_record(time=1, step=1, event="leave", member=table.get("0"), engines_active=1)
+    assert (leave["samples_moved"], leave["tokens_regenerated"], leave["samples_unanswered"]) == (0, 0, 0)
     with pytest.raises(ValueError, match="move lines only"):
-        event_record(time=1, step=1, event="leave", member=table.get("0"), engines_active=1, samples_moved=4)
+        event_record(time=1, step=1, event="leave", member=table.get("0"), engines_active=1, moves=moves)
     with pytest.raises(ValueError, match="unknown engine event"):
         event_record(time=1, step=1, event="crash", member=table.get("0"), engines_active=1)  # type: ignore[arg-type]
-    metrics = event_metrics({"join": 2, "leave": 1, "samples_moved": 9}, engines_active=3)
-    assert metrics == {"engines/active": 3.0, "engines/joined": 2.0, "engines/left": 1.0, "engines/samples_moved": 9.0}
+    metrics = event_metrics({"join": 2, "leave": 1, "samples_moved": 9, "samples_unanswered": 2}, engines_active=3)
+    assert metrics == {
+        "engines/active": 3.0,
+        "engines/joined": 2.0,
+        "engines/left": 1.0,
+        "engines/samples_moved": 9.0,
+        "engines/tokens_regenerated": 0.0,
+        "engines/samples_unanswered": 2.0,
+    }

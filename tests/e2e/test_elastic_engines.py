@@ -16,6 +16,7 @@ batch: it checkpoints its last step and ends in seconds.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -209,8 +210,18 @@ def test_every_event_is_one_line_with_the_contract_fields_in_order(elastic_run):
     ]
     moves = [e for e in lines if e["event"] == "move"]
     assert all(e["samples_moved"] > 0 for e in moves) and all(
-        e["samples_moved"] == 0 for e in lines if e["event"] != "move"
+        e["samples_moved"] == e["tokens_regenerated"] == e["samples_unanswered"] == 0
+        for e in lines
+        if e["event"] != "move"
     )
+    # What each move cost: an abort hands every token back (none to generate again); the calls on an engine that
+    # died or stopped answering got no answer at all.
+    for move, then in itertools.pairwise(lines):
+        if move["event"] == "move":
+            assert then["engine"] == move["engine"] and then["event"] in ("leave", "lost", "restart"), (move, then)
+            assert move["tokens_regenerated"] == 0, move
+            if then["event"] in ("lost", "restart"):
+                assert move["samples_unanswered"] == move["samples_moved"], move
     assert [e["time"] for e in lines] == sorted(e["time"] for e in lines)
 
 
@@ -224,6 +235,8 @@ def test_the_ledger_is_exact_through_every_change(elastic_run):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last = [r for r in rows if "engines/active" in r][-1]
     assert last["engines/active"] == 1 and last["engines/joined"] == 5 and last["engines/left"] == 4
+    assert last["engines/samples_moved"] == sum(e["samples_moved"] for e in events(run_dir))
+    assert last["engines/tokens_regenerated"] == 0
 
 
 def test_nothing_is_left_running(elastic_run):

@@ -16,11 +16,14 @@ import time
 from collections.abc import Callable
 
 import pytest
+from aiohttp import web
 from engine_helpers import ENGINE_KINDS, decode_hold, engine_command, max_abs_diff, reference_logprobs
 
 from rllm.experimental.fully_async.api.progress import GenerationProgress
+from rllm.experimental.fully_async.core.elastic import SampleMoves
 from rllm.experimental.fully_async.engines import EngineLauncher
 from rllm.experimental.fully_async.engines.client import EngineClient, NoHealthyEngineError
+from rllm.experimental.fully_async.engines.pool import EnginePool
 from rllm.experimental.fully_async.runtime.sync.param_sync import DiskTransport, ParamSync
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("one_torch_thread")]
@@ -60,10 +63,10 @@ def test_a_leaving_engines_samples_continue_on_the_joined_one_from_their_saved_t
                 await on_joiner.reached()
                 saved = [list(r.output_ids) for r in records]
             results = await asyncio.gather(*tasks)
-            return held, saved, moved, results, client.urls, client.moves(leaving)
+            return held, saved, moved, results, client.urls, client.sample_moves(leaving)
 
     held, saved, moved, results, urls, moves = asyncio.run(scenario())
-    assert moved == 2 and moves == 2
+    assert moved == 2 and moves == SampleMoves(samples=2, tokens_regenerated=0, samples_unanswered=0)
     assert urls == [joining], "the leaving engine is out of routing once its samples moved"
     assert sorted(len(s) for s in saved) == sorted(r["output_tokens"] for r in held["running"])
     for before, result in zip(saved, results, strict=True):
@@ -111,10 +114,10 @@ def test_a_drain_out_of_time_cuts_the_leaving_engines_calls_off_and_they_finish_
                     results = await asyncio.gather(*tasks)
                 finally:
                     os.kill(two_engines.processes[0].pid, signal.SIGCONT)
-            return saved, moved, drain_s, results, client.urls, client.moves(leaving)
+            return saved, moved, drain_s, results, client.urls, client.sample_moves(leaving)
 
     saved, moved, drain_s, results, urls, moves = asyncio.run(scenario())
-    assert moved == 2 and moves == 2
+    assert moved == 2 and moves == SampleMoves(samples=2, tokens_regenerated=0, samples_unanswered=2)
     assert drain_s < 30, "the drain ended at its timeout, not at the requests' own"
     assert urls == [joining]
     for before, result in zip(saved, results, strict=True):
@@ -180,3 +183,52 @@ def test_a_joining_engine_loads_the_last_synced_weights_before_it_is_synced_to(t
         assert report.num_engines == 0
         assert sync.add_engine(first) == 2
         assert sync.engine_versions == {first: 2}
+
+
+def test_tokens_an_abort_does_not_hand_back_are_counted_regenerated_on_the_move():
+    """An abort can cut SGLang's log-prob stream one token short of `output_ids` (`resumable.parse_piece` keeps only
+    tokens with a log-prob). A draining engine answers its two held requests aborted: one whole (5 generated, 5 handed
+    back), one short (`completion_tokens` 5, 4 log-probs): the move costs exactly 1 token generated again."""
+    answered = asyncio.Event()
+
+    async def generate(request: web.Request) -> web.Response:
+        body = await request.json()
+        await answered.wait()  # held until the pool drains this engine
+        short = body["rid"].startswith("short")
+        entries = [[-0.5, t, None] for t in range(10, 15)]
+        meta = {
+            "id": body["rid"],
+            "finish_reason": {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None},
+            "prompt_tokens": 3,
+            "completion_tokens": 5,
+            "weight_version": "0",
+            "output_token_logprobs": entries[:4] if short else entries,
+        }
+        return web.json_response({"text": "", "output_ids": list(range(10, 15)), "meta_info": meta})
+
+    async def scenario() -> tuple[SampleMoves, int]:
+        app = web.Application()
+        app.router.add_post("/generate", generate)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        pool = EnginePool([url])
+        try:
+            calls = [
+                asyncio.create_task(pool.post_generate({"input_ids": [1, 2, 3]}, rid, timeout_s=30))
+                for rid in ("whole", "short")
+            ]
+            while pool.engine(url).in_flight < 2:
+                await asyncio.sleep(0.01)
+            pool.begin_drain(url)
+            answered.set()
+            await asyncio.gather(*calls)
+            return pool.sample_moves(url), pool.moves(url)
+        finally:
+            await pool.aclose()
+            await runner.cleanup()
+
+    moves, moved = asyncio.run(scenario())
+    assert moves == SampleMoves(samples=2, tokens_regenerated=1, samples_unanswered=0) and moved == 2

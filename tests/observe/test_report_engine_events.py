@@ -48,7 +48,9 @@ def _metrics(engines_active: bool = True) -> list[dict]:
     return rows
 
 
-def _event(step: int, event: str, engine: str, active: int, moved: int = 0, source: str = "launched") -> dict:
+def _event(
+    step: int, event: str, engine: str, active: int, moved: int = 0, source: str = "launched", regenerated: int = 0
+) -> dict:
     return {
         "time": T0 + 2.0 * step - 0.5,
         "step": step,
@@ -56,6 +58,7 @@ def _event(step: int, event: str, engine: str, active: int, moved: int = 0, sour
         "engine": engine,
         "url": f"http://127.0.0.1:{30000 + int(engine[-1])}",
         "samples_moved": moved,
+        "tokens_regenerated": regenerated,
         "engines_active": active,
         "source": source,
     }
@@ -64,7 +67,7 @@ def _event(step: int, event: str, engine: str, active: int, moved: int = 0, sour
 EVENTS = [
     _event(3, "join", "engine-1", 2),
     _event(3, "join", "engine-2", 3),
-    _event(5, "leave", "engine-1", 2, moved=3),
+    _event(5, "leave", "engine-1", 2, moved=3, regenerated=1),
     _event(6, "join", "ext-9", 3, source="registered"),
     _event(7, "lost", "engine-2", 2, moved=2),
     _event(7, "leave", "ext-9", 1, source="registered"),
@@ -93,7 +96,7 @@ def test_each_change_is_a_labelled_line_on_the_engines_and_throughput_figures(tm
     figures = dict(rf.build_figures([report]))
     expected = {
         3: "+2 engines (launched)",
-        5: "-1 engine, 3 samples moved",
+        5: "-1 engine, 3 samples moved, 1 token regenerated",
         6: "+1 engine (registered)",
         7: "-2 engines (1 lost), 2 samples moved",
         8: "1 engine restarted",
@@ -103,6 +106,9 @@ def test_each_change_is_a_labelled_line_on_the_engines_and_throughput_figures(tm
         (hover,) = [t for t in figures[title].data if t.name == "engine events"]
         assert list(hover.x) == list(expected)
         assert hover.hovertext[2] == "join ext-9 (http://127.0.0.1:30009, registered), 3 active"
+        assert hover.hovertext[1] == (
+            "leave engine-1 (http://127.0.0.1:30001, launched), 3 samples moved (1 token regenerated), 2 active"
+        )
     engines = figures["Engines"]
     (active,) = [t for t in engines.data if t.name == "engines active"]
     assert active.line.shape == "hv"  # a count holds until the next change
@@ -149,11 +155,11 @@ def test_the_summary_counts_the_changes_and_the_page_carries_them(tmp_path: Path
     report = load_report(_run_dir(tmp_path / "run"))
     line = dict(rh.summary_rows(report))["engine changes"]
     assert line == (
-        "3 joined (2 launched, 1 registered), 2 left, 1 lost, 1 restarted; 5 samples moved; "
+        "3 joined (2 launched, 1 registered), 2 left, 1 lost, 1 restarted; 5 samples moved (1 token regenerated); "
         "2 active after the last (engine_events.jsonl)"
     )
     page = rh.render_html([report])
-    assert "-1 engine, 3 samples moved" in page and 'data-figure="Engines"' in page
+    assert "-1 engine, 3 samples moved, 1 token regenerated" in page and 'data-figure="Engines"' in page
 
 
 def test_an_event_without_a_step_is_placed_at_the_next_step_logged() -> None:
@@ -222,7 +228,12 @@ def test_the_engine_changes_read_in_headless_chromium(tmp_path: Path) -> None:
     assert found, f"chromium printed no checked DOM: {proc.stderr[-2000:]}"
     drawn = json.loads(html.unescape(found.group(1)))
     assert drawn["traces"] >= 1  # the markers (the fixture predates engines/active: said on the panel)
-    labels = {"+2 engines (launched)", "-1 engine, 3 samples moved", "+1 engine (registered)", "1 engine restarted"}
+    labels = {
+        "+2 engines (launched)",
+        "-1 engine, 3 samples moved, 1 token regenerated",
+        "+1 engine (registered)",
+        "1 engine restarted",
+    }
     assert labels <= set(drawn["engines"]) and labels <= set(drawn["throughput"])
     # The note names one run per line; the browser's text of it may break after the colon.
     assert any("not recorded by this run" in text and "engines/active" in text for text in drawn["engines"]), drawn

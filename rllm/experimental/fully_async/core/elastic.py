@@ -14,7 +14,10 @@ The shells call these: the driver's control endpoint and its appliers (`runtime/
   `engines.no_engine_timeout_s` passes; then the run stops with one line naming the key.
 - `event_record`: one line of RUN_DIR/engine_events.jsonl, the contract `report` and `simulate` read. Its fields are
   exactly `EVENT_FIELDS`. `samples_moved` is non-zero only on `move` lines (so summing it counts each moved sample
-  once): a `move` line precedes the `leave`, `lost` or `restart` line of the engine its samples left.
+  once): a `move` line precedes the `leave`, `lost` or `restart` line of the engine its samples left. A `move` line
+  also says what the move cost (`SampleMoves`): `tokens_regenerated`, the tokens the engine reported generating for
+  the moved samples beyond those it handed back (0 expected), and `samples_unanswered`, moved samples whose call
+  never got an answer (their engine's tokens since are not known, so not counted in `tokens_regenerated`).
 """
 
 from __future__ import annotations
@@ -29,10 +32,40 @@ MemberState = Literal["starting", "active", "draining"]
 
 CONTROL_FILE = "control.json"  # RUN_DIR/control.json: the control endpoint's URL and token, mode 0600
 EVENTS_FILE = "engine_events.jsonl"  # RUN_DIR/engine_events.jsonl: one line per membership event
-EVENT_FIELDS = ("time", "step", "event", "engine", "url", "samples_moved", "engines_active", "source")
+EVENT_FIELDS = (
+    "time",
+    "step",
+    "event",
+    "engine",
+    "url",
+    "samples_moved",
+    "tokens_regenerated",
+    "samples_unanswered",
+    "engines_active",
+    "source",
+)
 EVENT_KINDS: tuple[str, ...] = ("join", "leave", "lost", "restart", "move")
 OPS = ("add", "remove", "register", "list")
 MAX_ADD = 64  # engines one `add` may ask for: a typo (1000) must not fork a thousand servers
+
+
+@dataclass(frozen=True)
+class SampleMoves:
+    """What one engine handed on to the others (counted by the rollout client's pool, `EnginePool.sample_moves`).
+
+    - `samples`: samples that continue on another engine from their tokens (aborted while it drained, cut off after
+      the drain's timeout, or re-sent after a connection failure on it);
+    - `tokens_regenerated`: of the aborted ones, the tokens the engine reported generating (SGLang's
+      `completion_tokens`) beyond those it handed back with a log-prob (what the sample continues from): the next
+      engine generates these again. 0 expected: an abort returns every token;
+    - `samples_unanswered`: moved samples whose call got no answer (cut off, or the engine unreachable). Each
+      continues from the tokens it had when sent; what the engine made for it since is not known, so it is not in
+      `tokens_regenerated`.
+    """
+
+    samples: int = 0
+    tokens_regenerated: int = 0
+    samples_unanswered: int = 0
 
 
 class ElasticError(ValueError):
@@ -269,30 +302,37 @@ def event_record(
     event: EngineEventKind,
     member: Member,
     engines_active: int,
-    samples_moved: int = 0,
+    moves: SampleMoves | None = None,
 ) -> dict[str, Any]:
-    """One RUN_DIR/engine_events.jsonl line (fields `EVENT_FIELDS`, see the module docstring)."""
+    """One RUN_DIR/engine_events.jsonl line (fields `EVENT_FIELDS`, see the module docstring); `moves` only on a
+    `move` line."""
     if event not in EVENT_KINDS:
         raise ValueError(f"unknown engine event {event!r}")
-    if samples_moved and event != "move":
-        raise ValueError("samples_moved is counted on move lines only")
+    if moves is not None and event != "move":
+        raise ValueError("samples are moved on move lines only")
+    moves = moves or SampleMoves()
     return {
         "time": float(time),
         "step": int(step),
         "event": event,
         "engine": member.id,
         "url": member.url,
-        "samples_moved": int(samples_moved),
+        "samples_moved": int(moves.samples),
+        "tokens_regenerated": int(moves.tokens_regenerated),
+        "samples_unanswered": int(moves.samples_unanswered),
         "engines_active": int(engines_active),
         "source": member.source,
     }
 
 
 def event_metrics(counts: dict[str, int], engines_active: int) -> dict[str, float]:
-    """The engines/* metrics of the events so far (`counts`: event kind -> number, `samples_moved` -> total)."""
+    """The engines/* metrics of the events so far (`counts`: event kind -> number; `samples_moved`,
+    `tokens_regenerated` and `samples_unanswered` -> their totals)."""
     return {
         "engines/active": float(engines_active),
         "engines/joined": float(counts.get("join", 0)),
         "engines/left": float(counts.get("leave", 0)),
         "engines/samples_moved": float(counts.get("samples_moved", 0)),
+        "engines/tokens_regenerated": float(counts.get("tokens_regenerated", 0)),
+        "engines/samples_unanswered": float(counts.get("samples_unanswered", 0)),
     }

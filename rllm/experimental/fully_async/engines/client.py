@@ -31,6 +31,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from rllm.experimental.fully_async.api.progress import GenerationProgress
+from rllm.experimental.fully_async.core.elastic import SampleMoves
 from rllm.experimental.fully_async.engines.http import (
     EngineConnectionError,
     EngineError,
@@ -247,6 +248,10 @@ class EngineClient:
     def moves(self, url: str) -> int:
         """Samples that left `url` for another engine (see `EnginePool.moves`)."""
         return self.pool.moves(url)
+
+    def sample_moves(self, url: str) -> SampleMoves:
+        """Those samples with what their move cost (see `EnginePool.sample_moves`)."""
+        return self.pool.sample_moves(url)
 
     async def read_lora_adapters(self, *, timeout_s: float | None = None) -> dict[str, frozenset[str] | None]:
         """Read back what every live engine serves (/v1/models) and route by it: after a restart (LoRA), where the

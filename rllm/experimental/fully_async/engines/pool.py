@@ -9,7 +9,8 @@
   `wait_for_engine_s` for one to come back or be replaced, then raises `NoHealthyEngineError`.
 - Moves: a draining engine's pieces that come back aborted, or that a drain out of time cut off (`cut_off`), as
   `moved`, and requests re-sent elsewhere after a connection failure (`failed_over`), per engine: the samples that
-  continue on another engine from their tokens.
+  continue on another engine from their tokens; with what each move cost (`sample_moves`: the tokens an aborted
+  piece was generated with but did not hand back, and the moved samples whose call got no answer).
 - Routing: `post_generate` sends one `/generate` to the live engine with the fewest requests in flight from this
   pool, failing over to another engine on connection errors with bounded exponential back-off.
 - Calls in flight: every `post_generate` takes a ticket in send order, so a checkpoint that pauses the engines can
@@ -35,6 +36,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 
+from rllm.experimental.fully_async.core.elastic import SampleMoves
 from rllm.experimental.fully_async.core.engine_activity import EngineActivity
 from rllm.experimental.fully_async.engines.http import (
     CONNECTION_ERRORS,
@@ -67,8 +69,10 @@ class EngineState:
     activity: EngineActivity = field(default_factory=EngineActivity)
     lora_adapters: frozenset[str] | None = None  # adapter names it serves, as last loaded/listed (None: not known)
     draining: bool = False  # leaving: routed around like a dead engine, its calls awaited (`wait_drained`)
-    moved: int = 0  # pieces it returned aborted while draining: each continues elsewhere from its tokens
+    moved: int = 0  # pieces it returned aborted while draining, or cut off: each continues elsewhere from its tokens
     failed_over: int = 0  # requests re-sent elsewhere after a connection failure on it
+    cut: int = 0  # of `moved`, the pieces cut off (no answer: what it made for them is not known)
+    regenerated: int = 0  # tokens its aborted pieces were generated with but did not hand back (`_unreturned_tokens`)
     calls: dict[asyncio.Future[Any], int] = field(default_factory=dict)  # its /generate calls now: prompts in each
 
     @property
@@ -302,6 +306,18 @@ class EnginePool:
         engine = self._engines.get(url) or self.removed.get(url)
         return 0 if engine is None else engine.moved + engine.failed_over
 
+    def sample_moves(self, url: str) -> SampleMoves:
+        """`moves(url)` with what they cost (core/elastic.py's `SampleMoves`)."""
+        url = url.rstrip("/")
+        engine = self._engines.get(url) or self.removed.get(url)
+        if engine is None:
+            return SampleMoves()
+        return SampleMoves(
+            samples=engine.moved + engine.failed_over,
+            tokens_regenerated=engine.regenerated,
+            samples_unanswered=engine.cut + engine.failed_over,
+        )
+
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = new_session(self.max_connections)
@@ -449,6 +465,7 @@ class EnginePool:
                 if not call.cancelled() or (current is not None and current.cancelling()):
                     raise  # the caller was cancelled, not this call
                 engine.moved += n  # cut off (a drain ran out of time): sent again elsewhere, from the same tokens
+                engine.cut += n
                 failed_on.add(engine.url)
                 continue
             except CONNECTION_ERRORS as exc:
@@ -469,6 +486,7 @@ class EnginePool:
             self.record_success(engine)
             if engine.draining:
                 engine.moved += _aborted_pieces(data)
+                engine.regenerated += _unreturned_tokens(data)
             return engine.url, data, attempt
         raise EngineConnectionError(
             f"/generate failed {max_attempts} times on engines {sorted(failed_on)}; last errors: "
@@ -506,6 +524,23 @@ def _output_tokens(data: Any) -> int:
     aborted piece's tokens were generated and are continued from (engines/resumable.py)."""
     items = data if isinstance(data, list) else [data]
     return sum(len(item.get("output_ids") or ()) for item in items if isinstance(item, dict))
+
+
+def _unreturned_tokens(data: Any) -> int:
+    """Tokens the aborted outputs of a /generate answer were generated with (SGLang's `completion_tokens`) beyond
+    those they hand back with a log-prob each, the tokens `resumable.parse_piece` keeps and the sample continues
+    from: its next engine generates these again (an abort can cut the log-prob stream one token short)."""
+    items = data if isinstance(data, list) else [data]
+    unreturned = 0
+    for item in items:
+        meta = item.get("meta_info", {}) if isinstance(item, dict) else {}
+        finish = meta.get("finish_reason")
+        if (finish.get("type") if isinstance(finish, dict) else finish) != "abort":
+            continue
+        output_ids = item.get("output_ids") or ()
+        kept = min(len(output_ids), len(meta.get("output_token_logprobs") or ()))
+        unreturned += max(0, int(meta.get("completion_tokens", len(output_ids))) - kept)
+    return unreturned
 
 
 def _aborted_pieces(data: Any) -> int:

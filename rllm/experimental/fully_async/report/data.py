@@ -411,8 +411,9 @@ ENGINE_EVENT_KINDS = ("join", "leave", "lost", "restart", "move")
 @dataclass(frozen=True)
 class EngineEvent:
     """One change of the engine set, a line of `RUN_DIR/engine_events.jsonl`: when (unix time, trainer step), what
-    (`ENGINE_EVENT_KINDS`), which engine (its id and URL), the samples it handed on, the engines active after it,
-    and whether the run launched the engine or a user registered it by URL."""
+    (`ENGINE_EVENT_KINDS`), which engine (its id and URL), the samples it handed on and the tokens their move made
+    generate again, the engines active after it, and whether the run launched the engine or a user registered it by
+    URL."""
 
     event: str
     engine: str
@@ -420,15 +421,26 @@ class EngineEvent:
     time: float | None = None
     url: str = ""
     samples_moved: int = 0
+    tokens_regenerated: int = 0
     engines_active: int | None = None
     source: str = ""
 
     def detail(self) -> str:
-        """One line for the hover: '<event> <engine> (<url>, <source>): N samples moved, M active'."""
+        """One line for the hover: '<event> <engine> (<url>, <source>), N samples moved (T tokens regenerated),
+        M active'."""
         where = ", ".join(part for part in (self.url, self.source) if part)
-        moved = f", {self.samples_moved} samples moved" if self.samples_moved else ""
+        moved = (
+            f", {self.samples_moved} samples moved ({regenerated_text(self.tokens_regenerated)})"
+            if self.samples_moved
+            else ""
+        )
         active = f", {self.engines_active} active" if self.engines_active is not None else ""
         return f"{self.event} {self.engine}" + (f" ({where})" if where else "") + moved + active
+
+
+def regenerated_text(tokens: int) -> str:
+    """'1 token regenerated', 'N tokens regenerated': what moving samples made an engine generate again."""
+    return f"{tokens} token{'' if tokens == 1 else 's'} regenerated"
 
 
 def parse_engine_events(lines: Iterable[str], source: str) -> list[EngineEvent]:
@@ -443,6 +455,7 @@ def parse_engine_events(lines: Iterable[str], source: str) -> list[EngineEvent]:
         if not (_is_number(step) or _is_number(time)):
             raise ReportDataError(f"{source}: event {number} has neither `step` nor `time`: placed nowhere")
         moved, active = record.get("samples_moved"), record.get("engines_active")
+        regenerated = record.get("tokens_regenerated")
         events.append(
             EngineEvent(
                 event=record["event"],
@@ -451,6 +464,7 @@ def parse_engine_events(lines: Iterable[str], source: str) -> list[EngineEvent]:
                 time=float(time) if _is_number(time) else None,
                 url=str(record.get("url") or ""),
                 samples_moved=int(moved) if _is_number(moved) else 0,
+                tokens_regenerated=int(regenerated) if _is_number(regenerated) else 0,
                 engines_active=int(active) if _is_number(active) else None,
                 source=str(record.get("source") or ""),
             )
@@ -507,6 +521,8 @@ def _events_label(events: list[EngineEvent]) -> str:
     moved = sum(e.samples_moved for e in events)
     if moved:
         parts.append(f"{moved} samples moved")
+    if regenerated := sum(e.tokens_regenerated for e in events):
+        parts.append(regenerated_text(regenerated))
     return ", ".join(parts)
 
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from plotly.offline import get_plotlyjs
 
 from rllm.experimental.fully_async.observe.progress import format_duration
-from rllm.experimental.fully_async.report.data import RunReport, Sample, eta_changes
+from rllm.experimental.fully_async.report.data import RunReport, Sample, eta_changes, regenerated_text
 from rllm.experimental.fully_async.report.figures import build_figures
 from rllm.experimental.fully_async.report.plot import RUN_COLOURS
 
@@ -128,9 +128,10 @@ def _engine_changes(report: RunReport) -> str:
             parts.append(f"{n} {past.get(kind, kind)}")
     said = ", ".join(parts)
     moved = sum(e.samples_moved for e in events)
+    regenerated = sum(e.tokens_regenerated for e in events)
     active = [e.engines_active for e in events if e.engines_active is not None]
     end = f"; {active[-1]} active after the last" if active else ""
-    return f"{said}; {moved} samples moved{end} (engine_events.jsonl)"
+    return f"{said}; {moved} samples moved ({regenerated_text(regenerated)}){end} (engine_events.jsonl)"
 
 
 def summary_block(report: RunReport, index: int) -> str:

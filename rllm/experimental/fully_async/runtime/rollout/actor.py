@@ -19,6 +19,7 @@ from typing import Any
 import ray
 
 from rllm.experimental.fully_async.api.step_messages import Ack, Batch, BatchRequest
+from rllm.experimental.fully_async.core.elastic import SampleMoves
 from rllm.experimental.fully_async.engines.lora import adapter_version
 from rllm.experimental.fully_async.observe.dumps import write_episodes
 from rllm.experimental.fully_async.run_spec import RunSpec
@@ -98,21 +99,22 @@ class RolloutServiceActor:
         """Route rollouts to a joining engine too (already at the trainer's weights: the driver synced it first)."""
         self.client.add_engine(url, api_key)
 
-    async def drain_engine(self, url: str, timeout_s: float) -> int:
+    async def drain_engine(self, url: str, timeout_s: float) -> SampleMoves:
         """A leaving engine: no new rollout goes to it, its in-flight samples continue on the others from their
-        tokens, then it is out of routing; returns how many samples moved
+        tokens, then it is out of routing; returns the samples that moved and what moving them cost
         (docs/design.md#rule-engine-set-can-change)."""
-        return await self.client.drain_engine(url, timeout_s)
+        await self.client.drain_engine(url, timeout_s)
+        return self.client.sample_moves(url)
 
-    def forget_engine(self, url: str) -> int:
+    def forget_engine(self, url: str) -> SampleMoves:
         """An engine that died for good: out of routing; returns the samples re-sent elsewhere from it so far."""
-        moved = self.client.moves(url)
+        moved = self.client.sample_moves(url)
         self.client.pool.remove_engine(url)
         return moved
 
-    def engine_moves(self, url: str) -> int:
+    def engine_moves(self, url: str) -> SampleMoves:
         """Samples that left `url` for another engine so far (aborted while draining, or failed over)."""
-        return self.client.moves(url)
+        return self.client.sample_moves(url)
 
     async def begin_weight_sync(self) -> float:
         return await self.gate.begin_sync(self.gate_timeout_s)

@@ -51,6 +51,7 @@ from rllm.experimental.fully_async.core.elastic import (
     Member,
     Membership,
     NoEngineClock,
+    SampleMoves,
     ServerAnswers,
     authorized,
     event_metrics,
@@ -246,7 +247,8 @@ class EngineEvents:
         with self.path.open("a") as out:
             out.write(json.dumps(record) + "\n")
         self.counts[record["event"]] += 1
-        self.counts["samples_moved"] += record["samples_moved"]
+        for total in ("samples_moved", "tokens_regenerated", "samples_unanswered"):
+            self.counts[total] += record[total]
 
 
 # ---------------------------------------------------------------------------------------------------- the applier
@@ -407,18 +409,18 @@ class ElasticEngines:
             self.ctx.supervisor.release(member.slot)
         self._retire(member, "leave", moved)
         self.ctx.message(
-            f"engine {member.id} left ({member.url}); {moved} sample(s) in flight moved to other engines; "
-            f"{len(self.membership.active)} engine(s) active"
+            f"engine {member.id} left ({member.url}); {moved.samples} sample(s) in flight moved to other engines "
+            f"({moved.tokens_regenerated} token(s) to generate again); {len(self.membership.active)} engine(s) active"
         )
 
     def _forget(self, member: Member) -> None:
         self.membership.drop(member.id)
         unclaim(member.url, self.ctx.run_dir)
 
-    def _retire(self, member: Member, event: str, moved: int) -> None:
+    def _retire(self, member: Member, event: str, moved: SampleMoves | None) -> None:
         """Forget an engine that left or was lost; its `move` line (the samples it handed on) precedes its own."""
         self._forget(member)
-        if moved:
+        if moved is not None and moved.samples:
             self._record("move", member, moved)
         self._record(event, member)
 
@@ -433,7 +435,7 @@ class ElasticEngines:
             except Exception as exc:  # it never served: stop it, the run goes on as it was
                 logger.warning("engine %s at %s could not join: %s", member.id, member.url, exc)
                 self.ctx.supervisor.release(event.index)
-                self._retire(member, "lost", 0)
+                self._retire(member, "lost", None)
                 self.ctx.message(f"engine {member.id} ({member.url}) could not join and was stopped: {exc}")
         elif isinstance(event, EngineReplaced):
             member = self.membership.by_slot(event.index)
@@ -443,7 +445,7 @@ class ElasticEngines:
             moved = ray.get(self.ctx.rollouts.engine_moves.remote(event.old_url), timeout=60)
             ray.get(self.ctx.rollouts.replace_engine.remote(event.old_url, event.new_url), timeout=60)
             if member is not None:
-                if moved:  # from the engine that died, at its URL
+                if moved.samples:  # from the engine that died, at its URL
                     self._record("move", member, moved)
                 unclaim(member.url, self.ctx.run_dir)
                 member.url = normalize_url(event.new_url)
@@ -453,7 +455,7 @@ class ElasticEngines:
         elif isinstance(event, EngineLost):
             member = self.membership.by_slot(event.index)
             if member is not None and member.state == "starting":  # `engines add`ed, never served: nothing moves
-                self._retire(member, "lost", 0)
+                self._retire(member, "lost", None)
                 self.ctx.message(
                     f"engine {member.id} ({event.url}) could not join: {event.reason}; "
                     f"continuing with {len(self.membership.active)} engine(s)"
@@ -487,7 +489,7 @@ class ElasticEngines:
         ray.get(self.ctx.trainer.remove_engine.remote(url), timeout=self.ctx.sync_timeout_s)
         self._retire(member, "lost", moved)
 
-    def _record(self, event: Any, member: Member, moved: int = 0) -> None:
+    def _record(self, event: Any, member: Member, moved: SampleMoves | None = None) -> None:
         self.events.write(
             event_record(
                 time=time.time(),
@@ -495,6 +497,6 @@ class ElasticEngines:
                 event=event,
                 member=member,
                 engines_active=len(self.membership.active),
-                samples_moved=moved,
+                moves=moved,
             )
         )
