@@ -118,6 +118,10 @@ def test_removed_engines_samples_move_with_their_tokens(partial: bool, limit: in
         assert moved[2] > limit  # 3 engines' samples onto 1: some wait in its queue with their tokens
     decoded = sum(s.tokens_decoded for s in result.segments)
     accounted = result.tokens_generated + _in_flight_tokens(sim) + result.tokens_regenerated
+    # The run's generated rate counts every token decoded, as a real run's rollout/tokens_per_s does (the tokens
+    # of samples still in flight and of restarted pieces included), not only the finished samples' tokens.
+    assert result.generated_tokens_per_s * result.wall_s == pytest.approx(decoded, rel=1e-9)
+    assert result.generated_tokens_per_s * result.wall_s > result.tokens_generated
     if partial:
         assert result.tokens_regenerated == 0
         assert decoded == pytest.approx(accounted, rel=1e-9)

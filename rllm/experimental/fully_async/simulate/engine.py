@@ -158,7 +158,7 @@ class Simulation:
             self.result.engine_paused_s += engine.paused_s
         self._close_segment()
         r = self.result
-        r.wall_s, r.steps = self.t, self.step
+        r.wall_s, r.steps, r.tokens_decoded = self.t, self.step, self.decoded
         r.engine_s = sum((self.t if e.left_at is None else e.left_at) - e.joined_at for e in self.engines)
         r.final_eta = self.eta if self.controller is not None else None
         r.trace = self.trace or []

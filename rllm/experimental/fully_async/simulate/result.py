@@ -86,6 +86,9 @@ class SimResult:
     samples_moved: int = 0  # samples moved off removed engines
     tokens_regenerated: int = 0  # tokens generated again after a move (0 with token-level resume)
     stopped: str | None = None  # why the run ended before its steps (no engine for no_engine_timeout_s)
+    # Tokens the engines decoded, every piece counted (ones later moved, discarded or still in flight at the end
+    # included): what a run's rollout/tokens_per_s counts (runtime/rollout/service.py), so the two compare.
+    tokens_decoded: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         """The figures the CLI prints and every segment, as plain JSON-able values (`simulate --json FILE`)."""
@@ -118,7 +121,8 @@ class SimResult:
 
     @property
     def generated_tokens_per_s(self) -> float:
-        return self.tokens_generated / self.wall_s if self.wall_s > 0 else 0.0
+        """Tokens decoded per second of the run (`tokens_decoded`), as a run's rollout/tokens_per_s counts them."""
+        return self.tokens_decoded / self.wall_s if self.wall_s > 0 else 0.0
 
     @property
     def trained_tokens_per_s(self) -> float:
