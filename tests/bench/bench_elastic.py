@@ -123,7 +123,7 @@ def table(results: list[dict[str, Any]]) -> str:
     """One column per config: the join's timeline, the weight load, throughput before -> after, the leave."""
 
     def row(label: str, cell) -> str:
-        return f"{label:<52}" + "".join(f"{cell(r):>22}" for r in results)
+        return f"{label:<52}" + "".join(f"{cell(r):>28}" for r in results)
 
     def per_s(key: str, spec: str):
         return lambda r: f"{_runs.fmt(r['before'][key], spec)} -> {_runs.fmt(r['after'][key], spec)}"
