@@ -158,7 +158,7 @@ def killed_run(warm_small_task, tmp_path_factory) -> Callable[[int], Path]:
     def killed(ranks: int) -> Path:
         if ranks not in made:
             root = tmp_path_factory.mktemp(f"killed_{ranks}_ranks")
-            command = [*_epoch_command(warm_small_task, root / "run"), "run.record_batches=true"]
+            command = [*_epoch_command(warm_small_task, root / "run"), *TWO_RANK_RUN]
             first = _start([*command, f"trainer.n_gpus_per_node={ranks}"], root)
             _wait_for_line(first, "step    3/", timeout_s=400)
             _sigkill_tree(first)
@@ -176,13 +176,18 @@ def killed_run(warm_small_task, tmp_path_factory) -> Callable[[int], Path]:
 # torch.distributed.checkpoint into the checkpoint being saved, and the resumed group reads them back. The second
 # case resumes the two ranks' checkpoint with one rank (DCP reshards; runtime/checkpoints/trainer_state.py). One rank
 # killed and resumed with one is the token-level resume test below (the same checks, on one run pair fewer).
+# The weights reach the engines by broadcast (param_sync.transport=distributed, small buckets), in both runs: a
+# weight group of the ranks and the two engines, built again by the resumed run; nothing goes to disk.
+TWO_RANK_RUN = ("run.record_batches=true", "param_sync.transport=distributed", "param_sync.bucket_mb=1")
+
+
 @pytest.mark.slow  # CLI runs end to end
 @pytest.mark.parametrize(("ranks", "resume_ranks"), [(2, 2), (2, 1)], ids=["two-ranks", "two-ranks-resumed-by-one"])
 def test_sigkill_then_resume_trains_every_prompt_of_the_epoch_exactly_once(
     warm_small_task, killed_run, tmp_path, ranks, resume_ranks
 ):
     run_dir = killed_run(ranks)
-    command = [*_epoch_command(warm_small_task, run_dir), "run.record_batches=true"]
+    command = [*_epoch_command(warm_small_task, run_dir), *TWO_RANK_RUN]
     killed_at = CheckpointManager(run_dir / "checkpoints").latest()
     assert killed_at is not None
     # every rank's shard is in the checkpoint (and its manifest, which the resume verifies); trainer.pt refers to them
@@ -210,6 +215,14 @@ def test_sigkill_then_resume_trains_every_prompt_of_the_epoch_exactly_once(
     assert ledger_state["version"] == 2 and ledger_state["in_flight"] == []
     counts = history_counts(history)
     assert counts["issued"] == counts["trained"] == ledger_state["issued"] == len(expected)
+    # Every step synced by broadcast, to the end: the final validation ran on engines that read back the last
+    # version (the last broadcast arrived), and the disk transport's param_sync.weights_dir was never made.
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "trainer/step" in r]
+    assert steps and all("sync/pause_s" in r for r in steps)
+    assert steps[-1]["trainer/version"] == NUM_PROMPTS // GROUPS_PER_STEP
+    assert [r["val/min_version"] for r in rows if "val/min_version" in r][-1] == steps[-1]["trainer/version"]
+    assert not (run_dir / "weights").exists(), "weights went to disk"
     if resume_ranks == ranks:
         # The batch record (run.record_batches) replays the two ranks' training bit for bit across the resume
         # (FSDP2 over gloo: each rank's gradient over its token-balanced shard, the two added in a fixed order).

@@ -3,23 +3,21 @@
 Trainer rank 0 is rank 0 of the weight-update group and broadcasts bucket by bucket; rank 1 only takes part in
 gathering the full parameters. After a training step the engines' versions read back, and their log-probs equal those
 after a disk sync of the same weights (the 2-rank HF export). An engine killed mid-broadcast fails the sync in time
-and neither rank is left waiting (the next sync and the next training call go through). A short CLI run with
-`trainer.n_gpus_per_node=2 trainer.device=cpu param_sync.transport=distributed` completes.
+and neither rank is left waiting (the next sync and the next training call go through). A whole CLI run with two
+ranks and `param_sync.transport=distributed` is tests/e2e/test_resume.py's two-rank kill and resume (every step synced
+by broadcast, in both runs; nothing written to disk).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
-import subprocess
 import time
 
 import pytest
 import torch
 from engine_helpers import max_abs_diff, reference_logprobs, restarted
-from run_helpers import addition_run_command, leftover_processes
 from test_distributed_sync import PROMPTS, greedy, versions
 from test_trainer_ranks import CFG, TIMEOUTS, odd_batch
 from transformers import AutoModelForCausalLM
@@ -194,42 +192,3 @@ def test_the_transport_takes_each_backends_own_source_of_full_tensors(models):
         assert names == expected_names and staged.nbytes == expected_bytes
         transport.close()
     assert megatron.drained == len(state_b)
-
-
-@pytest.mark.slow  # a CLI run end to end
-def test_a_short_cli_run_with_two_trainer_ranks_syncs_by_broadcast(tmp_path, addition_cache):
-    run_dir = tmp_path / "run"
-    command = addition_run_command(
-        run_dir,
-        addition_cache,
-        "trainer.n_gpus_per_node=2",
-        "trainer.device=cpu",
-        "param_sync.transport=distributed",
-        "param_sync.bucket_mb=1",
-        "trainer.total_training_steps=3",
-        "trainer.test_freq=0",
-        "trainer.val_before_train=false",
-        "data.train_batch_size=8",
-        "async_training.required_samples=8",
-        "actor_rollout_ref.rollout.n=4",
-        "engines.num_engines=2",
-    )
-    # RAY_ADDRESS=local: a Ray of its own even when another `ray start` cluster on this machine left its address in
-    # /tmp/ray/ray_current_cluster (ray.init() would join that one).
-    env = dict(os.environ, RLLM_LOG_LEVEL="INFO", PYTHONUNBUFFERED="1", RAY_ADDRESS="local")
-    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        output, _ = proc.communicate(timeout=540)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        output, _ = proc.communicate()
-        pytest.fail(f"the run did not finish in 540 s:\n{output[-3000:]}")
-    assert proc.returncode == 0, output[-3000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "trainer/step" in r]
-    assert [r["trainer/version"] for r in steps] == [1, 2, 3] and all("sync/pause_s" in r for r in steps)
-    # The final validation ran on engines that read back version 3: the last broadcast arrived.
-    assert [r["val/min_version"] for r in rows if "val/min_version" in r][-1] == 3
-    # The disk transport creates param_sync.weights_dir when it is built; the broadcast never does.
-    assert not (run_dir / "weights").exists(), "weights went to disk"
-    assert leftover_processes(proc.pid, str(addition_cache)) == []
