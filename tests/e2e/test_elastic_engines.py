@@ -10,8 +10,9 @@ stopped with SIGTERM (a checkpoint, every process ended) and checked: the event 
 fields, the ledger journal audits clean (no sample issued or ended twice, nothing lost: issued = in flight + ended,
 none failed), and the engines/* metrics counted the joins and leaves. That a moved sample continues from exactly its
 saved tokens is held on real engines in tests/engines/test_engine_membership.py, where the decode hold can catch
-requests decoding. A second, shorter run is stopped with SIGTERM while no engine is left and the trainer waits for a
-batch: it checkpoints its last step and ends in seconds.
+requests decoding. A second, shorter run loses its only engine (SIGKILL, no restart left): generation waits for one to
+join instead of the run ending; SIGTERM then, while the trainer waits for a batch, checkpoints its last step and ends
+the run in seconds.
 """
 
 from __future__ import annotations
@@ -245,10 +246,14 @@ def test_nothing_is_left_running(elastic_run):
     assert leftover_processes(proc.pid, model) == []
 
 
-def test_sigterm_while_no_engine_is_left_checkpoints_the_step_and_stops_at_once(tmp_path, addition_cache):
-    """The trainer waits for a batch that cannot come (its only engine left); SIGTERM then saves a checkpoint at
-    the last step and ends the run in seconds. Before, the trainer's checkpoint call queued behind that wait: the
-    run waited 300 s, then stopped with no new checkpoint."""
+def test_losing_the_only_engine_pauses_generation_and_sigterm_then_checkpoints_the_step_at_once(
+    tmp_path, addition_cache
+):
+    """The run's only engine is SIGKILLed with its restarts used up (`engines.max_restarts=0`): it is lost, and
+    generation waits for an engine to join (engines.no_engine_timeout_s) instead of the run ending. The trainer then
+    waits for a batch that cannot come; SIGTERM saves a checkpoint at the last step and ends the run in seconds.
+    Before, the trainer's checkpoint call queued behind that wait: the run waited 300 s, then stopped with no new
+    checkpoint. (Removing the last engine, rather than losing it, is the long run above.)"""
     run_dir = tmp_path / "run"
     command = addition_run_command(
         run_dir,
@@ -256,6 +261,8 @@ def test_sigterm_while_no_engine_is_left_checkpoints_the_step_and_stops_at_once(
         *ONE_ENGINE_RUN,
         "data.max_response_length=16",
         "engines.no_engine_timeout_s=600",  # the run would wait this long for an engine; the test stops it first
+        "engines.on_engine_failure=restart",
+        "engines.max_restarts=0",
     )
     env = dict(os.environ, RLLM_LOG_LEVEL="WARNING")
     proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -263,10 +270,16 @@ def test_sigterm_while_no_engine_is_left_checkpoints_the_step_and_stops_at_once(
         wait_for("control file", lambda: (run_dir / CONTROL_FILE).exists(), proc)
         rows = lambda: [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
         wait_for("a first step", lambda: (run_dir / "metrics.jsonl").exists() and rows(), proc)
-        send(run_dir, {"op": "remove", "engine": "0"})
-        wait_for("engine 0 leaving", has_event(run_dir, "leave", "0"), proc)
+        (only,) = send(run_dir, {"op": "list"})["engines"]
+        os.kill(engine_pid(only["url"]), signal.SIGKILL)
+        wait_for("engine 0 lost", has_event(run_dir, "lost", "0"), proc)
+        # Each control answer comes from one of the driver's watches (between its waits), so the second is answered
+        # by a watch after the one that found the engine lost: that one has printed its no-engine line by then.
+        for _ in range(2):
+            assert send(run_dir, {"op": "list"})["engines"] == []
+        assert proc.poll() is None, "losing the last engine does not end the run"
 
-        # The engine has left (its event is written once it is out): from now on no group can be made, so the
+        # The engine is gone (its event is written once it is out): from now on no group can be made, so the
         # trainer either finishes a step on what is queued or waits for a batch that cannot come. SIGTERM in either
         # case must checkpoint the last step at once; before the fix the waiting case took 300 s and saved nothing.
         proc.send_signal(signal.SIGTERM)
@@ -279,6 +292,8 @@ def test_sigterm_while_no_engine_is_left_checkpoints_the_step_and_stops_at_once(
             proc.kill()
             proc.communicate()
     assert proc.returncode == 130, output[-3000:]
+    assert "restart budget of 0 used up" in output and "continuing with 0 engine(s)" in output, output[-3000:]
+    assert "no inference engine left: generation waits up to 600s (engines.no_engine_timeout_s)" in output
     assert f"checkpoint at step {last_step} saved" in output, output[-3000:]
     assert stopped_s < 120, f"the run took {stopped_s:.0f}s to stop"
     assert (run_dir / "checkpoints" / f"step_{last_step:08d}").is_dir(), list((run_dir / "checkpoints").iterdir())
