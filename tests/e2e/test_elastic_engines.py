@@ -237,6 +237,9 @@ def test_the_ledger_is_exact_through_every_change(elastic_run):
     last = [r for r in rows if "engines/active" in r][-1]
     assert last["engines/active"] == 1 and last["engines/joined"] == 5 and last["engines/left"] == 4
     assert last["engines/samples_moved"] == sum(e["samples_moved"] for e in events(run_dir))
+    # The staleness bound held through every change: no step trained a token older than η versions.
+    trained = [r for r in rows if "staleness/max" in r]
+    assert trained and all(r["staleness/max"] <= r["rollout/max_staleness"] for r in trained)
     assert last["engines/tokens_regenerated"] == 0
 
 
