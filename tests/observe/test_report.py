@@ -1,10 +1,11 @@
 """The run report: parsing metrics.jsonl, the figures' data, the summary, missing metrics, the page, the CLI, a real
 browser.
 
-`tests/fixtures/report_run/` is a real run of the embedded default (60 steps, 2 cores shared with other jobs):
+`tests/fixtures/report_run/` is a real run of the embedded default (60 steps, 2 cores shared with other jobs; recorded
+again on 2026-12-08 at 11cfcd9, so its metrics are counted as runs count them now):
 `python -m rllm.experimental.fully_async trainer.total_training_steps=60 trainer.test_freq=20
 trainer.rollout_data_dir=RUN_DIR/dumps actor_rollout_ref.actor.calculate_entropy=true run.dir=RUN_DIR`, keeping its
-metrics.jsonl, config.yaml (rollout_data_dir made relative) and the first 16 trajectories of the last step's dump.
+metrics.jsonl, config.yaml (its run paths made relative) and the first 16 trajectories of the last step's dump.
 """
 
 from __future__ import annotations
@@ -233,14 +234,14 @@ def test_real_run_mode_model_and_limits_come_from_its_config(real):
 
 
 def test_real_run_summary_matches_what_the_run_printed_at_its_end(real):
-    # The run's own end-of-run summary said: 60 steps, wall time 1:38, trainer idle 27%, engines 42%,
-    # held-out 43.4% -> 45.5%, ledger trained 30,720 (98.3%).
+    # The run's own end-of-run summary said: 60 steps, wall time 0:27, trainer idle 24%, engines 42%,
+    # held-out 43.4% -> 45.7%, ledger trained 30,720 (98.4%).
     t = real.totals
-    assert t.steps == 60 and round(t.wall_s) == 98
-    assert (round(t.trainer_idle, 2), round(t.engines_idle, 2)) == (0.27, 0.42)
+    assert t.steps == 60 and round(t.wall_s) == 27
+    assert (round(t.trainer_idle, 2), round(t.engines_idle, 2)) == (0.24, 0.42)
     assert [s for s, _ in t.validations] == [0, 20, 40, 60]
-    assert t.first_val[1] == pytest.approx(0.434, abs=1e-3) and t.last_val[1] == pytest.approx(0.455, abs=1e-3)
-    assert t.ledger["trained"] == 30720 and t.ledger["trained"] / t.ledger["issued"] == pytest.approx(0.983, abs=1e-3)
+    assert t.first_val[1] == pytest.approx(0.434, abs=1e-3) and t.last_val[1] == pytest.approx(0.457, abs=1e-3)
+    assert t.ledger["trained"] == 30720 and t.ledger["trained"] / t.ledger["issued"] == pytest.approx(0.984, abs=1e-3)
 
 
 def test_real_run_logs_verl_metric_names_beside_its_own(real):
@@ -381,8 +382,8 @@ def test_page_is_self_contained_with_a_summary_block_per_run(tmp_path, real):
     assert "Plotly.newPlot" in page and len(page) > 3_000_000  # plotly.js inlined
     assert page.count('class="run"') == 2
     assert "fully async: η=1, K=1, partial rollouts" in page
-    assert "43.4%@0 first → 45.5%@60 best → 45.5%@60 last" in page
-    assert "trained 30,720 (98.31%)" in page
+    assert "43.4%@0 first → 45.7%@60 best → 45.7%@60 last" in page
+    assert "trained 30,720 (98.36%)" in page
     assert "No trajectory dump" not in page and "step 60 (best and worst rewards)" in page
 
 
@@ -390,8 +391,8 @@ def test_the_synchronous_prediction_is_read_from_its_cache_while_the_metrics_are
     run = tmp_path / "run"
     shutil.copytree(FIXTURE, run)
     stat = (run / "metrics.jsonl").stat()
-    saved = {"measured_s": 98.0, "predicted_self_s": 97.0, "synchronous_s": 140.0, "other_mode": "synchronous",
-             "other_s": 140.0}  # fmt: skip
+    saved = {"measured_s": 26.5, "predicted_self_s": 26.6, "synchronous_s": 38.0, "other_mode": "synchronous",
+             "other_s": 38.0}  # fmt: skip
     key = {"metrics_bytes": stat.st_size, "metrics_mtime_ns": stat.st_mtime_ns}
     (run / PREDICTION_FILE).write_text(json.dumps({"key": key, "prediction": saved}))
     report = load_report(run)
@@ -399,7 +400,7 @@ def test_the_synchronous_prediction_is_read_from_its_cache_while_the_metrics_are
     rows = dict(rh.summary_rows(report))
     assert rows["synchronous run"].startswith(
         "a synchronous run of the same config (η=0, K=1, the same engines and trainer on the same cores) would take "
-        "2:20 (140 s)"
+        "0:38 (38 s)"
     )
     assert "async saved 30%" in rows["synchronous run"] and f"simulate --from {run}" in rows["synchronous run"]
 
@@ -407,7 +408,7 @@ def test_the_synchronous_prediction_is_read_from_its_cache_while_the_metrics_are
 @pytest.mark.slow
 def test_the_synchronous_prediction_fits_the_real_run(tmp_path):
     """The fit itself (simulate/from_run.py) on the fixture: it reproduces the run's own wall time and predicts
-    a slower synchronous run (the run's trainer waited 27% of the time)."""
+    a slower synchronous run (the run's trainer waited 24% of the time)."""
     run = tmp_path / "run"
     shutil.copytree(FIXTURE, run)
     report = load_report(run, quiet=True)

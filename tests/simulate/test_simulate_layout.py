@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from rllm.experimental.fully_async.__main__ import main
 from rllm.experimental.fully_async.simulate import engine
 from rllm.experimental.fully_async.simulate.layout import Layout, layout_from_project
-from rllm.experimental.fully_async.simulate.scenarios import ScenarioError
+from rllm.experimental.fully_async.simulate.scenarios import CPU_TIMING, ScenarioError
 
 REPO = Path(__file__).resolve().parents[2]
 GPU_CONFIG = str(REPO / "config/gpu_fsdp_sglang.yaml")
@@ -116,6 +116,24 @@ def test_the_cpu_timing_line_adds_up(capsys):
     clipped = float(re.search(r"clipped at 6: ([\d.]+) mean after the clip", line).group(1))
     assert mean <= 6 and clipped <= 6
     assert "fitted to tests/fixtures/report_run" in out.splitlines()[0]
+
+
+def test_the_cpu_timing_models_are_the_fit_of_the_committed_run(capsys):
+    """CPU_TIMING says it is `simulate --from tests/fixtures/report_run`'s fit: a fixture recorded again without
+    refitting them fails here."""
+    code, out, _ = simulate(capsys, "--from", str(REPO / "tests" / "fixtures" / "report_run"))
+    assert code == 0
+    fit = re.search(
+        r"fitted engine peak (\d+) tokens/s, trainer ([\d.]+)s \+ ([\d.]+)ms/token, sync ([\d.]+)s \(pause ([\d.]+)s\)",
+        out,
+    )
+    assert fit, out
+    peak, fixed_s, per_token_ms, sync_s, pause_s = (float(g) for g in fit.groups())
+    assert CPU_TIMING["engine"]["peak_tokens_per_s"] == pytest.approx(peak, rel=0.01)
+    assert CPU_TIMING["trainer"]["fixed_s"] == pytest.approx(fixed_s, abs=1e-3)
+    assert CPU_TIMING["trainer"]["per_token_s"] == pytest.approx(per_token_ms / 1000, rel=0.01)
+    assert CPU_TIMING["sync"]["total_s"] == pytest.approx(sync_s, abs=1e-3)
+    assert CPU_TIMING["sync"]["pause_s"] == pytest.approx(pause_s, abs=1e-3)
 
 
 def test_layouts_read_from_configs():

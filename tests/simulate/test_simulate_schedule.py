@@ -258,11 +258,11 @@ def test_from_a_run_the_schedule_is_a_what_if_after_the_fit(capsys: pytest.Captu
 
     assert main(["simulate", "--from", str(FIXTURE)]) == 0
     plain = capsys.readouterr().out
-    assert main(["simulate", "--from", str(FIXTURE), "simulate.engine_schedule=[[0,2],[30,4]]"]) == 0
+    assert main(["simulate", "--from", str(FIXTURE), "simulate.engine_schedule=[[0,2],[10,4]]"]) == 0
     out = capsys.readouterr().out
     assert predicted_for_it(out) == predicted_for_it(plain)
-    assert "engine schedule (configured): 2 engine(s) at 0s, 4 engine(s) at 30s" in out
-    assert any(line.startswith("  at 30s +2 engines:") for line in out.splitlines())
+    assert "engine schedule (configured): 2 engine(s) at 0s, 4 engine(s) at 10s" in out
+    assert any(line.startswith("  at 10s +2 engines:") for line in out.splitlines())
     assert main(["simulate", "--from", str(FIXTURE), "simulate.engine_schedule=[[0,1]]"]) == 2
     assert "the run starts with 2" in capsys.readouterr().err
 
