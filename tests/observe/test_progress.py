@@ -163,7 +163,8 @@ def test_rates_and_idle_shares_are_step_time_weighted_over_the_last_steps():
 
     progress, out, _ = _plain()
     # An interval credited with tokens that finished in it while its requests ran in the interval before (idle 100%
-    # beside 1,000 tok/s, as logged at step 2 of tests/fixtures/report_run): the window keeps the two together.
+    # beside 1,000 tok/s, as step 2 of the report fixture logged it before it was recorded again on 2026-12-08): the
+    # window keeps the two together.
     busy = {"timing/step_s": 3.0, "rollout/tokens_per_s": 600.0, "engines/idle_frac": 0.0, "trainer/idle_frac": 0.7}
     credited = {
         "timing/step_s": 1.0,
