@@ -27,7 +27,7 @@ import pytest
 from rllm.experimental.fully_async.cli.engines import NoRunError, RefusedError, main, send
 from rllm.experimental.fully_async.core.elastic import CONTROL_FILE, EVENTS_FILE
 from rllm.experimental.fully_async.engines import EmbeddedEngineCommand, EngineLauncher
-from rllm.experimental.fully_async.engines.supervisor import EngineSupervisor
+from rllm.experimental.fully_async.engines.supervisor import EngineDiedError, EngineSupervisor
 from rllm.experimental.fully_async.runtime.run.elastic import ElasticContext, ElasticEngines
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_torch_thread")]
@@ -267,3 +267,43 @@ def send_applied(elastic: ElasticEngines, run_dir: Path, body: dict) -> dict:
             elastic.watch()
             time.sleep(0.05)
         return answer.result()
+
+
+def test_with_no_engine_left_the_watch_waits_then_stops_the_run_in_one_line_at_the_timeout(tmp_path, tiny_model_dir):
+    """No engine left (the membership is empty; the supervisor has nothing to report): the watch says once that
+    generation waits, keeps waiting while the clock is under `engines.no_engine_timeout_s`, and past it raises the
+    one line the run stops with, naming the key (the driver then checkpoints and ends: RunFailedError)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    now = [100.0]
+    lines: list[str] = []
+    with EngineLauncher(EmbeddedEngineCommand(str(tiny_model_dir), num_threads=1), 1, log_dir=tmp_path / "logs") as la:
+        supervisor = EngineSupervisor(la, "restart", stop_when_all_lost=False)
+        ctx = ElasticContext(
+            run_dir=run_dir,
+            supervisor=supervisor,
+            trainer=None,  # nothing joins or leaves: no actor call
+            rollouts=None,
+            model_path=str(tiny_model_dir),
+            weights_dir=str(run_dir / "weights"),
+            no_engine_timeout_s=30,
+            sync_timeout_s=60,
+            step=lambda: 4,
+            message=lines.append,
+        )
+        elastic = ElasticEngines(ctx, [], clock=lambda: now[0])
+        try:
+            elastic.watch()
+            now[0] += 29.0
+            elastic.watch()  # still within the timeout: the run waits
+            assert lines == [
+                "no inference engine left: generation waits up to 30s (engines.no_engine_timeout_s) for one to join "
+                "(`engines add N` or `engines register URL`)"
+            ]
+            now[0] += 2.0
+            with pytest.raises(EngineDiedError) as stopped:
+                elastic.watch()
+        finally:
+            elastic.close()
+    message = str(stopped.value)
+    assert "\n" not in message and "engines.no_engine_timeout_s" in message and "30s" in message, message
