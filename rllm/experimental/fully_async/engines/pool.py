@@ -302,9 +302,7 @@ class EnginePool:
     def moves(self, url: str) -> int:
         """Samples that left `url` and continue elsewhere from their tokens: aborted while it drained, or re-sent
         after a connection failure on it."""
-        url = url.rstrip("/")
-        engine = self._engines.get(url) or self.removed.get(url)
-        return 0 if engine is None else engine.moved + engine.failed_over
+        return self.sample_moves(url).samples
 
     def sample_moves(self, url: str) -> SampleMoves:
         """`moves(url)` with what they cost (core/elastic.py's `SampleMoves`)."""
@@ -526,29 +524,29 @@ def _output_tokens(data: Any) -> int:
     return sum(len(item.get("output_ids") or ()) for item in items if isinstance(item, dict))
 
 
+def _aborted_outputs(data: Any) -> list[dict[str, Any]]:
+    """The outputs of a /generate answer (one, or a batch's list) that ended aborted, with tokens to continue from
+    or none (either way the caller re-sends them: engines/resumable.py)."""
+    items = data if isinstance(data, list) else [data]
+    aborted = []
+    for item in items:
+        finish = item.get("meta_info", {}).get("finish_reason") if isinstance(item, dict) else None
+        if (finish.get("type") if isinstance(finish, dict) else finish) == "abort":
+            aborted.append(item)
+    return aborted
+
+
+def _aborted_pieces(data: Any) -> int:
+    return len(_aborted_outputs(data))
+
+
 def _unreturned_tokens(data: Any) -> int:
     """Tokens the aborted outputs of a /generate answer were generated with (SGLang's `completion_tokens`) beyond
     those they hand back with a log-prob each, the tokens `resumable.parse_piece` keeps and the sample continues
     from: its next engine generates these again (an abort can cut the log-prob stream one token short)."""
-    items = data if isinstance(data, list) else [data]
     unreturned = 0
-    for item in items:
-        meta = item.get("meta_info", {}) if isinstance(item, dict) else {}
-        finish = meta.get("finish_reason")
-        if (finish.get("type") if isinstance(finish, dict) else finish) != "abort":
-            continue
-        output_ids = item.get("output_ids") or ()
+    for item in _aborted_outputs(data):
+        meta, output_ids = item["meta_info"], item.get("output_ids") or ()
         kept = min(len(output_ids), len(meta.get("output_token_logprobs") or ()))
         unreturned += max(0, int(meta.get("completion_tokens", len(output_ids))) - kept)
     return unreturned
-
-
-def _aborted_pieces(data: Any) -> int:
-    """How many outputs of a /generate answer (one, or a batch's list) ended aborted with tokens to continue from
-    or none (either way the caller re-sends it: engines/resumable.py)."""
-    items = data if isinstance(data, list) else [data]
-    count = 0
-    for item in items:
-        finish = item.get("meta_info", {}).get("finish_reason") if isinstance(item, dict) else None
-        count += (finish.get("type") if isinstance(finish, dict) else finish) == "abort"
-    return count
