@@ -19,6 +19,7 @@ import stat
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,24 +44,36 @@ def keyed_server(tiny_model_dir, tmp_path_factory):
         yield launcher.urls[0]
 
 
+def actorless_context(
+    run_dir: Path,
+    model: str,
+    supervisor: EngineSupervisor | None = None,
+    *,
+    no_engine_timeout_s: float = 60,
+    step: int = 0,
+    message: Callable[[str], None] = lambda line: None,
+) -> ElasticContext:
+    """The driver's context where nothing joins or leaves for real: no trainer or rollout actor is ever called."""
+    return ElasticContext(
+        run_dir=run_dir,
+        supervisor=supervisor,
+        trainer=None,
+        rollouts=None,
+        model_path=model,
+        weights_dir=str(run_dir / "weights"),
+        no_engine_timeout_s=no_engine_timeout_s,
+        sync_timeout_s=60,
+        step=lambda: step,
+        message=message,
+    )
+
+
 class Driver:
     """A run's ElasticEngines whose requests a thread applies as they arrive (the driver's watch, for refusals)."""
 
     def __init__(self, run_dir: Path, model: str, launched: list[str]) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
-        ctx = ElasticContext(
-            run_dir=run_dir,
-            supervisor=None,
-            trainer=None,
-            rollouts=None,
-            model_path=model,
-            weights_dir=str(run_dir / "weights"),
-            no_engine_timeout_s=60,
-            sync_timeout_s=60,
-            step=lambda: 0,
-            message=lambda line: None,
-        )
-        self.elastic = ElasticEngines(ctx, launched)
+        self.elastic = ElasticEngines(actorless_context(run_dir, model), launched)
         self.elastic.start()
         self._thread = threading.Thread(target=self._pump, daemon=True)
         self._thread.start()
@@ -212,18 +225,8 @@ def test_an_added_engine_that_does_not_start_is_reported_lost_and_the_run_keeps_
     with EngineLauncher(command, 1, log_dir=tmp_path / "logs") as launcher:
         supervisor = EngineSupervisor(launcher, "stop", startup_timeout_s=3.0, stop_when_all_lost=False)
         lines: list[str] = []
-        ctx = ElasticContext(
-            run_dir=run_dir,
-            supervisor=supervisor,
-            trainer=None,  # nothing is synced or routed: the engine never joins
-            rollouts=None,
-            model_path=str(tiny_model_dir),
-            weights_dir=str(run_dir / "weights"),
-            no_engine_timeout_s=60,
-            sync_timeout_s=60,
-            step=lambda: 7,
-            message=lines.append,
-        )
+        # nothing is synced or routed: the engine never joins
+        ctx = actorless_context(run_dir, str(tiny_model_dir), supervisor, step=7, message=lines.append)
         elastic = ElasticEngines(ctx, launcher.urls)
         elastic.start()
         try:
@@ -279,17 +282,8 @@ def test_with_no_engine_left_the_watch_waits_then_stops_the_run_in_one_line_at_t
     lines: list[str] = []
     with EngineLauncher(EmbeddedEngineCommand(str(tiny_model_dir), num_threads=1), 1, log_dir=tmp_path / "logs") as la:
         supervisor = EngineSupervisor(la, "restart", stop_when_all_lost=False)
-        ctx = ElasticContext(
-            run_dir=run_dir,
-            supervisor=supervisor,
-            trainer=None,  # nothing joins or leaves: no actor call
-            rollouts=None,
-            model_path=str(tiny_model_dir),
-            weights_dir=str(run_dir / "weights"),
-            no_engine_timeout_s=30,
-            sync_timeout_s=60,
-            step=lambda: 4,
-            message=lines.append,
+        ctx = actorless_context(
+            run_dir, str(tiny_model_dir), supervisor, no_engine_timeout_s=30, step=4, message=lines.append
         )
         elastic = ElasticEngines(ctx, [], clock=lambda: now[0])
         try:

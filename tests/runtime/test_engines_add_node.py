@@ -10,12 +10,13 @@ from __future__ import annotations
 import threading
 
 import pytest
+from test_elastic_control import actorless_context
 
 from rllm.experimental.fully_async.cli.engines import RefusedError, main
 from rllm.experimental.fully_async.core.elastic import ElasticError, parse_request
 from rllm.experimental.fully_async.engines import EmbeddedEngineCommand, EngineLauncher
 from rllm.experimental.fully_async.engines.supervisor import EngineSupervisor
-from rllm.experimental.fully_async.runtime.run.elastic import ElasticContext, ElasticEngines
+from rllm.experimental.fully_async.runtime.run.elastic import ElasticEngines
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -24,19 +25,7 @@ def test_a_local_run_refuses_engines_add_with_a_node_in_one_line(tmp_path, tiny_
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     launcher = EngineLauncher(EmbeddedEngineCommand(str(tiny_model_dir), num_threads=1), 1, log_dir=tmp_path)
-    ctx = ElasticContext(
-        run_dir=run_dir,
-        supervisor=EngineSupervisor(launcher, "restart"),
-        trainer=None,
-        rollouts=None,
-        model_path=str(tiny_model_dir),
-        weights_dir=str(run_dir / "weights"),
-        no_engine_timeout_s=60,
-        sync_timeout_s=60,
-        step=lambda: 0,
-        message=lambda line: None,
-    )
-    elastic = ElasticEngines(ctx, [])
+    elastic = ElasticEngines(actorless_context(run_dir, str(tiny_model_dir), EngineSupervisor(launcher, "restart")), [])
     elastic.start()
     seen: list[dict] = []
 
