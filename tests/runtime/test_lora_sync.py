@@ -103,6 +103,42 @@ def test_adapter_syncs_never_pause_and_each_request_keeps_its_version(kind, mode
     assert after["paused"] is None
 
 
+@pytest.mark.parametrize("kind", ENGINE_KINDS)
+def test_a_restarted_engine_loads_the_kept_adapter_versions_and_serves_each(kind, models, tmp_path):
+    """An engine dies after three adapter syncs and is restarted at another URL (the supervisor's replacement):
+    ParamSync loads into it the `lora_keep` newest versions whose folders are still staged, not the newest alone,
+    so a request re-sent from the dead engine under the older kept version still finds it; the version it serves is
+    the newest. Both kept adapters compute what peft computes for them."""
+    base = models["a"][0]
+    folders = [write_adapter(base, tmp_path / f"adapter{v}", seed=v + 1) for v in range(3)]
+    with EngineLauncher(engine_command(kind, base, lora=LORA), 2, log_dir=tmp_path / "logs") as launcher:
+        dead, restarted = launcher.urls
+        sync = ParamSync([dead], DiskTransport(tmp_path / "weights", keep=KEEP + 1), lora_keep=KEEP)
+        try:
+            for version in range(3):
+                sync.sync(copying(folders[version]), version)
+            served = sync.replace_engine(dead, restarted)
+
+            async def on_the_restarted() -> tuple[set[str], list]:
+                async with EngineClient([restarted]) as client:
+                    adapters = set(await client.lora_adapters(restarted))
+                    results = [
+                        await client.generate([3, 4], {**LONG, "max_new_tokens": 20}, lora_path=f"policy-v{v}")
+                        for v in (1, 2)
+                    ]
+                return adapters, results
+
+            adapters, results = asyncio.run(on_the_restarted())
+        finally:
+            sync.close()
+    assert served == 2 and sync.engine_urls == [restarted]
+    assert adapters == {"policy-v1", "policy-v2"}, "the two kept versions, and not version 0"
+    for version, result in zip((1, 2), results, strict=True):
+        assert result.lora_path == f"policy-v{version}" and result.versions == [version] * 20
+        reference = reference_logprobs(peft_reference(base, folders[version]), [3, 4], result.output_ids)
+        assert max_abs_diff(result.logprobs, reference) < LOGPROB_TOL
+
+
 # ---- the trainer's check of where a batch's tokens came from -----------------------------------------------------
 
 
