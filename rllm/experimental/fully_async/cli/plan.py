@@ -68,7 +68,7 @@ def detect_gpus_per_node() -> tuple[list[int], str]:
 
 def detect_free_nodes() -> list[FreeNode]:
     """The GPU nodes of the Ray cluster at RAY_ADDRESS with the GPUs free there now."""
-    import ray
+    import ray  # lazy: only `plan` against a running cluster joins Ray; a plan on paper never imports it
 
     ray.init(address=os.environ["RAY_ADDRESS"], configure_logging=False, log_to_driver=False)
     try:
