@@ -45,6 +45,8 @@ EVENT_FIELDS = (
     "source",
 )
 EVENT_KINDS: tuple[str, ...] = ("join", "leave", "lost", "restart", "move")
+# The counts a `move` line carries, summed over the run into the engines/* metrics (`event_metrics`).
+MOVE_TOTALS = ("samples_moved", "tokens_regenerated", "samples_unanswered")
 OPS = ("add", "remove", "register", "list")
 MAX_ADD = 64  # engines one `add` may ask for: a typo (1000) must not fork a thousand servers
 
@@ -332,7 +334,4 @@ def event_metrics(counts: dict[str, int], engines_active: int) -> dict[str, floa
         "engines/active": float(engines_active),
         "engines/joined": float(counts.get("join", 0)),
         "engines/left": float(counts.get("leave", 0)),
-        "engines/samples_moved": float(counts.get("samples_moved", 0)),
-        "engines/tokens_regenerated": float(counts.get("tokens_regenerated", 0)),
-        "engines/samples_unanswered": float(counts.get("samples_unanswered", 0)),
-    }
+    } | {f"engines/{total}": float(counts.get(total, 0)) for total in MOVE_TOTALS}

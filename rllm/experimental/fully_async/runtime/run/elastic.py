@@ -29,6 +29,7 @@ import ray
 
 from rllm.experimental.fully_async.core.elastic import (
     EVENTS_FILE,
+    MOVE_TOTALS,
     ElasticError,
     ElasticRequest,
     Member,
@@ -78,7 +79,7 @@ class EngineEvents:
         with self.path.open("a") as out:
             out.write(json.dumps(record) + "\n")
         self.counts[record["event"]] += 1
-        for total in ("samples_moved", "tokens_regenerated", "samples_unanswered"):
+        for total in MOVE_TOTALS:
             self.counts[total] += record[total]
 
 
